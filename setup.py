@@ -1,0 +1,24 @@
+"""turbomoe: fused MoE gating kernels with hand-written backward passes, for PyTorch."""
+from setuptools import find_packages, setup
+
+EXTRAS = {
+    "deepspeed": ["deepspeed==0.19.8"],
+    "megatron": ["megatron-core==0.16.1"],
+    "train": ["deepspeed==0.19.8", "pyyaml", "tqdm", "wandb", "tokenizers"],
+    "export": ["safetensors"],
+    "dev": ["pytest", "numpy", "deepspeed==0.19.8", "pyyaml", "tqdm", "wandb", "tokenizers", "safetensors"],
+}
+
+setup(
+    name="turbomoe",
+    version="0.1.0",
+    description="Training-first Mixture-of-Experts kernels and layers for PyTorch",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["turbomoe", "turbomoe.*"]),
+    package_data={"turbomoe": ["csrc/*.cu", "csrc/*.cpp"]},
+    python_requires=">=3.10",
+    # torch is pinned by the user's environment (CPU or CUDA build); any 2.4+ works.
+    install_requires=["torch>=2.4", "triton>=3.0", "numpy"],
+    extras_require=EXTRAS,
+)

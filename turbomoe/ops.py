@@ -1,0 +1,154 @@
+"""The functional front of turbomoe: validates inputs and picks a backend for each op.
+
+Backends: "triton" (the GPU default; on the CPU only under TRITON_INTERPRET=1) and "reference"
+(plain PyTorch, the CPU default, differentiable through autograd). Force one with the
+`backend=` argument or the TURBOMOE_BACKEND environment variable.
+
+The data flow of an MoE layer:
+    g = topk_gating(logits_SE, k)                       # ids, scores, counts, aux, z
+    s = assign_slots(g.expert_ids, g.scores, E, capacity=C)
+    buf_RM = scatter_tokens(x_SM, s.slots, s.num_rows)    # experts run on buf
+    out_SM = gather_tokens(y_RM, s.slots, g.scores)
+"""
+import os
+from typing import Optional
+
+import torch
+
+from . import reference
+from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots, capacity  # noqa: F401 (re-exported)
+
+BACKENDS = ("triton", "reference")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_K = 8
+
+
+def choose_backend(t: torch.Tensor, backend: Optional[str] = None) -> str:
+    """Triton on CUDA tensors, the reference on CPU tensors, unless forced."""
+    backend = backend or os.environ.get("TURBOMOE_BACKEND") or ("triton" if t.is_cuda else "reference")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown turbomoe backend {backend!r}; choose one of {BACKENDS}")
+    if backend == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                           "turbomoe is imported to run its kernels on the CPU")
+    return backend
+
+
+def _check_float(name: str, t: torch.Tensor, ndim: int):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def _check_index(name: str, t: torch.Tensor, shape=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _check_same_device(**tensors):
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors are on different devices: {devices}")
+
+
+def topk_gating(logits_SE: torch.Tensor,
+                k: int,
+                score_func: str = "softmax",
+                renormalize: bool = False,
+                selection_bias_E: Optional[torch.Tensor] = None,
+                check_finite: bool = False,
+                backend: Optional[str] = None) -> GatingOutput:
+    """logits [S, E] -> expert_ids [S, k] int32, scores [S, k] fp32, counts [E] int32, aux, z.
+
+    Rows of logits that hold NaN or Inf route nowhere (ids -1, scores 0, no gradient) on every
+    backend, with no host sync. check_finite=True raises ValueError instead (a host sync on GPU).
+    """
+    _check_float("logits", logits_SE, 2)
+    S, E = logits_SE.shape
+    if E < 1:
+        raise ValueError("logits must have at least one expert column")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(E, MAX_K):
+        raise ValueError(f"k must be an int in [1, min(E, {MAX_K})] = [1, {min(E, MAX_K)}], got {k!r}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    if selection_bias_E is not None:
+        _check_float("selection_bias", selection_bias_E, 1)
+        if selection_bias_E.shape[0] != E:
+            raise ValueError(f"selection_bias must have shape [{E}], got {tuple(selection_bias_E.shape)}")
+        _check_same_device(logits=logits_SE, selection_bias=selection_bias_E)
+    if check_finite and not bool(torch.isfinite(logits_SE).all()):
+        raise ValueError("logits contain NaN or Inf")
+    if choose_backend(logits_SE, backend) == "reference":
+        return reference.topk_gating(logits_SE, k, score_func, renormalize, selection_bias_E)
+    from .autograd.gating import topk_gating as fused
+    return fused(logits_SE, k, score_func, renormalize, selection_bias_E)
+
+
+def assign_slots(expert_ids_SK: torch.Tensor,
+                 scores_SK: torch.Tensor,
+                 num_experts: int,
+                 capacity: Optional[int] = None,
+                 drop_policy: str = "position",
+                 seed: int = 0,
+                 backend: Optional[str] = None) -> Slots:
+    """expert_ids [S, k] (+ scores for the probs policy) -> slots [S, k] int32, kept counts [E].
+
+    capacity=None is dropless: rows [0, S*k), expert-contiguous. Otherwise expert e owns rows
+    [e*C, (e+1)*C) and over-full experts drop routes by drop_policy (rts, position, probs).
+    """
+    _check_index("expert_ids", expert_ids_SK)
+    if expert_ids_SK.dim() != 2:
+        raise ValueError(f"expert_ids must be 2-D [S, k], got shape {tuple(expert_ids_SK.shape)}")
+    _check_float("scores", scores_SK, 2)
+    if scores_SK.shape != expert_ids_SK.shape:
+        raise ValueError(f"scores {tuple(scores_SK.shape)} and expert_ids {tuple(expert_ids_SK.shape)} differ")
+    _check_same_device(expert_ids=expert_ids_SK, scores=scores_SK)
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
+        raise ValueError(f"capacity must be None (dropless) or an int >= 0, got {capacity!r}")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    if choose_backend(expert_ids_SK, backend) == "reference":
+        return reference.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
+    from .kernels.slots import assign_slots as fused
+    return fused(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
+
+
+def scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """x [S, M] -> expert buffer [num_rows, M]; rows no route reaches are zero."""
+    _check_float("x", x_SM, 2)
+    _check_index("slots", slots_SK)
+    if slots_SK.dim() != 2 or slots_SK.shape[0] != x_SM.shape[0]:
+        raise ValueError(f"slots must be [S, k] with S = x.shape[0] = {x_SM.shape[0]}, "
+                         f"got {tuple(slots_SK.shape)}")
+    _check_same_device(x=x_SM, slots=slots_SK)
+    if not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"num_rows must be an int >= 0, got {num_rows!r}")
+    if choose_backend(x_SM, backend) == "reference":
+        return reference.scatter_tokens(x_SM, slots_SK, num_rows)
+    from .autograd.scatter import scatter_tokens as fused
+    return fused(x_SM, slots_SK, num_rows)
+
+
+def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor,
+                  backend: Optional[str] = None) -> torch.Tensor:
+    """out [S, M] = sum over kept routes of scores[s, j] * y[slots[s, j]], fp32 accumulation."""
+    _check_float("y", y_RM, 2)
+    _check_index("slots", slots_SK)
+    _check_float("scores", scores_SK, 2)
+    if slots_SK.shape != scores_SK.shape:
+        raise ValueError(f"slots {tuple(slots_SK.shape)} and scores {tuple(scores_SK.shape)} differ")
+    _check_same_device(y=y_RM, slots=slots_SK, scores=scores_SK)
+    if choose_backend(y_RM, backend) == "reference":
+        return reference.gather_tokens(y_RM, slots_SK, scores_SK)
+    from .autograd.gather import gather_tokens as fused
+    return fused(y_RM, slots_SK, scores_SK)

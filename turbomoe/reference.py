@@ -1,0 +1,193 @@
+"""The specification of every turbomoe op, in plain PyTorch.
+
+This module is the test oracle and the CPU path. It favours clarity over speed: it may build
+[S, E] one-hot tensors, which the kernels never do. Everything here is differentiable through
+torch autograd, which is how the hand-written backward passes are checked.
+
+The four tables (S tokens, E experts, k choices per token):
+  expert_ids [S, k] int32  experts each token chose, best first; -1 for a token with no route
+  scores     [S, k] fp32   router score of each choice (renormalised over the k where asked)
+  counts     [E]    int32  routes per expert (before capacity; after it for kept counts)
+  slots      [S, k] int32  row of each route in the expert buffer; -1 when dropped
+"""
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+DROP_POLICIES = ("rts", "position", "probs")
+
+
+class GatingOutput(NamedTuple):
+    expert_ids: torch.Tensor  # [S, k] int32, -1 for rows with non-finite logits
+    scores: torch.Tensor  # [S, k] fp32 (fp64 for fp64 logits)
+    counts: torch.Tensor  # [E] int32, routes per expert
+    aux_loss: torch.Tensor  # scalar, DeepSpeed's load-balancing loss
+    z_loss: torch.Tensor  # scalar, mean over tokens of logsumexp(logits)^2
+
+
+class Slots(NamedTuple):
+    slots: torch.Tensor  # [S, k] int32, -1 when dropped or unrouted
+    kept_counts: torch.Tensor  # [E] int32, routes kept per expert
+    num_rows: int  # rows of the expert buffer: E * C, or S * k when dropless
+    capacity: Optional[int]  # C, or None when dropless
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Routing math runs in fp32, or fp64 when the caller works in fp64 (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 0) -> int:
+    """DeepSpeed's expert capacity: ceil(S / E * capacity_factor * k), at least min_capacity."""
+    return max(int(math.ceil(num_tokens / num_experts * capacity_factor * k)), int(min_capacity))
+
+
+def aux_loss_coefficient(num_experts: int, k: int) -> float:
+    """DeepSpeed's l_aux = coef * sum_e me_e * ce_e (sharded_moe top1/top2/topk gating).
+
+    k = 1 and k = 2 count only first choices in ce and use coef = E; general k counts every choice
+    and uses coef = E / k.
+    """
+    return num_experts / (1 if k <= 2 else k)
+
+
+def topk_gating(logits_SE: torch.Tensor,
+                k: int,
+                score_func: str = "softmax",
+                renormalize: bool = False,
+                selection_bias_E: Optional[torch.Tensor] = None) -> GatingOutput:
+    """Router scores, top-k choices, counts, aux loss and z-loss.
+
+    probs = softmax(logits) or sigmoid(logits), in fp32. The k experts with the largest
+    probs (+ selection_bias, which steers the choice but not the score) are chosen, best first,
+    ties to the lower expert id. Rows whose logits are not all finite route nowhere (ids -1,
+    scores 0) and add nothing to the losses or counts.
+    """
+    S, E = logits_SE.shape
+    acc = compute_dtype(logits_SE.dtype)
+    logits = logits_SE.to(acc)
+    finite_S = torch.isfinite(logits).all(dim=1)
+    logits = torch.where(finite_S[:, None], logits, torch.zeros_like(logits))
+    probs = torch.softmax(logits, dim=1) if score_func == "softmax" else torch.sigmoid(logits)
+    probs = probs * finite_S[:, None]
+
+    select = probs if selection_bias_E is None else probs + selection_bias_E.to(acc)
+    # Stable descending sort: among equal values the lower expert id comes first.
+    ids = torch.sort(select.detach(), dim=1, descending=True, stable=True).indices[:, :k]
+    scores = probs.gather(1, ids)
+    if renormalize:
+        scores = scores / scores.sum(dim=1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+    ids = torch.where(finite_S[:, None], ids, torch.full_like(ids, -1))
+    scores = scores * finite_S[:, None]
+
+    onehot_SKE = torch.nn.functional.one_hot(ids.clamp_min(0), E) * (ids >= 0)[..., None]
+    counts = onehot_SKE.sum(dim=(0, 1))
+    counted = onehot_SKE[:, :1] if k <= 2 else onehot_SKE
+    ce = counted.sum(dim=(0, 1)).to(acc) / S
+    me = probs.sum(dim=0) / S
+    aux = aux_loss_coefficient(E, k) * (me * ce).sum()
+    lse = torch.logsumexp(logits, dim=1) * finite_S
+    z = (lse * lse).sum() / S
+    return GatingOutput(ids.to(torch.int32), scores, counts.to(torch.int32), aux, z)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), split in 16-bit halves so int64 never overflows."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & 0xFFFFFFFF
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (lowbias32); int64 in, int64 in [0, 2**32) out."""
+    x = x & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rts_priority(num_routes: int, seed: int, device=None) -> torch.Tensor:
+    """Random priority of route r = s * k + j for random token selection: a bijection of r, so
+    no two routes tie, and the same seed gives the same priorities on every backend."""
+    seed_mix = int(hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64)))
+    r = torch.arange(num_routes, dtype=torch.int64, device=device)
+    return hash32(r ^ seed_mix)
+
+
+def assign_slots(expert_ids_SK: torch.Tensor,
+                 scores_SK: torch.Tensor,
+                 num_experts: int,
+                 capacity: Optional[int] = None,
+                 drop_policy: str = "position",
+                 seed: int = 0) -> Slots:
+    """Rows of the expert buffer for every route.
+
+    Dropless (capacity None): rows [0, S*k); expert e owns rows offset_e .. offset_e + count_e,
+    and its routes are placed in token order (route r = s * k + j).
+
+    Capacity C: expert e owns rows e*C .. e*C + C. When more than C routes reach e, C of them are
+    kept, chosen by the drop policy:
+      position  first come, first choices of every token before any second choice (DeepSpeed top-2)
+      rts       a uniformly random subset, seeded (DeepSpeed's random token selection)
+      probs     the highest scores (ties to the earlier route)
+    Kept routes are placed in token order.
+    """
+    S, k = expert_ids_SK.shape
+    E = num_experts
+    ids = expert_ids_SK.long().reshape(-1)  # route r = s * k + j
+    routed = ids >= 0
+    onehot_RE = torch.nn.functional.one_hot(ids.clamp_min(0), E) * routed[:, None]
+    if capacity is None:
+        kept = routed
+        counts = onehot_RE.sum(0)
+        offset_E = torch.cumsum(counts, 0) - counts
+        base = offset_E
+        num_rows = S * k
+    else:
+        if drop_policy == "position":
+            # Rank in choice-major order: (j, s).
+            choice_major = onehot_RE.view(S, k, E).transpose(0, 1).reshape(S * k, E)
+            rank_cm = (torch.cumsum(choice_major, 0) - 1) * choice_major
+            rank = rank_cm.sum(1).view(k, S).t().reshape(-1)
+        else:
+            if drop_policy == "rts":
+                prio = rts_priority(S * k, seed, ids.device)  # smaller is kept first
+            else:  # probs: higher score first
+                prio = -scores_SK.detach().reshape(-1).double()
+            # Rank of each route among the routes of its expert, by priority then route index.
+            order = torch.sort(prio, stable=True).indices
+            sorted_onehot = onehot_RE[order]
+            rank_sorted = ((torch.cumsum(sorted_onehot, 0) - 1) * sorted_onehot).sum(1)
+            rank = torch.empty_like(rank_sorted)
+            rank[order] = rank_sorted
+        kept = routed & (rank < capacity)
+        base = torch.arange(E, device=ids.device) * capacity
+        num_rows = E * capacity
+    kept_onehot = onehot_RE * kept[:, None]
+    position = ((torch.cumsum(kept_onehot, 0) - 1) * kept_onehot).sum(1)
+    kept_counts = kept_onehot.sum(0)
+    slots = torch.where(kept, base[ids.clamp_min(0)] + position, torch.full_like(ids, -1))
+    return Slots(slots.view(S, k).to(torch.int32), kept_counts.to(torch.int32), num_rows, capacity)
+
+
+def scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Expert buffer [num_rows, M]: row slots[s, j] holds x[s]; rows no route reaches are zero."""
+    S, k = slots_SK.shape
+    flat = slots_SK.long().reshape(-1)
+    keep = flat >= 0
+    src = torch.arange(S, device=x_SM.device).repeat_interleave(k)[keep]
+    buf = x_SM.new_zeros(num_rows, x_SM.shape[1])
+    return buf.index_copy(0, flat[keep], x_SM[src])
+
+
+def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor) -> torch.Tensor:
+    """out[s] = sum over kept routes j of scores[s, j] * y[slots[s, j]], accumulated in fp32."""
+    acc = compute_dtype(y_RM.dtype)
+    keep = (slots_SK >= 0)
+    rows = y_RM.to(acc)[slots_SK.long().clamp_min(0)]  # [S, k, M]
+    weights = (scores_SK.to(acc) * keep)[..., None]
+    return (rows * weights).sum(dim=1).to(y_RM.dtype)
