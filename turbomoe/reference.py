@@ -139,7 +139,8 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     S, k = expert_ids_SK.shape
     E = num_experts
     ids = expert_ids_SK.long().reshape(-1)  # route r = s * k + j
-    routed = ids >= 0
+    routed = (ids >= 0) & (ids < E)  # any other id routes nowhere
+    ids = torch.where(routed, ids, -1)
     onehot_RE = torch.nn.functional.one_hot(ids.clamp_min(0), E) * routed[:, None]
     if capacity is None:
         kept = routed
@@ -157,7 +158,7 @@ def assign_slots(expert_ids_SK: torch.Tensor,
             if drop_policy == "rts":
                 prio = rts_priority(S * k, seed, ids.device)  # smaller is kept first
             else:  # probs: higher score first
-                prio = -scores_SK.detach().reshape(-1).double()
+                prio = -scores_SK.detach().reshape(-1).float()
             # Rank of each route among the routes of its expert, by priority then route index.
             order = torch.sort(prio, stable=True).indices
             sorted_onehot = onehot_RE[order]

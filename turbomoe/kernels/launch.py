@@ -1,0 +1,15 @@
+"""Small helpers shared by the kernel launchers: block sizes and dtype mapping."""
+import torch
+import triton.language as tl
+
+from ..reference import compute_dtype as acc_dtype  # noqa: F401 (re-exported for the launchers)
+
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def tl_dtype(dtype: torch.dtype):
+    return _TL[dtype]

@@ -1,0 +1,144 @@
+"""Triton kernels that move rows between the token layout [S, M] and the expert buffer [R, M].
+
+Two kernels serve the four directions, so each row of output has exactly one writer (no atomics):
+  push_rows  token s writes (score *) src[s] into row slots[s, j] of the buffer, for every j:
+             scatter forward, and gather backward (where it also forms grad_score = <src[s], y[row]>)
+  pull_rows  token s reads its k rows and sums (score *) y[row] in fp32:
+             gather forward, and scatter backward (unit scores)
+Buffer rows that no route reaches are written with zeros by the push kernel's extra programs,
+found through row_routes, the inverse of slots.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import next_pow2
+
+
+@triton.jit
+def _invert_slots_kernel(slots_ptr, row_routes_ptr, n, R, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + offs, mask=offs < n, other=-1)
+    tl.store(row_routes_ptr + slot, offs, mask=(offs < n) & (slot >= 0) & (slot < R))
+
+
+def invert_slots(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """row_routes [R] int32: the route s * k + j that owns each buffer row, or -1."""
+    row_routes = torch.full((num_rows, ), -1, dtype=torch.int32, device=slots_SK.device)
+    n = slots_SK.numel()
+    if n:
+        _invert_slots_kernel[(triton.cdiv(n, 1024), )](slots_SK, row_routes, n, num_rows, BLOCK=1024)
+    return row_routes
+
+
+@triton.jit
+def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, out_ptr, dscores_ptr,
+                      S, M, R, n_token_blocks,
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_SCORES: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    cols0 = tl.arange(0, BLOCK_M)
+    if pid < n_token_blocks:
+        toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = toks < S
+        kcol = tl.arange(0, KP)
+        dots = tl.zeros([BLOCK_T, KP], ACC)
+        for m0 in range(0, M, BLOCK_M):
+            cols = m0 + cols0
+            cmask = cols < M
+            v = tl.load(src_ptr + toks[:, None].to(tl.int64) * M + cols[None, :],
+                        mask=tmask[:, None] & cmask[None, :], other=0.0)
+            for j in tl.static_range(K):
+                slot = tl.load(slots_ptr + toks * K + j, mask=tmask, other=-1)
+                ok = (tmask & (slot >= 0) & (slot < R))[:, None] & cmask[None, :]
+                row = slot.to(tl.int64)[:, None] * M + cols[None, :]
+                if HAS_SCORES:
+                    score = tl.load(scores_ptr + toks * K + j, mask=tmask, other=0.0).to(ACC)
+                    tl.store(out_ptr + row, (v.to(ACC) * score[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
+                else:
+                    tl.store(out_ptr + row, v.to(out_ptr.dtype.element_ty), mask=ok)
+                if DOT:
+                    y = tl.load(y_ptr + row, mask=ok, other=0.0).to(ACC)
+                    d = tl.sum(v.to(ACC) * y, axis=1)
+                    dots = tl.where(kcol[None, :] == j, dots + d[:, None], dots)
+        if DOT:
+            tl.store(dscores_ptr + toks[:, None] * K + kcol[None, :], dots,
+                     mask=tmask[:, None] & (kcol < K)[None, :])
+    else:
+        rows = (pid - n_token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+        owner = tl.load(row_routes_ptr + rows, mask=rows < R, other=0)
+        empty = (rows < R) & (owner < 0)
+        zeros = tl.zeros([BLOCK_T, BLOCK_M], out_ptr.dtype.element_ty)
+        for m0 in range(0, M, BLOCK_M):
+            cols = m0 + cols0
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * M + cols[None, :], zeros,
+                     mask=empty[:, None] & (cols < M)[None, :])
+
+
+@triton.jit
+def _pull_rows_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, S, M, R,
+                      K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_SCORES: tl.constexpr, ACC: tl.constexpr):
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < S
+    for m0 in range(0, M, BLOCK_M):
+        cols = m0 + tl.arange(0, BLOCK_M)
+        cmask = cols < M
+        acc = tl.zeros([BLOCK_T, BLOCK_M], ACC)
+        for j in tl.static_range(K):
+            slot = tl.load(slots_ptr + toks * K + j, mask=tmask, other=-1)
+            ok = (tmask & (slot >= 0) & (slot < R))[:, None] & cmask[None, :]
+            y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * M + cols[None, :], mask=ok, other=0.0).to(ACC)
+            if HAS_SCORES:
+                score = tl.load(scores_ptr + toks * K + j, mask=tmask, other=0.0).to(ACC)
+                y = y * score[:, None]
+            acc += y
+        tl.store(out_ptr + toks[:, None].to(tl.int64) * M + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tmask[:, None] & cmask[None, :])
+
+
+def row_tile(M: int, element_size: int):
+    """(BLOCK_T, BLOCK_M, num_warps): 16-byte vectors per thread, about 8 KB of a row per tile."""
+    block_m = min(next_pow2(M), 8192 // element_size)
+    block_t = max(1, min(64, 4096 // block_m))
+    return block_t, block_m, 8 if block_t * block_m >= 4096 else 4
+
+
+def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor, row_routes_R: torch.Tensor,
+              scores_SK: Optional[torch.Tensor] = None, y_RM: Optional[torch.Tensor] = None,
+              dscores_SK: Optional[torch.Tensor] = None):
+    """out[slots[s, j]] = (scores[s, j] *) src[s]; empty rows of out zeroed; with y given,
+    dscores[s, j] = <src[s], y[slots[s, j]]> in fp32."""
+    S, M = src_SM.shape
+    K = slots_SK.shape[1]
+    R = out_RM.shape[0]
+    block_t, block_m, warps = row_tile(M, src_SM.element_size())
+    n_token_blocks = triton.cdiv(S, block_t)
+    grid = (n_token_blocks + triton.cdiv(R, block_t), )
+    if grid[0] == 0 or M == 0:
+        if dscores_SK is not None:
+            dscores_SK.zero_()
+        return
+    acc = torch.float64 if src_SM.dtype == torch.float64 else torch.float32
+    _push_rows_kernel[grid](src_SM, slots_SK, scores_SK if scores_SK is not None else src_SM,
+                            y_RM if y_RM is not None else src_SM, row_routes_R, out_RM,
+                            dscores_SK if dscores_SK is not None else src_SM,
+                            S, M, R, n_token_blocks, K=K, KP=next_pow2(K), BLOCK_T=block_t, BLOCK_M=block_m,
+                            HAS_SCORES=scores_SK is not None, DOT=y_RM is not None,
+                            ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=warps)
+
+
+def pull_rows(y_RM: torch.Tensor, slots_SK: torch.Tensor, out_SM: torch.Tensor,
+              scores_SK: Optional[torch.Tensor] = None):
+    """out[s] = sum_j (scores[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
+    S, M = out_SM.shape
+    K = slots_SK.shape[1]
+    block_t, block_m, warps = row_tile(M, y_RM.element_size())
+    if S == 0 or M == 0:
+        return
+    _pull_rows_kernel[(triton.cdiv(S, block_t), )](
+        y_RM, slots_SK, scores_SK if scores_SK is not None else y_RM, out_SM, S, M, y_RM.shape[0],
+        K=K, BLOCK_T=block_t, BLOCK_M=block_m, HAS_SCORES=scores_SK is not None,
+        ACC=tl.float64 if y_RM.dtype == torch.float64 else tl.float32, num_warps=warps)
