@@ -1,0 +1,148 @@
+"""A drop-in for `deepspeed.moe.layer.MoE` whose gate, dispatch and combine run on turbomoe's ops.
+
+    from turbomoe.integrations.deepspeed import MoE      # same constructor and forward as stock
+    import turbomoe.integrations.deepspeed as tds; tds.patch()   # or: make stock's MoE this one
+
+The layer keeps stock's modules (`deepspeed_moe.gate.wg`, `deepspeed_moe.experts.deepspeed_experts.{i}`,
+`mlp` and `coefficient` for residual MoE), so parameter names, DeepSpeed's MoE parameter groups, ZeRO
+and per-expert checkpoint files are those of stock; only `deepspeed_moe.forward` differs:
+
+    x [S, M] -> logits [S, E] -> ids, scores [S, k] -> slots [S, k]
+      -> scatter_tokens -> buffer [E * C, M] = [ep, E_local, C, M]  --all-to-all-->  local experts
+      -> all-to-all back -> gather_tokens(buffer, slots, combine weights) -> out [S, M]
+"""
+import sys
+from typing import List, Optional
+
+import torch
+from torch import nn
+import deepspeed.moe.layer as ds_layer
+from deepspeed.moe.mappings import drop_tokens, gather_tokens
+from deepspeed.moe.sharded_moe import MOELayer, _AllToAll
+from deepspeed.utils import groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+from .. import ops
+from .deepspeed_experts import SwiGLUExpert, fast_path_kind, run_experts
+from .deepspeed_gating import drop_policy, expert_capacity, renormalize_kept, route, router_logits
+
+__all__ = ["MoE", "TurboMOELayer", "SwiGLUExpert", "patch", "unpatch", "is_patched"]
+
+StockMoE = ds_layer.MoE
+
+
+class TurboMOELayer(MOELayer):
+    """Stock's MOELayer (same gate and experts submodules) with a forward on turbomoe's ops."""
+
+    def __init__(self, gate: nn.Module, experts: nn.Module, ep_group_name: str, ep_size: int,
+                 num_local_experts: int) -> None:
+        super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts, use_tutel=False)
+        self.expert_fast_path = fast_path_kind(list(experts.deepspeed_experts))
+
+    def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+        M = hidden_states.shape[-1]
+        x_SM = hidden_states.reshape(-1, M)
+        S = x_SM.shape[0]
+        gate = self.gate
+        E = gate.wg.weight.shape[0]
+
+        routes = route(gate, router_logits(gate, x_SM), used_token)
+        self.l_aux = routes.l_aux
+        self.exp_counts = routes.counts.long().detach()  # stock: int64 routes per expert before capacity
+        C = expert_capacity(gate, S, routes.counts, self.ep_group)
+        seed = int(torch.randint(0, 2**31 - 1, (1, ))) if gate.drop_tokens and drop_policy(gate) == "rts" else 0
+        s = ops.assign_slots(routes.expert_ids, routes.scores, E, capacity=C, drop_policy=drop_policy(gate), seed=seed)
+        weights_SK = routes.scores if gate.k == 1 else renormalize_kept(routes.scores, s.slots)
+
+        buf_ECM = ops.scatter_tokens(x_SM, s.slots, s.num_rows).view(E, C, M)
+        y_ECM = self._exchange_and_run_experts(buf_ECM)
+        out_SM = ops.gather_tokens(y_ECM.reshape(E * C, M), s.slots, weights_SK)
+        return out_SM.reshape(hidden_states.shape)
+
+    def _exchange_and_run_experts(self, buf_ECM: torch.Tensor) -> torch.Tensor:
+        """[E, C, M] on every rank -> each rank's experts on their rows from all ranks -> [E, C, M].
+
+        The same all-to-all and tensor-parallel token dropping as stock's MOELayer.forward.
+        """
+        E, C, M = buf_ECM.shape
+        tp = bwc_tensor_model_parallel_world_size(groups.mpu)
+        expert_tp = groups._get_expert_model_parallel_world_size() > 1
+        if tp > 1:
+            # Non-expert tensor parallelism duplicates tokens on tp ranks: exchange a 1/tp share.
+            buf_ECM = drop_tokens(buf_ECM, dim=1)
+        buf_ECM = _AllToAll.apply(self.ep_group, buf_ECM) if self.ep_size > 1 else buf_ECM.contiguous()
+        if tp > 1 and expert_tp:
+            buf_ECM = gather_tokens(buf_ECM, dim=1)
+        x_GECM = buf_ECM.reshape(self.ep_size, self.num_local_experts, -1, M)
+        y_ECM = run_experts(self.experts, self.expert_fast_path, x_GECM).reshape(E, -1, M)
+        if tp > 1 and expert_tp:
+            y_ECM = drop_tokens(y_ECM, dim=1)
+        y_ECM = _AllToAll.apply(self.ep_group, y_ECM) if self.ep_size > 1 else y_ECM.contiguous()
+        if tp > 1:
+            y_ECM = gather_tokens(y_ECM, dim=1)
+        return y_ECM
+
+
+class MoE(StockMoE):
+    """`deepspeed.moe.layer.MoE` with turbomoe's gating, dispatch and combine (see module doc).
+
+    Same constructor, defaults and forward(hidden_states, used_token=None) -> (output, l_aux,
+    exp_counts). k may be 1 .. 8. use_tutel is accepted and ignored: turbomoe's dispatch replaces
+    Tutel's.
+    """
+
+    def __init__(self,
+                 hidden_size: int,
+                 expert: nn.Module,
+                 num_experts: int = 1,
+                 ep_size: int = 1,
+                 k: int = 1,
+                 capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4,
+                 use_residual: bool = False,
+                 noisy_gate_policy: Optional[str] = None,
+                 drop_tokens: bool = True,
+                 use_rts: bool = True,
+                 use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True) -> None:
+        if not isinstance(k, int) or not 1 <= k <= min(num_experts, ops.MAX_K):
+            raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got {k!r} "
+                             f"with num_experts={num_experts}")
+        if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
+            raise ValueError(f"noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', got {noisy_gate_policy!r}")
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, False,
+                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        stock = self.deepspeed_moe
+        self.deepspeed_moe = TurboMOELayer(stock.gate, stock.experts, stock.ep_group_name, ep_size,
+                                           self.num_local_experts)
+
+
+_rebound: List[object] = []  # modules whose `MoE` patch() rebound, for unpatch()
+
+
+def is_patched() -> bool:
+    return ds_layer.MoE is MoE
+
+
+def patch() -> None:
+    """Make code that constructs `deepspeed.moe.layer.MoE` get turbomoe's layer.
+
+    Rebinds `deepspeed.moe.layer.MoE`, and `MoE` in modules already imported with
+    `from deepspeed.moe.layer import MoE` (for example megatron.model.transformer), except
+    DeepSpeed's own, whose isinstance checks accept the subclass. Call it before building the model.
+    """
+    ds_layer.MoE = MoE
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("deepspeed.") and getattr(module, "MoE", None) is StockMoE:
+            module.MoE = MoE
+            _rebound.append(module)
+
+
+def unpatch() -> None:
+    """Undo `patch`."""
+    ds_layer.MoE = StockMoE
+    while _rebound:
+        _rebound.pop().MoE = StockMoE

@@ -1,0 +1,138 @@
+"""DeepSpeed's gate semantics (sharded_moe top1/top2/topk gating) on turbomoe's ops.
+
+`route` turns the tokens and a stock `TopKGate` (which holds the router weight and the config)
+into the four tables; `expert_capacity` and `drop_policy` pick C and the drop rule the way stock
+does. What stock computes as [S, E] / [S, E, C] masks is here O(S * k), except the draws that stock
+makes per (token, expert) -- the Gumbel noise of top-2 sampling and of RSample -- which keep their
+[S, E] shape so that the same seed gives the same routes as stock.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from deepspeed import comm as dist
+from deepspeed.comm import pg_utils
+from deepspeed.moe.sharded_moe import TopKGate, gumbel_rsample, multiplicative_jitter
+from deepspeed.utils import groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+from .. import ops
+
+
+class Routes(NamedTuple):
+    expert_ids: torch.Tensor  # [S, k] int32, -1 for no route
+    scores: torch.Tensor  # [S, k] fp32 router probability of each route (not renormalised)
+    counts: torch.Tensor  # [E] int32 routes per expert before capacity (stock's exp_counts)
+    l_aux: torch.Tensor  # scalar, stock's load-balancing loss
+
+
+def _count_routes(ids_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """counts [E] int32 of the routed entries of ids (-1 skipped); scatter_add, so no host sync."""
+    ids = ids_SK.reshape(-1).long()
+    routed = (ids >= 0).to(torch.int32)
+    return torch.zeros(num_experts, dtype=torch.int32, device=ids.device).scatter_add_(0, ids.clamp_min(0), routed)
+
+
+def _score_of_other_expert(first_scores_S1, logits_SE, first_S1, other_S1):
+    """softmax(logits)[other] = softmax(logits)[first] * exp(l_other - l_first), differentiable.
+
+    The first-choice probability comes from turbomoe's gating op, so the softmax is never
+    materialised; l_other <= l_first (first is the argmax), so the exp cannot overflow.
+    """
+    l_first = logits_SE.gather(1, first_S1.long().clamp_min(0))
+    l_other = logits_SE.gather(1, other_S1.long().clamp_min(0))
+    return first_scores_S1 * torch.exp(l_other - l_first)
+
+
+def router_logits(gate: TopKGate, x_SM: torch.Tensor) -> torch.Tensor:
+    """logits [S, E] in fp32, with stock's input jitter in training (noisy_gate_policy='Jitter')."""
+    x = x_SM.float()
+    if gate.noisy_gate_policy == "Jitter" and gate.training:
+        x = multiplicative_jitter(x, device=x.device)
+    return F.linear(x, gate.wg.weight.float())
+
+
+def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.Tensor] = None) -> Routes:
+    """Stock's expert choice, router scores, exp_counts and l_aux.
+
+    k = 2 with top2_2nd_expert_sampling draws the second expert from softmax(logits) minus the first
+    (Gumbel-max over the logits, as stock). k = 1 honours used_token (nonzero = used; unused tokens
+    route nowhere) and, in training, RSample (first expert by Gumbel-max). Stock ignores used_token
+    for k >= 2, and so does this.
+    """
+    S, E = logits_SE.shape
+    k = gate.k
+    sample_second = k == 2 and gate.top2_2nd_expert_sampling
+    rsample = k == 1 and gate.training and gate.noisy_gate_policy == "RSample"
+    masked = k == 1 and used_token_S is not None
+    if rsample:  # drawn before anything else, as stock does
+        noisy_SE = logits_SE.detach() + gumbel_rsample(logits_SE.shape, device=logits_SE.device)
+
+    g = ops.topk_gating(logits_SE, 1 if sample_second else k)
+    ids, scores, counts, l_aux = g.expert_ids, g.scores, g.counts, g.aux_loss
+
+    if sample_second:
+        noisy_SE = logits_SE.detach() + gumbel_rsample(logits_SE.shape, device=logits_SE.device)
+        noisy_SE.scatter_(1, ids.long().clamp_min(0), float("-inf"))
+        second = torch.where(ids >= 0, noisy_SE.argmax(1, keepdim=True).to(ids.dtype), ids)
+        scores = torch.cat([scores, _score_of_other_expert(scores, logits_SE, ids, second)], 1)
+        ids = torch.cat([ids, second], 1)
+        counts = counts + _count_routes(second, E)
+        # l_aux stays the op's: for k <= 2 stock counts only first choices, with coefficient E.
+    if rsample:
+        chosen = torch.where(ids >= 0, noisy_SE.argmax(1, keepdim=True).to(ids.dtype), ids)
+        scores = _score_of_other_expert(scores, logits_SE, ids, chosen)
+        ids = chosen
+    if masked:
+        if used_token_S.numel() != S:
+            raise ValueError(f"used_token must hold one entry per token ({S}), got shape {tuple(used_token_S.shape)}")
+        ids = torch.where(used_token_S.reshape(S, 1) != 0, ids, torch.full_like(ids, -1))
+    if rsample or masked:
+        counts = _count_routes(ids, E)
+        # Stock's l_aux averages the router probability over all S tokens but counts the noisy or
+        # masked routes, which the op's l_aux (its own choices) cannot express: rebuild it here.
+        me_E = torch.softmax(logits_SE, dim=1).mean(0)
+        l_aux = E * (me_E * counts.to(me_E.dtype) / S).sum()
+    return Routes(ids, scores, counts, l_aux)
+
+
+def drop_policy(gate: TopKGate) -> str:
+    """Stock's choice of the routes an over-full expert keeps: random (RTS) or first come for top-1,
+    first choices before second choices for top-2, highest probability for top-k (k >= 3)."""
+    if gate.k == 1:
+        return "rts" if gate.use_rts else "position"
+    return "position" if gate.k == 2 else "probs"
+
+
+def expert_capacity(gate: TopKGate, num_tokens: int, counts_E: torch.Tensor, ep_group) -> int:
+    """C: stock's formula when dropping; else the largest count over the expert-parallel group.
+
+    The dropless branch holds this layer's one host sync: the buffers (and the all-to-all) need C
+    as a Python int, and it is known only after routing. Stock reads it too, and syncs again in the
+    top-1 selection; here it is one int read per forward.
+    """
+    E = counts_E.shape[0]
+    if gate.k == 1 and num_tokens < gate.min_capacity:
+        raise ValueError(f"top-1 gating needs at least min_capacity ({gate.min_capacity}) tokens, got {num_tokens}; "
+                         "set min_capacity=0 or use a larger batch")
+    if gate.drop_tokens:
+        factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+        return ops.capacity(num_tokens, E, gate.k, factor, gate.min_capacity)
+    cap = counts_E.max().to(torch.int64)
+    if pg_utils.is_parallel(ep_group):
+        dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=ep_group)
+    if groups._get_expert_model_parallel_world_size() == 1 and groups.mpu is not None:
+        # Tensor-parallel non-experts split the capacity dim among tp ranks (see MOELayer): pad to tp.
+        tp = bwc_tensor_model_parallel_world_size(mpu=groups.mpu)
+        cap = (cap + tp - 1) // tp * tp
+    return int(cap)
+
+
+def renormalize_kept(scores_SK: torch.Tensor, slots_SK: torch.Tensor) -> torch.Tensor:
+    """Stock's combine weights for k >= 2: the scores of the kept routes, renormalised to sum 1.
+
+    Top-1 uses the raw probability (gather_tokens already skips a dropped route).
+    """
+    kept = scores_SK * (slots_SK >= 0)
+    denom = kept.sum(dim=1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps)
+    return kept / denom
