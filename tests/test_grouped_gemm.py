@@ -1,0 +1,141 @@
+"""Grouped GEMM (turbomoe.autograd.grouped_gemm) against per-group matmuls in fp64."""
+import pytest
+import torch
+
+from turbomoe.autograd.grouped_gemm import grouped_mm
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def random_counts(R, G, gen, zero_groups=()):
+    """G counts summing to at most R, with the given groups empty."""
+    w = torch.rand(G, generator=gen)
+    w[list(zero_groups)] = 0
+    counts = (w / w.sum() * R).floor().to(torch.int32)
+    counts[int(torch.argmax(w))] += R - int(counts.sum())
+    return counts
+
+
+def per_group(x, w, counts):
+    """y [R, N] by a loop of fp64 matmuls; rows past sum(counts) are zero."""
+    y = torch.zeros(x.shape[0], w.shape[2], dtype=torch.float64)
+    start = 0
+    for g, n in enumerate(counts.tolist()):
+        y[start:start + n] = x[start:start + n].double().cpu() @ w[g].double().cpu()
+        start += n
+    return y
+
+
+def rel_err(a, b):
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm().clamp_min(1e-30)).item()
+
+
+def check(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12, transposed_w=False):
+    gen = torch.Generator().manual_seed(R * 7 + K + N + G)
+    counts = random_counts(R - tail, G, gen, zero_groups)
+    x = torch.randn(R, K, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+    if transposed_w:  # w stored [G, N, K], used as [G, K, N]
+        w = torch.randn(G, N, K, generator=gen, dtype=torch.float64).to(device, dtype).transpose(1, 2)
+    else:
+        w = torch.randn(G, K, N, generator=gen, dtype=torch.float64).to(device, dtype)
+    w.requires_grad_()
+    dy = torch.randn(R, N, generator=gen, dtype=torch.float64).to(device, dtype)
+    used = int(counts.sum())
+    y = grouped_mm(x, w, counts.to(device), backend=backend)
+    (y[:used] * dy[:used]).sum().backward()
+
+    xr = x.detach().double().cpu().requires_grad_()
+    wr = w.detach().double().cpu().requires_grad_()
+    yr = per_group(xr, wr, counts)
+    ref_y = yr.detach()
+    (yr[:used] * dy[:used].double().cpu()).sum().backward()
+    assert rel_err(y[:used], ref_y[:used]) < tol
+    assert rel_err(x.grad[:used], xr.grad[:used]) < tol
+    assert rel_err(w.grad, wr.grad) < tol
+    for g in zero_groups:  # empty experts get an exact zero weight gradient, no NaN
+        assert torch.equal(w.grad[g].cpu(), torch.zeros_like(w.grad[g].cpu()))
+
+
+@pytest.mark.parametrize("zero_groups,tail", [((), 0), ((0, 2), 0), ((1,), 3)])
+def test_reference_fp64(zero_groups, tail):
+    check(37, 8, 12, 4, torch.float64, "cpu", "reference", zero_groups, tail)
+
+
+def test_reference_gradcheck():
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 4], dtype=torch.int32)
+    x = torch.randn(7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, counts, backend="reference"), (x, w))
+
+
+def test_bad_input():
+    x = torch.randn(6, 4)
+    w = torch.randn(2, 4, 3)
+    counts = torch.tensor([3, 3], dtype=torch.int32)
+    with pytest.raises(TypeError, match="int32"):
+        grouped_mm(x, w, counts.long())
+    with pytest.raises(TypeError, match="int32"):
+        grouped_mm(x, w, torch.tensor([6], dtype=torch.int32))
+    with pytest.raises(TypeError, match="float dtype"):
+        grouped_mm(x, w.double(), counts)
+    with pytest.raises(ValueError, match="K = 5"):
+        grouped_mm(torch.randn(6, 5), w, counts)
+    with pytest.raises(ValueError, match=r"\[R, K\]"):
+        grouped_mm(x[None], w, counts)
+    with pytest.raises(ValueError, match="unknown grouped GEMM backend"):
+        grouped_mm(x, w, counts, backend="cublas")
+    with pytest.raises(ValueError, match="torch grouped GEMM backend"):
+        grouped_mm(x, w, counts, backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5), 0), (777, 136, 200, 5, (0,), 9),
+                                   (64, 64, 64, 64, (), 0)])
+@pytest.mark.parametrize("transposed_w", [False, True])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu(backend, dtype, shape, transposed_w):
+    R, K, N, G, zero_groups, tail = shape
+    if backend == "torch" and (dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
+                               or torch.cuda.get_device_capability() < (9, 0)):
+        pytest.skip("torch._grouped_mm runs bf16 on sm90+ only")
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    check(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, tol, transposed_w)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graph_new_counts(backend):
+    """Forward + backward captured once, replayed with new counts: no host sync, counts read on device."""
+    if backend == "torch" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("no torch._grouped_mm")
+    R, K, N, G = 512, 128, 256, 6
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(R, K, generator=gen).cuda().bfloat16().requires_grad_()
+    w = torch.randn(G, K, N, generator=gen).cuda().bfloat16().requires_grad_()
+    dy = torch.randn(R, N, generator=gen).cuda().bfloat16()
+    counts = random_counts(R, G, gen).cuda()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (autotuning) outside the capture
+        for _ in range(2):
+            x.grad = w.grad = None
+            grouped_mm(x, w, counts, backend=backend).backward(dy)
+    torch.cuda.current_stream().wait_stream(s)
+    x.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = grouped_mm(x, w, counts, backend=backend)
+        y.backward(dy)
+    for zero_groups in [(1, 4), ()]:
+        counts.copy_(random_counts(R, G, gen, zero_groups))
+        graph.replay()
+        ref = per_group(x.detach(), w.detach(), counts.cpu())
+        assert rel_err(y, ref) < 1e-2
+        xr = x.detach().double().cpu().requires_grad_()
+        wr = w.detach().double().cpu().requires_grad_()
+        per_group(xr, wr, counts.cpu()).backward(dy.double().cpu())
+        assert rel_err(x.grad, xr.grad) < 1e-2 and rel_err(w.grad, wr.grad) < 1e-2

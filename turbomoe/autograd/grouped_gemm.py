@@ -1,0 +1,132 @@
+"""Grouped GEMM over expert-contiguous rows, differentiable, counts on the device.
+
+    y = grouped_mm(x_RK, w_GKN, counts_G)      # y[rows_g] = x[rows_g] @ w[g]
+
+x_RK [R, K]: rows sorted by group; group g owns rows offset_g .. offset_g + counts[g] with
+offset_g = sum(counts[:g]). w_GKN [G, K, N]. counts_G [G] int32 on x's device. Rows past
+sum(counts) are unspecified in y and get no gradient (callers never read them). No host sync on
+CUDA: the launches do not depend on counts' values, so the call is CUDA-graph capturable.
+
+Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] = x_g^T @ dy_g):
+  torch      torch._grouped_mm (CUTLASS on Hopper): bf16 on sm90+, K and N multiples of 8
+  triton     turbomoe.kernels.grouped_gemm: a persistent Triton grouped GEMM; any float dtype
+  reference  a loop over groups in plain PyTorch: the CPU path and the test oracle (host sync)
+The default on CUDA is "torch" where it applies, else "triton"; on the CPU "reference". Force one
+with backend= or TURBOMOE_GMM_BACKEND.
+"""
+import os
+from typing import Optional
+
+import torch
+
+GMM_BACKENDS = ("torch", "triton", "reference")
+
+
+def _torch_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
+
+
+def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
+    backend = backend or os.environ.get("TURBOMOE_GMM_BACKEND")
+    if backend is None:
+        if not x.is_cuda:
+            return "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+        return "torch" if _torch_gmm_applies(x, w) else "triton"
+    if backend not in GMM_BACKENDS:
+        raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {GMM_BACKENDS}")
+    if backend == "torch" and not _torch_gmm_applies(x, w):
+        raise ValueError("the torch grouped GEMM backend needs torch._grouped_mm, bf16 CUDA tensors on "
+                         "sm90+, and K, N multiples of 8")
+    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the triton grouped GEMM backend needs CUDA tensors, or TRITON_INTERPRET=1 "
+                           "set before turbomoe is imported")
+    return backend
+
+
+def _offsets(counts_G: torch.Tensor) -> torch.Tensor:
+    """Inclusive int32 row offsets, torch._grouped_mm's `offs`."""
+    return torch.cumsum(counts_G, 0, dtype=torch.int32)
+
+
+def _reference_mm(x_RK, w_GKN, counts_G):
+    y = x_RK.new_zeros(x_RK.shape[0], w_GKN.shape[2])
+    start = 0
+    for g, n in enumerate(counts_G.tolist()):
+        y[start:start + n] = x_RK[start:start + n] @ w_GKN[g]
+        start += n
+    return y
+
+
+def _reference_wgrad(x_RK, dy_RN, counts_G):
+    dw = x_RK.new_zeros(counts_G.shape[0], x_RK.shape[1], dy_RN.shape[1])
+    start = 0
+    for g, n in enumerate(counts_G.tolist()):
+        dw[g] = x_RK[start:start + n].t() @ dy_RN[start:start + n]
+        start += n
+    return dw
+
+
+def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, backend: str) -> torch.Tensor:
+    """y [R, N], no autograd. w may be a transposed view: the input gradient calls this on w^T."""
+    if backend == "torch":
+        return torch._grouped_mm(x_RK, w_GKN, offs=_offsets(counts_G))
+    if backend == "triton":
+        from ..kernels.grouped_gemm import grouped_mm as triton_mm
+        return triton_mm(x_RK, w_GKN, counts_G)
+    return _reference_mm(x_RK, w_GKN, counts_G)
+
+
+def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str) -> torch.Tensor:
+    """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups."""
+    if backend == "torch":
+        return torch._grouped_mm(x_RK.t(), dy_RN, offs=_offsets(counts_G))
+    if backend == "triton":
+        from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
+        return triton_wgrad(x_RK, dy_RN, counts_G)
+    return _reference_wgrad(x_RK, dy_RN, counts_G)
+
+
+class GroupedMM(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x_RK, w_GKN, counts_G, backend):
+        ctx.save_for_backward(x_RK, w_GKN, counts_G)
+        ctx.backend = backend
+        return mm_forward(x_RK, w_GKN, counts_G, backend)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_RK, w_GKN, counts_G = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        dx = mm_forward(dy_RN, w_GKN.transpose(1, 2), counts_G, ctx.backend) if ctx.needs_input_grad[0] else None
+        dw = mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor):
+    for name, t in (("x", x_RK), ("w", w_GKN), ("counts", counts_G)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x_RK.dim() != 2 or w_GKN.dim() != 3:
+        raise ValueError(f"x must be [R, K] and w [G, K, N], got {tuple(x_RK.shape)} and {tuple(w_GKN.shape)}")
+    if not x_RK.is_floating_point() or x_RK.dtype != w_GKN.dtype:
+        raise TypeError(f"x and w must share one float dtype, got {x_RK.dtype} and {w_GKN.dtype}")
+    if counts_G.dtype != torch.int32 or tuple(counts_G.shape) != (w_GKN.shape[0],):
+        raise TypeError(f"counts must be an int32 tensor of shape [G] = [{w_GKN.shape[0]}], "
+                        f"got {counts_G.dtype} {tuple(counts_G.shape)}")
+    if x_RK.shape[1] != w_GKN.shape[1]:
+        raise ValueError(f"x has K = {x_RK.shape[1]} columns but w expects K = {w_GKN.shape[1]}")
+    if not (x_RK.device == w_GKN.device == counts_G.device):
+        raise ValueError(f"x, w, counts are on different devices: {x_RK.device}, {w_GKN.device}, {counts_G.device}")
+
+
+def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
+               backend: Optional[str] = None) -> torch.Tensor:
+    """y [R, N] with y[rows_g] = x[rows_g] @ w[g]; differentiable in x and w; see the module doc."""
+    check_grouped_mm_args(x_RK, w_GKN, counts_G)
+    backend = choose_gmm_backend(x_RK, w_GKN, backend)
+    if backend == "torch" and x_RK.stride(1) != 1:
+        x_RK = x_RK.contiguous()
+    return GroupedMM.apply(x_RK, w_GKN, counts_G, backend)

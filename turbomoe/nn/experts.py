@@ -1,0 +1,64 @@
+"""GroupedExperts: E expert MLPs with stacked weights, run as grouped GEMMs over expert-contiguous rows."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..autograd.grouped_gemm import grouped_mm
+from ..autograd.swiglu import swiglu
+
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+def row_groups(counts_G: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Group of every row [R] (int64) from counts, on the device; rows past sum(counts) get the last group."""
+    ends = torch.cumsum(counts_G, 0)
+    rows = torch.arange(num_rows, device=counts_G.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, rows, right=True).clamp_max(counts_G.shape[0] - 1)
+
+
+class GroupedExperts(nn.Module):
+    """x [R, M] (rows of expert e contiguous, counts [E] int32 on the device) -> y [R, M].
+
+    swiglu: y = (silu(x W1g) * x W1u) W2 with w1 [E, M, 2F] = [gate | up], w2 [E, F, M]
+    gelu:   y = gelu(x w1) w2          with w1 [E, M, F],                 w2 [E, F, M]
+    Optional biases b1 [E, 2F or F], b2 [E, M]. Saved for backward: x, the first GEMM's output
+    and the activation, all O(R * (M + F)).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
+                 bias: bool = False, gmm_backend: Optional[str] = None, device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        self.activation, self.gmm_backend = activation, gmm_backend
+        n1 = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, n1, **kw))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **kw))
+        self.b1 = nn.Parameter(torch.zeros(num_experts, n1, **kw)) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size, **kw)) if bias else None
+        # nn.Linear's default scale: uniform in +-1/sqrt(fan_in).
+        nn.init.uniform_(self.w1, -hidden_size ** -0.5, hidden_size ** -0.5)
+        nn.init.uniform_(self.w2, -ffn_hidden_size ** -0.5, ffn_hidden_size ** -0.5)
+
+    def forward(self, x_RM: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if x_RM.dim() != 2 or x_RM.shape[1] != self.hidden_size:
+            raise ValueError(f"x must be [R, {self.hidden_size}], got {tuple(x_RM.shape)}")
+        if x_RM.dtype != self.w1.dtype:
+            raise TypeError(f"x is {x_RM.dtype} but the expert weights are {self.w1.dtype}")
+        groups_R = row_groups(counts_E, x_RM.shape[0]) if self.b1 is not None else None
+        h = grouped_mm(x_RM, self.w1, counts_E, self.gmm_backend)
+        if groups_R is not None:
+            h = h + self.b1[groups_R]
+        a = swiglu(h) if self.activation == "swiglu" else F.gelu(h)
+        y = grouped_mm(a, self.w2, counts_E, self.gmm_backend)
+        if groups_R is not None:
+            y = y + self.b2[groups_R]
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation}, bias={self.b1 is not None}")

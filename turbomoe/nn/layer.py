@@ -1,0 +1,76 @@
+"""MoELayer: router -> assign_slots -> scatter -> grouped-GEMM experts -> gather (+ shared expert)."""
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from .. import ops
+from .experts import GroupedExperts
+from .router import TopKRouter
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts MLP block.
+
+    MoELayer(hidden_size, ffn_hidden_size, num_experts, k, ...)
+    forward(x [..., M]) -> (out [..., M], aux_loss scalar fp32)
+
+    Dropless by default (capacity_factor=None): every route is computed, the expert buffer is
+    [S*k, M], expert-contiguous, and nothing of shape [S, E, C] or [E, C, M] is built. With a
+    capacity_factor, expert e keeps at most C = ceil(S / E * capacity_factor * k) routes (at least
+    min_capacity), chosen by drop_policy ("position", "rts", "probs"); dropped routes add nothing.
+    shared_ffn_hidden_size > 0 adds an always-on shared expert of that width.
+    After each forward, `expert_load` [E] int32 (detached, on the device) holds the routes each
+    expert computed: log it, or feed it to `router.update_expert_bias` (expert_bias=True).
+    backend picks the gating ops' backend (see turbomoe.ops), gmm_backend the grouped GEMM's
+    (see turbomoe.autograd.grouped_gemm); None picks the fastest that applies.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, k: int, *,
+                 score_func: str = "softmax", renormalize: bool = False, activation: str = "swiglu",
+                 bias: bool = False, capacity_factor: Optional[float] = None, min_capacity: int = 0,
+                 drop_policy: str = "position", aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
+                 expert_bias: bool = False, shared_ffn_hidden_size: int = 0, backend: Optional[str] = None,
+                 gmm_backend: Optional[str] = None, seed: int = 0, device=None, dtype=None):
+        super().__init__()
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor!r}")
+        if drop_policy not in ops.DROP_POLICIES:
+            raise ValueError(f"drop_policy must be one of {ops.DROP_POLICIES}, got {drop_policy!r}")
+        self.hidden_size, self.num_experts, self.k = hidden_size, num_experts, k
+        self.capacity_factor, self.min_capacity, self.drop_policy = capacity_factor, min_capacity, drop_policy
+        self.backend, self.seed = backend, seed
+        kw = dict(device=device, dtype=dtype)
+        self.router = TopKRouter(hidden_size, num_experts, k, score_func, renormalize, aux_loss_coef,
+                                 z_loss_coef, expert_bias, backend=backend, **kw)
+        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation, bias, gmm_backend, **kw)
+        self.shared_expert = (GroupedExperts(1, hidden_size, shared_ffn_hidden_size, activation, bias, gmm_backend, **kw)
+                              if shared_ffn_hidden_size else None)
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int32, device=device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+        if x.dim() < 2 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype != self.experts.w1.dtype:
+            raise TypeError(f"x is {x.dtype} but the layer's parameters are {self.experts.w1.dtype}")
+        x_SM = x.reshape(-1, self.hidden_size)
+        S, E = x_SM.shape[0], self.num_experts
+        g, aux_loss = self.router(x_SM)
+        C = None if self.capacity_factor is None else ops.capacity(S, E, self.k, self.capacity_factor,
+                                                                   self.min_capacity)
+        s = ops.assign_slots(g.expert_ids, g.scores, E, capacity=C, drop_policy=self.drop_policy,
+                             seed=self.seed, backend=self.backend)
+        if self.training and self.drop_policy == "rts":
+            self.seed += 1  # a fresh random selection each step
+        buf_RM = ops.scatter_tokens(x_SM, s.slots, s.num_rows, backend=self.backend)
+        # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
+        counts_E = s.kept_counts if C is None else torch.full_like(s.kept_counts, C)
+        y_RM = self.experts(buf_RM, counts_E)
+        out_SM = ops.gather_tokens(y_RM, s.slots, g.scores, backend=self.backend)
+        if self.shared_expert is not None:
+            out_SM = out_SM + self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device))
+        self.expert_load.copy_(s.kept_counts.detach())
+        return out_SM.view(x.shape), aux_loss

@@ -1,0 +1,64 @@
+"""TopKRouter: hidden states [S, M] -> the gating tables (ids, scores, counts) and the router loss."""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..reference import GatingOutput
+
+
+class TopKRouter(nn.Module):
+    """Linear router with softmax or sigmoid scores and top-k selection.
+
+    router loss = aux_loss_coef * DeepSpeed's load-balancing loss + z_loss_coef * z-loss.
+    expert_bias=True adds a buffer `expert_bias` [E] (fp32) that steers the choice but not the score
+    (auxiliary-loss-free balancing); move it toward balance with `update_expert_bias`.
+    Logits are computed in router_dtype (fp32 by default) whatever the input dtype.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, k: int, score_func: str = "softmax",
+                 renormalize: bool = False, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
+                 expert_bias: bool = False, router_dtype: torch.dtype = torch.float32,
+                 backend: Optional[str] = None, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if not isinstance(k, int) or not 1 <= k <= min(num_experts, ops.MAX_K):
+            raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got k={k!r} "
+                             f"with num_experts={num_experts}")
+        if score_func not in ops.SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {ops.SCORE_FUNCS}, got {score_func!r}")
+        self.hidden_size, self.num_experts, self.k = hidden_size, num_experts, k
+        self.score_func, self.renormalize = score_func, renormalize
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router_dtype, self.backend = router_dtype, backend
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=hidden_size ** -0.5)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x_SM: torch.Tensor) -> Tuple[GatingOutput, torch.Tensor]:
+        """x [S, M] -> (GatingOutput: expert_ids [S, k], scores [S, k] fp32, counts [E], ...; loss)."""
+        logits_SE = F.linear(x_SM.to(self.router_dtype), self.weight.to(self.router_dtype))
+        g = ops.topk_gating(logits_SE, self.k, self.score_func, self.renormalize, self.expert_bias,
+                            backend=self.backend)
+        loss = self.aux_loss_coef * g.aux_loss + self.z_loss_coef * g.z_loss
+        return g, loss
+
+    @torch.no_grad()
+    def update_expert_bias(self, load_E: torch.Tensor, rate: float = 1e-3):
+        """bias_e += rate * sign(mean load - load_e): under-loaded experts get picked more (DeepSeek-V3).
+        On the device, no host sync."""
+        if self.expert_bias is None:
+            raise RuntimeError("this router was built with expert_bias=False")
+        load = load_E.to(torch.float32)
+        self.expert_bias.add_(rate * torch.sign(load.mean() - load))
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, k={self.k}, "
+                f"score_func={self.score_func}, renormalize={self.renormalize}, "
+                f"expert_bias={self.expert_bias is not None}")
