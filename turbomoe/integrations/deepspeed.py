@@ -11,8 +11,7 @@ and per-expert checkpoint files are those of stock; only `deepspeed_moe.forward`
       -> scatter_tokens -> buffer [E * C, M] = [ep, E_local, C, M]  --all-to-all-->  local experts
       -> all-to-all back -> gather_tokens(buffer, slots, combine weights) -> out [S, M]
 """
-import sys
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -120,29 +119,32 @@ class MoE(StockMoE):
                                            self.num_local_experts)
 
 
-_rebound: List[object] = []  # modules whose `MoE` patch() rebound, for unpatch()
+def _new_turbomoe(cls, *args, **kwargs):
+    # Python then runs __init__ of the returned object's class, turbomoe's, with the same arguments.
+    return nn.Module.__new__(MoE if cls is StockMoE else cls)
+
+
+def _new_stock(cls, *args, **kwargs):
+    # unpatch() installs this rather than deleting __new__: once a class has set __new__, the
+    # inherited object.__new__ would refuse the constructor's arguments.
+    return nn.Module.__new__(cls)
 
 
 def is_patched() -> bool:
-    return ds_layer.MoE is MoE
+    return StockMoE.__dict__.get("__new__") is _new_turbomoe
 
 
 def patch() -> None:
     """Make code that constructs `deepspeed.moe.layer.MoE` get turbomoe's layer.
 
-    Rebinds `deepspeed.moe.layer.MoE`, and `MoE` in modules already imported with
-    `from deepspeed.moe.layer import MoE` (for example megatron.model.transformer), except
-    DeepSpeed's own, whose isinstance checks accept the subclass. Call it before building the model.
+    Stock's class gets a __new__ that builds turbomoe's subclass, so every reference to it works,
+    however and whenever it was imported (Megatron-DeepSpeed's `from deepspeed.moe.layer import
+    MoE`), and isinstance checks (the engine's) still hold. Call it before building the model.
     """
-    ds_layer.MoE = MoE
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("deepspeed.") and getattr(module, "MoE", None) is StockMoE:
-            module.MoE = MoE
-            _rebound.append(module)
+    StockMoE.__new__ = _new_turbomoe
 
 
 def unpatch() -> None:
     """Undo `patch`."""
-    ds_layer.MoE = StockMoE
-    while _rebound:
-        _rebound.pop().MoE = StockMoE
+    if is_patched():
+        StockMoE.__new__ = _new_stock

@@ -63,11 +63,11 @@ def _hooked(module: nn.Module) -> bool:
 
 def _grouped_linear(x_ECK: torch.Tensor, linears: List[nn.Linear]) -> torch.Tensor:
     """[E, C, K] @ stacked W[E, N, K]^T (+ bias [E, N]) -> [E, C, N], one batched GEMM."""
-    w_EKN = torch.stack([lin.weight for lin in linears]).transpose(1, 2)
+    y_ECN = torch.bmm(x_ECK, torch.stack([lin.weight for lin in linears]).transpose(1, 2))
     if linears[0].bias is None:
-        return torch.bmm(x_ECK, w_EKN)
-    b_E1N = torch.stack([lin.bias for lin in linears]).unsqueeze(1)
-    return torch.baddbmm(b_E1N, x_ECK, w_EKN)
+        return y_ECN
+    # A separate add: baddbmm with a broadcast bias takes a slow path on the CPU.
+    return y_ECN + torch.stack([lin.bias for lin in linears]).unsqueeze(1)
 
 
 def grouped_mlp(kind: str, experts: nn.ModuleList, x_ECM: torch.Tensor) -> torch.Tensor:

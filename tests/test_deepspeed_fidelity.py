@@ -1,0 +1,265 @@
+"""turbomoe's DeepSpeed drop-in against stock deepspeed.moe.layer.MoE on the same weights and seeds.
+
+Single process (ep_size = 1); expert parallelism is checked by tests/test_deepspeed_launcher.py.
+"""
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("deepspeed")
+import deepspeed.moe.layer as ds_layer  # noqa: E402
+
+from turbomoe import ops  # noqa: E402
+from turbomoe.integrations import deepspeed as tds  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+M, F, E = 16, 24, 8
+
+
+class TupleExpert(nn.Module):
+    """A user expert the fast path does not know; returns (out, bias) like Megatron's ParallelMLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(M, M)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * 2, self.fc.bias
+
+
+EXPERTS = {
+    "mlp": lambda: nn.Sequential(nn.Linear(M, F), nn.GELU(), nn.Linear(F, M)),
+    "swiglu": lambda: tds.SwiGLUExpert(M, F),
+    "custom": TupleExpert,
+}
+
+
+def make_pair(expert="mlp", device="cpu", dtype=torch.float32, **kw):
+    """A stock layer and a turbomoe layer with identical weights."""
+    kw = dict(dict(hidden_size=M, num_experts=E, min_capacity=0), **kw)
+    torch.manual_seed(1)
+    stock = ds_layer.MoE(expert=EXPERTS[expert](), **kw)
+    turbo = tds.MoE(expert=EXPERTS[expert](), **kw)
+    turbo.load_state_dict(stock.state_dict())
+    return stock.to(device, dtype), turbo.to(device, dtype)
+
+
+def run(layer, x, seed=5, used_token=None):
+    """Forward + backward of sum(out^2) + l_aux under a fixed seed: (out, l_aux, counts, dx, grads)."""
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    out, l_aux, counts = layer(x, used_token)
+    (out.float().square().sum() + l_aux).backward()
+    grads = {n: p.grad.float() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    return out.float(), l_aux.float(), counts, x.grad.float(), grads
+
+
+def assert_same(a, b, atol, rtol):
+    out_a, aux_a, counts_a, dx_a, grads_a = a
+    out_b, aux_b, counts_b, dx_b, grads_b = b
+    torch.testing.assert_close(out_b, out_a, atol=atol, rtol=rtol)
+    torch.testing.assert_close(aux_b, aux_a, atol=atol, rtol=rtol)
+    assert counts_b.dtype == counts_a.dtype and torch.equal(counts_b.cpu(), counts_a.cpu())
+    torch.testing.assert_close(dx_b, dx_a, atol=atol, rtol=rtol)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=atol, rtol=rtol, msg=name)
+
+
+TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("expert", ["mlp", "swiglu", "custom"])
+def test_matches_stock_without_drops(device, dtype, k, expert):
+    # capacity factor E: every expert can take every token, nothing drops.
+    stock, turbo = make_pair(expert, device, dtype, k=k, capacity_factor=float(E))
+    assert turbo.deepspeed_moe.expert_fast_path == (None if expert == "custom" else expert)
+    x = torch.randn(4, 32, M, device=device, dtype=dtype)
+    assert_same(run(stock, x), run(turbo, x), *TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k,sampling", [(1, False), (2, False), (2, True), (4, False)])
+def test_dropless_matches_stock(device, k, sampling):
+    stock, turbo = make_pair("mlp", device, k=k, drop_tokens=False, top2_2nd_expert_sampling=sampling)
+    x = torch.randn(64, M, device=device)
+    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k,sampling", [(2, False), (2, True), (4, False)])
+def test_drops_match_stock(device, k, sampling):
+    """top-2 keeps first choices before second ones, top-k the highest probabilities: as stock."""
+    stock, turbo = make_pair("mlp", device, k=k, capacity_factor=0.5, top2_2nd_expert_sampling=sampling)
+    x = torch.randn(64, M, device=device)
+    a, b = run(stock, x), run(turbo, x)
+    assert (b[0].abs().sum(1) == 0).any() or k > 1  # something is dropped (top-2/top-k keep a route or two)
+    assert_same(a, b, *TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["Jitter", "RSample"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_noisy_gate_policies_match_stock(device, policy, k):
+    stock, turbo = make_pair("mlp", device, k=k, capacity_factor=float(E), noisy_gate_policy=policy)
+    x = torch.randn(64, M, device=device)
+    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_used_token_matches_stock(device):
+    stock, turbo = make_pair("mlp", device, k=1, capacity_factor=float(E))
+    x = torch.randn(64, M, device=device)
+    used = (torch.arange(64, device=device) % 3 != 0).long()
+    a, b = run(stock, x, used_token=used), run(turbo, x, used_token=used)
+    assert_same(a, b, *TOL[torch.float32])
+    assert int(b[2].sum()) == int(used.sum())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_residual_moe_matches_stock(device):
+    stock, turbo = make_pair("mlp", device, k=2, capacity_factor=float(E), use_residual=True)
+    x = torch.randn(64, M, device=device)
+    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+
+
+def capture_expert_input(layer):
+    """Records the [ep, E_local, C, M] buffer handed to the experts (a hook also turns off the fast path)."""
+    seen = []
+    layer.deepspeed_moe.experts.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach()))
+    return seen
+
+
+@pytest.mark.parametrize("k,policy_kw", [(1, dict(use_rts=True)), (1, dict(use_rts=False)), (2, {}), (4, {})])
+def test_no_expert_exceeds_capacity(k, policy_kw):
+    _, turbo = make_pair("mlp", k=k, capacity_factor=0.5, **policy_kw)
+    seen = capture_expert_input(turbo)
+    S = 256
+    x = torch.randn(S, M) + 3.0  # a common offset skews the router so some experts overflow
+    _, _, counts = turbo(x)[:3]
+    C = ops.capacity(S, E, k, 0.5, 0)
+    buf = seen[0]
+    assert buf.shape == (1, E, C, M)
+    kept = (buf[0].abs().sum(-1) != 0).sum(-1)  # rows an expert received
+    assert (counts > C).any(), "the test needs an over-full expert"
+    assert torch.equal(kept, counts.clamp_max(C))
+
+
+def test_rts_keeps_uniform_random_subsets():
+    """One expert takes all 64 tokens and keeps C = 16: every token is kept 1/4 of the time."""
+    _, turbo = make_pair("mlp", k=1, capacity_factor=2.0, use_rts=True)
+    with torch.no_grad():
+        turbo.deepspeed_moe.gate.wg.weight.zero_()
+        turbo.deepspeed_moe.gate.wg.weight[3] = 1.0
+    S, trials = 64, 200
+    x = torch.rand(S, M) + 0.5  # positive: expert 3 wins every token, no expert output is exactly 0
+    torch.manual_seed(0)
+    kept_times = torch.zeros(S)
+    with torch.no_grad():
+        for _ in range(trials):
+            out = turbo(x)[0]
+            kept = out.abs().sum(1) != 0
+            assert int(kept.sum()) == ops.capacity(S, E, 1, 2.0, 0) == 16
+            kept_times += kept
+    # Binomial(200, 1/4): mean 50, sd 6.1; 5 sd either side.
+    assert kept_times.min() > 19 and kept_times.max() < 81, kept_times
+    # Not a fixed subset: the kept sets differ from trial to trial (a first-come policy keeps 0..15).
+    assert kept_times[:16].max() < trials
+    # Deterministic under torch.manual_seed.
+    torch.manual_seed(7)
+    a = turbo(x)[0]
+    torch.manual_seed(7)
+    assert torch.equal(a, turbo(x)[0])
+
+
+def test_eval_uses_eval_capacity_factor():
+    _, turbo = make_pair("mlp", k=2, capacity_factor=1.0, eval_capacity_factor=3.0)
+    seen = capture_expert_input(turbo)
+    x = torch.randn(64, M)
+    turbo.train()
+    turbo(x)
+    turbo.eval()
+    turbo(x)
+    assert seen[0].shape[2] == ops.capacity(64, E, 2, 1.0, 0) == 16
+    assert seen[1].shape[2] == ops.capacity(64, E, 2, 3.0, 0) == 48
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_eval_with_drops_matches_stock(k):
+    stock, turbo = make_pair("mlp", k=k, capacity_factor=float(E), eval_capacity_factor=0.5)
+    stock.eval()
+    turbo.eval()
+    x = torch.randn(64, M)
+    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+
+
+def test_checkpoints_load_both_ways():
+    stock, turbo = make_pair("swiglu", k=2)
+    assert list(stock.state_dict()) == list(turbo.state_dict())
+    assert [n for n, _ in stock.named_parameters()] == [n for n, _ in turbo.named_parameters()]
+    assert any(n.startswith("deepspeed_moe.experts.deepspeed_experts.7.") for n in turbo.state_dict())
+    with torch.no_grad():
+        for p in turbo.parameters():
+            p.add_(torch.randn_like(p))
+    stock.load_state_dict(turbo.state_dict())
+    x = torch.randn(64, M)
+    torch.testing.assert_close(run(turbo, x)[0], run(stock, x)[0], atol=2e-5, rtol=1e-4)
+
+
+def test_expert_params_keep_deepspeed_moe_marks():
+    """The engine finds expert parameters by `allreduce = False` and `group_name`."""
+    _, turbo = make_pair("mlp", k=1, ep_size=2)
+    from deepspeed.moe.utils import is_moe_param
+    expert_params = [n for n, p in turbo.named_parameters() if is_moe_param(p)]
+    assert expert_params and all(".deepspeed_experts." in n for n in expert_params)
+    assert {p.group_name for p in turbo.parameters() if is_moe_param(p)} == {"ep_size_2"}
+    assert turbo.num_local_experts == E // 2
+
+
+def test_patch_swaps_stock_layer_for_unmodified_code():
+    from deepspeed.moe.layer import MoE  # as Megatron-DeepSpeed imports it, before any patch
+    try:
+        tds.patch()
+        assert tds.is_patched()
+        layer = MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=E, k=2, capacity_factor=float(E))
+        assert type(layer) is tds.MoE and isinstance(layer.deepspeed_moe, tds.TurboMOELayer)
+        assert isinstance(layer, MoE)  # the engine's isinstance(module, MoE) still holds
+    finally:
+        tds.unpatch()
+    assert not tds.is_patched()
+    layer = MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=E, k=2)
+    assert type(layer) is MoE and not isinstance(layer.deepspeed_moe, tds.TurboMOELayer)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="k must be"):
+        tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=16, k=9)
+    with pytest.raises(ValueError, match="noisy_gate_policy"):
+        tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=E, noisy_gate_policy="Gaussian")
+    _, turbo = make_pair("mlp", k=1)
+    with pytest.raises(ValueError, match="used_token"):
+        turbo(torch.randn(64, M), torch.ones(63))
+    _, turbo = make_pair("mlp", k=1, min_capacity=8)
+    with pytest.raises(ValueError, match="min_capacity"):
+        turbo(torch.randn(4, M))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [1, 2])
+def test_capacity_mode_has_no_host_sync(k):
+    _, turbo = make_pair("mlp", "cuda", torch.bfloat16, k=k, capacity_factor=1.25)
+    x = torch.randn(256, M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    turbo(x)  # warm up (Triton compiles, caches fill)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, l_aux, _ = turbo(x)
+        (out.float().square().sum() + l_aux).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
