@@ -41,6 +41,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 0) -> int:
     """DeepSpeed's expert capacity: ceil(S / E * capacity_factor * k), at least min_capacity."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    if min_capacity < 0 or num_tokens < 0 or num_experts < 1 or k < 1:
+        raise ValueError(f"bad capacity arguments: num_tokens={num_tokens}, num_experts={num_experts}, k={k}, "
+                         f"min_capacity={min_capacity}")
     return max(int(math.ceil(num_tokens / num_experts * capacity_factor * k)), int(min_capacity))
 
 
@@ -190,5 +195,5 @@ def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.T
     acc = compute_dtype(y_RM.dtype)
     keep = (slots_SK >= 0)
     rows = y_RM.to(acc)[slots_SK.long().clamp_min(0)]  # [S, k, M]
-    weights = (scores_SK.to(acc) * keep)[..., None]
-    return (rows * weights).sum(dim=1).to(y_RM.dtype)
+    weighted = torch.where(keep[..., None], rows * scores_SK.to(acc)[..., None], 0.0)
+    return weighted.sum(dim=1).to(y_RM.dtype)

@@ -1,0 +1,151 @@
+"""Times the MoE gating path on the GPU: turbomoe's fused ops against DeepSpeed's TopKGate gating
+functions and MOELayer dispatch/combine, in the same run.
+
+Gating path = router softmax/top-k, capacity, scatter into the expert buffer, score-weighted gather,
+forward + backward, from fp32 logits [S, E] and bf16 tokens [S, M]; the experts are the identity
+and the router GEMM is left out, for both. DeepSpeed's path is its own code, called the way
+MOELayer.forward calls it (sparse routes, ep_size = 1). Also prints achieved GB/s of scatter and
+gather (forward and backward) beside a device-to-device copy bandwidth measured here.
+
+    python scripts/bench_gating.py [--quick] [--json out.json]
+"""
+import argparse
+import json
+import statistics
+
+import torch
+
+import turbomoe
+from turbomoe import ops
+
+CONFIGS = [(S, E, k, M) for S in (4096, 16384) for E in (8, 64) for k in (1, 2) for M in (2048, 4096)]
+CAPACITY_FACTOR, MIN_CAPACITY = 1.0, 4
+
+
+def cuda_time_ms(fn, warmup=10, iters=40):
+    """Median of CUDA-event timings of fn() after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs():
+    """Device-to-device copy of 2 GiB, counting bytes read plus bytes written."""
+    src = torch.randn(512 * 1024 * 1024, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), 3, 10)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def deepspeed_path(logits, x, k):
+    """DeepSpeed 0.19's gate + MOELayer dispatch/combine, identity experts."""
+    from deepspeed.moe import sharded_moe as ds
+    S, E = logits.shape
+    M = x.shape[1]
+    if k == 1:
+        l_aux, C, _, idx, loc, gates, _ = ds.top1gating(logits, CAPACITY_FACTOR, MIN_CAPACITY, use_rts=True,
+                                                       sparse_routes=True)
+    elif k == 2:
+        # top2gating adds Gumbel noise to its logits in place, as it does to the gate's output.
+        l_aux, C, _, idx, loc, gates, _ = ds.top2gating(logits.clone(), CAPACITY_FACTOR, MIN_CAPACITY,
+                                                       sparse_routes=True)
+    else:
+        l_aux, C, _, idx, loc, gates, _ = ds.topkgating(logits, k, CAPACITY_FACTOR, MIN_CAPACITY,
+                                                       sparse_routes=True)
+    C = int(C)
+    slots = ds._route_slots(idx, loc, E, C)
+    dispatched = ds._sparse_encode(x, slots, E, C)
+    out = ds._sparse_decode(dispatched.view(E * C, M), slots, gates, S)
+    return out, l_aux
+
+
+def turbomoe_path(logits, x, k, seed=0):
+    S, E = logits.shape
+    g = ops.topk_gating(logits, k, renormalize=k > 1)
+    C = turbomoe.capacity(S, E, k, CAPACITY_FACTOR, MIN_CAPACITY)
+    s = ops.assign_slots(g.expert_ids, g.scores, E, C, "rts" if k == 1 else "position", seed)
+    buf = ops.scatter_tokens(x, s.slots, s.num_rows)
+    return ops.gather_tokens(buf, s.slots, g.scores), g.aux_loss
+
+
+def fwd_bwd(path, logits, x, k, grad_out):
+    def step():
+        logits.grad = x.grad = None
+        out, aux = path(logits, x, k)
+        torch.autograd.backward([out, aux], [grad_out, torch.ones_like(aux)])
+    return step
+
+
+def row_bandwidths(S, E, k, M, copy_gbs):
+    """Achieved GB/s of the four row kernels at one config; bytes = each input read once, each
+    output written once (kept rows only where a kernel touches only those)."""
+    dt = torch.bfloat16
+    logits = torch.randn(S, E, device="cuda")
+    g = ops.topk_gating(logits, k, renormalize=k > 1)
+    s = ops.assign_slots(g.expert_ids, g.scores, E, turbomoe.capacity(S, E, k, CAPACITY_FACTOR, MIN_CAPACITY))
+    kept = int((s.slots >= 0).sum())
+    R = s.num_rows
+    x = torch.randn(S, M, device="cuda", dtype=dt, requires_grad=True)
+    y = torch.randn(R, M, device="cuda", dtype=dt, requires_grad=True)
+    scores = g.scores.detach().requires_grad_()
+    e = 2  # bytes per bf16 element
+    rows = {}
+    buf = ops.scatter_tokens(x, s.slots, R)
+    out = ops.gather_tokens(y, s.slots, scores)
+    g_buf, g_out = torch.randn_like(buf), torch.randn_like(out)
+    cases = {
+        "scatter fwd": (lambda: ops.scatter_tokens(x, s.slots, R), (S + R) * M * e),
+        "scatter bwd": (lambda: torch.autograd.grad(buf, x, g_buf, retain_graph=True), (kept + S) * M * e),
+        "gather fwd": (lambda: ops.gather_tokens(y, s.slots, scores), (kept + S) * M * e),
+        "gather bwd": (lambda: torch.autograd.grad(out, (y, scores), g_out, retain_graph=True),
+                       (S + kept + R) * M * e),
+    }
+    for name, (fn, nbytes) in cases.items():
+        ms = cuda_time_ms(fn)
+        gbs = nbytes / ms / 1e6
+        rows[name] = {"ms": ms, "GB/s": gbs, "of_copy": gbs / copy_gbs}
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="two configs only")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GB/s": copy_gbs,
+               "configs": []}
+    for S, E, k, M in CONFIGS[:2] if args.quick else CONFIGS:
+        logits = torch.randn(S, E, device="cuda", requires_grad=True)
+        x = torch.randn(S, M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad_out = torch.randn(S, M, device="cuda", dtype=torch.bfloat16)
+        ds_ms = cuda_time_ms(fwd_bwd(deepspeed_path, logits, x, k, grad_out))
+        tm_ms = cuda_time_ms(fwd_bwd(turbomoe_path, logits, x, k, grad_out))
+        results["configs"].append({"S": S, "E": E, "k": k, "M": M, "deepspeed_ms": ds_ms, "turbomoe_ms": tm_ms,
+                                   "speedup": ds_ms / tm_ms})
+    results["rows_S16384_E64_k2_M4096"] = row_bandwidths(16384, 64, 2, 4096, copy_gbs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"\n{results['device']}, torch {results['torch']}, bf16 tokens, fp32 logits, capacity factor "
+          f"{CAPACITY_FACTOR}, forward + backward; copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{'S':>6} {'E':>3} {'k':>2} {'M':>5} | {'DeepSpeed ms':>12} {'turbomoe ms':>11} {'speedup':>8}")
+    for c in results["configs"]:
+        print(f"{c['S']:>6} {c['E']:>3} {c['k']:>2} {c['M']:>5} | {c['deepspeed_ms']:>12.3f} "
+              f"{c['turbomoe_ms']:>11.3f} {c['speedup']:>7.1f}x")
+    print("row kernels at S=16384 E=64 k=2 M=4096:")
+    for name, r in results["rows_S16384_E64_k2_M4096"].items():
+        print(f"  {name:<12} {r['ms']:.3f} ms  {r['GB/s']:.0f} GB/s  {100 * r['of_copy']:.0f}% of copy")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+import math
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64; NaN anywhere fails every tolerance."""
+    a, b = a.double(), b.double()
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return float("inf")
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def rts_keep_frequencies(assign, S, C, seeds, **kw):
+    """Fraction of seeds in which each of S routes to one over-full expert is kept; checks that
+    exactly C are kept every time."""
+    ids = torch.zeros(S, 1, dtype=torch.int32, **kw)
+    kept = torch.zeros(S, dtype=torch.float64)
+    for seed in range(seeds):
+        s = assign(ids, torch.rand(S, 1, **kw), 1, C, "rts", seed)
+        k = (s.slots[:, 0] >= 0).cpu()
+        assert int(k.sum()) == C and int(s.kept_counts[0]) == C
+        kept += k
+    return kept / seeds
+
+
+def assert_uniform(freq, p, seeds):
+    """Each route is kept with probability p = C / count: within 5 standard deviations for every
+    route (false-alarm rate below 1e-4 over 64 routes)."""
+    sd = math.sqrt(p * (1 - p) / seeds)
+    assert (freq - p).abs().max() < 5 * sd, (freq - p).abs().max()

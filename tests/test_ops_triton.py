@@ -1,0 +1,199 @@
+"""The Triton kernels against the reference evaluated in float64, forward and backward.
+
+Runs natively on a GPU. On the CPU it runs under TRITON_INTERPRET=1 (CI does this in its own
+process, since the variable is read when kernels are decorated), where the largest cases are left
+to the GPU because the interpreter is slow.
+"""
+import os
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, assert_uniform, rel_err, rts_keep_frequencies
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not HAS_CUDA and not INTERPRET:
+    pytest.skip("Triton kernels need a GPU, or TRITON_INTERPRET=1 on the CPU (as CI runs this file)",
+                allow_module_level=True)
+
+from turbomoe import ops  # noqa: E402  (after the TRITON_INTERPRET check)
+from turbomoe import reference as ref  # noqa: E402
+from turbomoe.autograd.gather import GatherTokens  # noqa: E402
+from turbomoe.autograd.gating import TopKGating  # noqa: E402
+from turbomoe.autograd.scatter import ScatterTokens  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+DTYPES = [torch.float32, torch.bfloat16]
+SEK = [(S, E, k) for S in (1, 7, 128, 1000) for E in (1, 2, 8, 64, 128) for k in (1, 2, 4, 8) if k <= E]
+INTERPRETER_BUDGET = 300_000  # elements a case may move under the interpreter
+
+
+def interpreter_limit(elements: int):
+    if INTERPRET and not HAS_CUDA and elements > INTERPRETER_BUDGET:
+        pytest.skip("large case: runs on the GPU, too slow for the CPU interpreter")
+
+
+def make_logits(S, E, dtype):
+    """Fresh normal logits on a 2**-12 grid: distinct values stay distinct in fp32 softmax, so the
+    top-k choice cannot flip between the fp32 kernel and the fp64 reference; equal values tie
+    and both sides give the tie to the lower expert."""
+    x = torch.round(torch.randn(S, E, device=DEV) * 4096) / 4096
+    return x.to(dtype)
+
+
+def routing(S, E, k, kind="random"):
+    """expert_ids [S, k] int32 and scores for slot and row tests, on DEV."""
+    if kind == "hot":  # every token's first choice is expert 0
+        logits = torch.randn(S, E, device=DEV)
+        logits[:, 0] += 100
+    else:
+        logits = torch.randn(S, E, device=DEV)
+    g = ref.topk_gating(logits, k)
+    return g.expert_ids, g.scores
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,E,k", SEK)
+def test_gating_matches_reference(S, E, k, dtype):
+    interpreter_limit(S * E * 4)
+    for score_func, renorm, bias in (("softmax", False, False), ("softmax", True, False), ("sigmoid", True, True)):
+        logits = make_logits(S, E, dtype)
+        bias_E = torch.rand(E, device=DEV) * 0.1 if bias else None
+        la = logits.clone().requires_grad_()
+        lb = logits.double().requires_grad_()
+        got = ops.topk_gating(la, k, score_func, renorm, bias_E, backend="triton")
+        want = ref.topk_gating(lb, k, score_func, renorm, None if bias_E is None else bias_E.double())
+        assert torch.equal(got.expert_ids, want.expert_ids)
+        assert torch.equal(got.counts, want.counts)
+        assert got.scores.dtype == torch.float32 and got.expert_ids.dtype == torch.int32
+        assert rel_err(got.scores, want.scores) < 1e-5
+        assert abs(got.aux_loss.item() - want.aux_loss.item()) <= 1e-5 * max(1.0, abs(want.aux_loss.item()))
+        assert abs(got.z_loss.item() - want.z_loss.item()) <= 1e-5 * max(1.0, abs(want.z_loss.item()))
+        w = torch.randn(S, k, device=DEV, dtype=torch.float64)
+        a, b = torch.rand(2).tolist()
+        ((got.scores.double() * w).sum() + a * got.aux_loss + b * got.z_loss).backward()
+        ((want.scores * w).sum() + a * want.aux_loss + b * want.z_loss).backward()
+        assert la.grad.dtype == dtype
+        assert rel_err(la.grad, lb.grad) < TOL[dtype], (score_func, renorm)
+
+
+CAPACITIES = ("dropless", "tight", "one", "zero")
+
+
+def capacity_of(name, S, E, k):
+    return {"dropless": None, "tight": ref.capacity(S, E, k, 1.0), "one": 1, "zero": 0}[name]
+
+
+@pytest.mark.parametrize("kind", ["random", "hot"])
+@pytest.mark.parametrize("cap", CAPACITIES)
+@pytest.mark.parametrize("S,E,k", SEK)
+def test_slots_match_reference(S, E, k, cap, kind):
+    interpreter_limit(S * k * E * 8)
+    ids, scores = routing(S, E, k, kind)
+    ids[S // 2, 0] = -1  # a token with no route
+    C = capacity_of(cap, S, E, k)
+    for policy in ("position", "rts", "probs") if C is not None else ("position", ):
+        got = ops.assign_slots(ids, scores, E, C, policy, seed=S + E, backend="triton")
+        want = ref.assign_slots(ids, scores, E, C, policy, seed=S + E)
+        assert torch.equal(got.slots, want.slots), policy
+        assert torch.equal(got.kept_counts, want.kept_counts)
+        assert got.num_rows == want.num_rows
+        if C is not None:
+            assert int(got.kept_counts.max()) <= C
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [8, 96, 1024])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("S", [1, 7, 128, 1000])
+@pytest.mark.parametrize("cap", ["dropless", "tight"])
+def test_scatter_gather_match_reference(S, k, M, dtype, cap):
+    interpreter_limit(S * k * M)
+    E = 8
+    ids, scores = routing(S, E, k)
+    C = capacity_of(cap, S, E, k)
+    s = ref.assign_slots(ids, scores, E, C, "position")
+    x = torch.randn(S, M, device=DEV).to(dtype)
+    xa, xb = x.clone().requires_grad_(), x.double().requires_grad_()
+    buf_a = ops.scatter_tokens(xa, s.slots, s.num_rows, backend="triton")
+    buf_b = ref.scatter_tokens(xb, s.slots, s.num_rows)
+    assert torch.equal(buf_a.double(), buf_b)  # a copy: exact, empty rows zero
+    y = torch.randn(s.num_rows, M, device=DEV).to(dtype)
+    ya, yb = y.clone().requires_grad_(), y.double().requires_grad_()
+    sa, sb = scores.clone().requires_grad_(), scores.double().requires_grad_()
+    out_a = ops.gather_tokens(ya, s.slots, sa, backend="triton")
+    out_b = ref.gather_tokens(yb, s.slots, sb)
+    assert out_a.dtype == dtype and rel_err(out_a, out_b) < TOL[dtype]
+    g_out = torch.randn(S, M, device=DEV).to(dtype)
+    g_buf = torch.randn(s.num_rows, M, device=DEV).to(dtype)
+    out_a.backward(g_out)
+    out_b.backward(g_out.double())
+    buf_a.backward(g_buf)
+    buf_b.backward(g_buf.double())
+    assert rel_err(ya.grad, yb.grad) < TOL[dtype]
+    assert rel_err(sa.grad, sb.grad) < TOL[dtype]
+    assert rel_err(xa.grad, xb.grad) < TOL[dtype]
+    dropped_rows = torch.ones(s.num_rows, dtype=torch.bool, device=DEV)
+    dropped_rows[s.slots[s.slots >= 0].long()] = False
+    assert (ya.grad[dropped_rows] == 0).all()
+
+
+def test_gradcheck_autograd_functions():
+    torch.manual_seed(0)
+    logits = make_logits(6, 5, torch.float64).requires_grad_()
+    for score_func, renorm in (("softmax", False), ("softmax", True), ("sigmoid", True)):
+        def gating(l):
+            ids, scores, counts, aux, z = TopKGating.apply(l, 3, score_func, renorm, None)
+            return scores, aux, z
+        assert torch.autograd.gradcheck(gating, (logits, ), eps=1e-7, atol=1e-8)
+    ids, scores = routing(6, 4, 2)
+    s = ref.assign_slots(ids, scores, 4, 2, "position")
+    x = torch.randn(6, 5, device=DEV, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: ScatterTokens.apply(t, s.slots, s.num_rows), (x, ))
+    y = torch.randn(s.num_rows, 5, device=DEV, dtype=torch.float64, requires_grad=True)
+    sc = scores.double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: GatherTokens.apply(a, s.slots, b), (y, sc))
+
+
+def moe_step(logits, x, k, C, seed=0):
+    """Gating -> slots -> scatter -> a stand-in expert -> gather, forward and backward."""
+    E = logits.shape[1]
+    la, xa = logits.clone().requires_grad_(), x.clone().requires_grad_()
+    g = ops.topk_gating(la, k, renormalize=True, backend="triton")
+    s = ops.assign_slots(g.expert_ids, g.scores, E, C, "rts", seed, backend="triton")
+    buf = ops.scatter_tokens(xa, s.slots, s.num_rows, backend="triton")
+    out = ops.gather_tokens(torch.tanh(buf) * 2, s.slots, g.scores, backend="triton")
+    (out.float().square().sum() + g.aux_loss + g.z_loss).backward()
+    return out, la.grad, xa.grad, s.slots
+
+
+@pytest.mark.parametrize("case", ["one_hot_expert", "S_below_E", "S_is_1", "far_over_capacity", "empty_experts"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_edge_cases_finite(case, dtype):
+    S, E, k, C, M = {"one_hot_expert": (64, 8, 2, 20, 32), "S_below_E": (3, 64, 2, 1, 32),
+                     "S_is_1": (1, 8, 2, 1, 32), "far_over_capacity": (200, 4, 1, 2, 32),
+                     "empty_experts": (16, 128, 1, 4, 32)}[case]
+    logits = make_logits(S, E, dtype)
+    if case in ("one_hot_expert", "far_over_capacity"):
+        logits[:, 0] = 30
+    for cap in (C, None):
+        out, gl, gx, slots = moe_step(logits, torch.randn(S, M, device=DEV).to(dtype), k, cap)
+        assert torch.isfinite(out).all() and torch.isfinite(gl).all() and torch.isfinite(gx).all()
+        if cap is not None:
+            kept = slots[slots >= 0]
+            assert kept.numel() <= E * cap
+
+
+def test_deterministic_bits():
+    logits = make_logits(300, 16, torch.bfloat16)
+    x = torch.randn(300, 96, device=DEV).to(torch.bfloat16)
+    a = moe_step(logits, x, 2, 40, seed=7)
+    b = moe_step(logits, x, 2, 40, seed=7)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+def test_rts_uniform_on_triton():
+    freq = rts_keep_frequencies(lambda *a: ops.assign_slots(*a, backend="triton"), 64, 16, 200, device=DEV)
+    assert_uniform(freq, 16 / 64, 200)

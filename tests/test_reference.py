@@ -1,0 +1,118 @@
+"""The spec itself: DeepSpeed's formulas, drop-policy semantics, dropless layout, RTS statistics."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from turbomoe import reference as ref
+
+from conftest import assert_uniform, rts_keep_frequencies
+
+ds_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
+
+
+@pytest.mark.parametrize("S,E,k,cf,minc", [(128, 8, 1, 1.0, 4), (1000, 64, 2, 1.25, 0), (7, 128, 4, 2.0, 8),
+                                           (33, 2, 2, 0.5, 1)])
+def test_capacity_matches_deepspeed(S, E, k, cf, minc):
+    gates = torch.rand(S, E)
+    expected = ds_moe._capacity(gates, torch.tensor(cf * k), torch.tensor(minc))
+    assert ref.capacity(S, E, k, cf, minc) == int(expected)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("S,E", [(256, 8), (100, 16), (9, 4)])
+def test_aux_loss_matches_deepspeed(S, E, k):
+    logits = torch.randn(S, E)
+    ours = ref.topk_gating(logits, k).aux_loss
+    if k == 1:
+        l_aux = ds_moe.top1gating(logits, 100.0, 0, use_rts=False)[0]
+    elif k == 2:
+        l_aux = ds_moe.top2gating(logits.clone(), 100.0, 0, top2_2nd_expert_sampling=False)[0]
+    else:
+        l_aux = ds_moe.topkgating(logits, k, 100.0, 0)[0]
+    torch.testing.assert_close(ours, l_aux, rtol=1e-5, atol=1e-6)
+
+
+def test_gating_outputs_and_z_loss():
+    logits = torch.randn(50, 6, dtype=torch.float64)
+    g = ref.topk_gating(logits, 3, renormalize=True)
+    probs = torch.softmax(logits, 1)
+    top = torch.topk(probs, 3, dim=1)
+    assert torch.equal(g.expert_ids.long(), top.indices)
+    torch.testing.assert_close(g.scores, top.values / top.values.sum(1, keepdim=True))
+    assert torch.equal(g.counts.long(), torch.bincount(top.indices.flatten(), minlength=6))
+    torch.testing.assert_close(g.z_loss, (torch.logsumexp(logits, 1)**2).mean())
+
+
+def test_ties_go_to_lower_expert():
+    logits = torch.zeros(3, 5)
+    assert ref.topk_gating(logits, 2).expert_ids.tolist() == [[0, 1]] * 3
+
+
+def test_bias_steers_choice_not_score():
+    logits = torch.randn(20, 4)
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    g = ref.topk_gating(logits, 1, score_func="sigmoid", selection_bias_E=bias)
+    assert (g.expert_ids == 3).all()
+    torch.testing.assert_close(g.scores[:, 0], torch.sigmoid(logits[:, 3]))
+
+
+def test_position_policy_first_choices_before_second():
+    # Every token picks expert 0 first and expert 1 second, except token 3 which picks 1 first.
+    ids = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 0]], dtype=torch.int32)
+    s = ref.assign_slots(ids, torch.rand(4, 2), 2, capacity=2, drop_policy="position")
+    # Expert 1: token 3's first choice comes before every second choice, then token 0's second.
+    kept = s.slots >= 0
+    assert kept.tolist() == [[True, True], [True, False], [False, False], [True, False]]
+    assert s.kept_counts.tolist() == [2, 2]
+    # Kept routes are placed in token order: expert 1 holds token 0 then token 3.
+    assert s.slots.tolist() == [[0, 2], [1, -1], [-1, -1], [3, -1]]
+
+
+def test_probs_policy_keeps_highest_scores():
+    ids = torch.zeros(6, 1, dtype=torch.int32)
+    scores = torch.tensor([[0.1], [0.9], [0.5], [0.7], [0.2], [0.8]])
+    s = ref.assign_slots(ids, scores, 1, capacity=3, drop_policy="probs")
+    assert (s.slots[:, 0] >= 0).tolist() == [False, True, False, True, False, True]
+    assert s.slots[:, 0].tolist() == [-1, 0, -1, 1, -1, 2]
+
+
+def test_dropless_is_expert_contiguous_in_token_order():
+    ids = torch.randint(0, 5, (40, 3), dtype=torch.int32)
+    s = ref.assign_slots(ids, torch.rand(40, 3), 5)
+    flat = s.slots.flatten()
+    assert sorted(flat.tolist()) == list(range(120))
+    order = torch.argsort(flat)
+    experts = ids.flatten()[order]
+    assert torch.all(experts[1:] >= experts[:-1])  # expert-contiguous
+    routes = order.view(-1)
+    for e in range(5):
+        r = routes[experts == e]
+        assert torch.all(r[1:] > r[:-1])  # token order within an expert
+    assert s.kept_counts.tolist() == torch.bincount(ids.flatten().long(), minlength=5).tolist()
+
+
+def test_rts_seed_determines_choice():
+    ids = torch.zeros(64, 1, dtype=torch.int32)
+    a = ref.assign_slots(ids, torch.rand(64, 1), 1, 16, "rts", seed=1).slots
+    b = ref.assign_slots(ids, torch.rand(64, 1), 1, 16, "rts", seed=1).slots
+    c = ref.assign_slots(ids, torch.rand(64, 1), 1, 16, "rts", seed=2).slots
+    assert torch.equal(a, b) and not torch.equal(a >= 0, c >= 0)
+
+
+def test_rts_keeps_uniform_random_subsets():
+    freq = rts_keep_frequencies(ref.assign_slots, 64, 16, 600)
+    assert_uniform(freq, 16 / 64, 600)
+
+
+def test_reference_scatter_gather_roundtrip():
+    x = torch.randn(10, 4, dtype=torch.float64)
+    ids = torch.randint(0, 3, (10, 2), dtype=torch.int32)
+    ids[:, 1] = (ids[:, 0] + 1) % 3
+    scores = torch.rand(10, 2, dtype=torch.float64)
+    s = ref.assign_slots(ids, scores, 3)
+    out = ref.gather_tokens(ref.scatter_tokens(x, s.slots, s.num_rows), s.slots, scores)
+    torch.testing.assert_close(out, x * scores.sum(1, keepdim=True))
+    # The one-hot einsum formulation gives the same combine.
+    onehot = F.one_hot(s.slots.long(), s.num_rows).double()  # [S, k, R]
+    buf = torch.einsum("skr,sm->rm", onehot, x)
+    torch.testing.assert_close(ref.scatter_tokens(x, s.slots, s.num_rows), buf)
