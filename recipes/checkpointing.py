@@ -1,0 +1,69 @@
+"""Checkpoints through engine.save_checkpoint that a crash mid-save cannot damage.
+
+Every rank writes its part of <dir>/global_stepN (model, ZeRO optimizer shards and one file per
+expert, including those of other expert-parallel ranks). Only after all ranks are done does rank 0
+mark the tag complete and atomically point <dir>/latest at it, so `latest` only ever names a whole
+checkpoint; then it deletes all but the newest `keep` complete ones, and any unfinished older tags.
+"""
+import os
+import re
+import shutil
+
+import deepspeed.comm as dist
+
+COMPLETE = "turbomoe_complete"  # marker file inside a tag directory whose every rank has finished
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+def tag_of(step: int) -> str:
+    return f"global_step{step}"
+
+
+def _atomic_write(path: str, text: str):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(engine, ckpt_dir: str, step: int, keep: int, client_state: dict):
+    tag = tag_of(step)
+    engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False)
+    dist.barrier()  # every rank's files are written
+    if dist.get_rank() == 0:
+        _atomic_write(os.path.join(ckpt_dir, tag, COMPLETE), str(step))
+        _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
+        prune(ckpt_dir, keep)
+    dist.barrier()
+
+
+def prune(ckpt_dir: str, keep: int):
+    """Keep the newest `keep` complete tags; delete older complete ones and unfinished ones older than them."""
+    tags = sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := _TAG.match(name)))
+    complete = [(s, n) for s, n in tags if os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
+    if not complete:
+        return
+    kept = complete[-keep:]
+    for s, name in tags:
+        if s < complete[-1][0] and (s, name) not in kept:
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def resolve(path: str):
+    """(checkpoint dir, tag) to resume from: a checkpoint dir (its `latest`) or one tag directory.
+
+    Raises FileNotFoundError when there is no complete checkpoint there.
+    """
+    if os.path.isfile(os.path.join(path, COMPLETE)):
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
+    latest = os.path.join(path, "latest")
+    if not os.path.isfile(latest):
+        raise FileNotFoundError(f"--resume {path!r}: no checkpoint there (neither a checkpoint directory with a "
+                                f"'latest' file nor a complete global_stepN directory)")
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not os.path.isfile(os.path.join(path, tag, COMPLETE)):
+        raise FileNotFoundError(f"--resume {path!r}: 'latest' names {tag!r}, which is not a complete checkpoint")
+    return path, tag

@@ -1,0 +1,74 @@
+"""What a training run reports, from rank 0: a JSONL log (always), wandb (offline unless a key is
+configured), and a progress bar with tokens/s, loss, learning rate, aux loss, expert load and MFU."""
+import json
+import os
+import time
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 tensor-core peak per GPU, TFLOP/s, by a substring of torch.cuda.get_device_name().
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0),
+                    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0))
+
+
+def peak_flops(configured_tflops: Optional[float]) -> Optional[float]:
+    """Per-device peak FLOP/s for MFU: the configured one, else known from the GPU; None on the CPU."""
+    if configured_tflops:
+        return configured_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((tf * 1e12 for key, tf in PEAK_BF16_TFLOPS if key in name), None)
+
+
+class RunLog:
+    def __init__(self, cfg, start_step: int, enabled: bool, resumed_from: Optional[str]):
+        self.enabled = enabled
+        self.bar = self.wandb = self.jsonl = None
+        if not enabled:
+            return
+        os.makedirs(cfg.log.dir, exist_ok=True)
+        self.jsonl = open(os.path.join(cfg.log.dir, "log.jsonl"), "a")
+        self.write({"type": "start", "step": start_step, "resumed_from": resumed_from, "time": time.time()})
+        if cfg.log.wandb:
+            import wandb
+            mode = cfg.log.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.name, dir=cfg.log.dir, mode=mode,
+                                    config=cfg.to_dict())
+        self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc=cfg.name, dynamic_ncols=True,
+                        mininterval=2.0)
+
+    def write(self, record: dict):
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None and record["type"] in ("train", "valid"):
+            prefix = record["type"] + "/"
+            self.wandb.log({prefix + k: v for k, v in record.items() if isinstance(v, (int, float))
+                            and k not in ("type", "step")}, step=record["step"])
+
+    def train_step(self, record: dict):
+        if not self.enabled:
+            return
+        self.write(record)
+        post = {"loss": f"{record['loss']:.3f}", "lr": f"{record['lr']:.2e}", "aux": f"{record['aux_loss']:.3f}",
+                "load": f"{record['expert_load']:.2f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+        if record.get("mfu") is not None:
+            post["mfu"] = f"{100 * record['mfu']:.1f}%"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def message(self, text: str):
+        if self.enabled:
+            (self.bar.write if self.bar else print)(text)
+
+    def close(self):
+        if not self.enabled:
+            return
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.jsonl.close()

@@ -1,0 +1,152 @@
+"""Token streams: every document of a corpus, end to end, read by token offset.
+
+Sources (the recipe's data.source):
+  stdlib    the Python standard library's .py sources: on every machine, no download
+  text      text files (each file one document; directories are searched for *.txt)
+  jsonl     JSON-lines files, one document per line in the field data.text_key
+  megatron  Megatron .bin/.idx indexed datasets (already tokenized, e.g. by Megatron-DeepSpeed's
+            tools/preprocess_data.py), read through megatron-core's IndexedDataset, never loaded whole
+The three text sources are tokenized with the byte-level tokenizer, end-of-document between documents.
+"""
+import glob
+import json
+import os
+import sysconfig
+from typing import List, Optional
+
+import numpy as np
+
+from .tokenizer import ByteTokenizer
+
+SOURCES = ("stdlib", "text", "jsonl", "megatron")
+
+
+class ArrayStream:
+    """An in-memory token stream, tokens [N]."""
+
+    def __init__(self, tokens_N: np.ndarray):
+        self.tokens = tokens_N
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        return self.tokens[start:start + length].astype(np.int64)
+
+
+class IndexedStream:
+    """The sequences of Megatron indexed datasets, end to end, read lazily through IndexedDataset.get."""
+
+    def __init__(self, prefixes: List[str]):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+        self.datasets = [IndexedDataset(p) for p in prefixes]
+        lengths = [np.asarray(ds.sequence_lengths, dtype=np.int64) for ds in self.datasets]
+        self.seq_dataset = np.concatenate([np.full(len(l), i) for i, l in enumerate(lengths)])
+        self.seq_local = np.concatenate([np.arange(len(l)) for l in lengths])
+        self.starts = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])  # token offset of every sequence
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        out, pos, end = [], start, start + length
+        seq = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while pos < end:
+            offset = pos - int(self.starts[seq])
+            take = min(end, int(self.starts[seq + 1])) - pos
+            if take > 0:
+                ds = self.datasets[self.seq_dataset[seq]]
+                out.append(ds.get(int(self.seq_local[seq]), offset=offset, length=take).astype(np.int64))
+                pos += take
+            seq += 1
+        return np.concatenate(out)
+
+
+def stdlib_files() -> List[str]:
+    """The standard library's .py files, sorted, without its tests and site-packages."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "test", "tests",
+                                                               "idle_test", "__pycache__"))
+        files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return files
+
+
+def _expand(paths: List[str], pattern: str) -> List[str]:
+    """Files named in paths; directories are searched recursively for pattern. Missing paths raise."""
+    if not paths:
+        raise ValueError("data.paths is empty; name the files or directories to train on")
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            found = sorted(glob.glob(os.path.join(p, "**", pattern), recursive=True))
+            if not found:
+                raise FileNotFoundError(f"data path {p!r} is a directory with no {pattern} files")
+            files += found
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"data path {p!r} does not exist")
+    return files
+
+
+def _documents(source: str, paths: List[str], text_key: str):
+    if source == "stdlib":
+        files = stdlib_files()
+        if not files:
+            raise FileNotFoundError(f"no Python standard library sources under {sysconfig.get_paths()['stdlib']}")
+    else:
+        files = _expand(paths, "*.txt" if source == "text" else "*.jsonl")
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if source != "jsonl":
+                yield f.read()
+                continue
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)[text_key]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{lineno}: not a JSON object with a {text_key!r} string field ({e})")
+                yield doc
+
+
+def check_megatron_prefixes(paths: List[str]) -> List[str]:
+    """Prefixes as given, or with a trailing .bin/.idx removed; raises when a pair is missing."""
+    if not paths:
+        raise ValueError("data.paths is empty; name the Megatron dataset prefixes (path/to/name_text_document)")
+    prefixes = []
+    for p in paths:
+        prefix = p[:-4] if p.endswith((".bin", ".idx")) else p
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            raise FileNotFoundError(f"Megatron dataset {p!r}: missing {missing}")
+        prefixes.append(prefix)
+    return prefixes
+
+
+def load_stream(source: str, paths: Optional[List[str]] = None, text_key: str = "text", max_tokens: int = 0):
+    """The token stream of a corpus; max_tokens > 0 keeps only its first max_tokens (text sources)."""
+    if source not in SOURCES:
+        raise ValueError(f"data.source must be one of {SOURCES}, got {source!r}")
+    if source == "megatron":
+        return IndexedStream(check_megatron_prefixes(paths or []))
+    tok = ByteTokenizer()
+    chunks, total = [], 0
+    for doc in _documents(source, paths or [], text_key):
+        ids = np.append(tok.encode(doc), np.uint16(tok.eos_id))
+        chunks.append(ids)
+        total += len(ids)
+        if max_tokens and total >= max_tokens:
+            break
+    if not chunks:
+        raise ValueError(f"the {source} corpus {paths or ''} holds no documents")
+    tokens = np.concatenate(chunks)
+    return ArrayStream(tokens[:max_tokens] if max_tokens else tokens)
+
+
+def vocab_size_of(source: str) -> Optional[int]:
+    """Tokens a text source can produce; None for pre-tokenized (megatron) data, checked batch by batch."""
+    return None if source == "megatron" else ByteTokenizer.vocab_size

@@ -1,0 +1,242 @@
+"""A decoder-only MoE language model in Hugging Face's Qwen3-MoE layout.
+
+Module names follow Qwen3MoeForCausalLM (model.embed_tokens, model.layers.N.self_attn.q_proj, ...,
+lm_head), so a trained model maps one-to-one onto a Qwen3-MoE checkpoint (see hf_names.py). The
+sparse block is a DeepSpeed-compatible MoE layer (turbomoe's, or DeepSpeed's own), so the
+DeepSpeed engine handles expert parallelism, ZeRO parameter groups and per-expert checkpoints.
+
+Shapes: B batch, T tokens, H hidden, N query heads, G key/value heads, D head dim, V vocab, E experts.
+"""
+import hashlib
+import inspect
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..integrations.deepspeed_experts import SwiGLUExpert
+from .config import ModelConfig
+
+
+class CausalLMOutput(NamedTuple):
+    logits: torch.Tensor  # [B, T, V]
+    loss: Optional[torch.Tensor]  # mean next-token cross entropy, None without labels
+    aux_loss: torch.Tensor  # load-balancing loss, mean over the MoE layers (not yet scaled by its coefficient)
+    expert_counts: torch.Tensor  # [num MoE layers, E] routes per expert on this rank, before capacity
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # fp32 statistics, as Qwen3's RMSNorm, whatever the activation dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device):
+    """cos, sin [T, D] in fp32 for rotate-half rotary embeddings (Hugging Face's layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x_BNTD, cos_TD, sin_TD):
+    x1, x2 = x_BNTD.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_BNTD.float() * cos_TD + rotated.float() * sin_TD).to(x_BNTD.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm, through scaled_dot_product_attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x_BTH, cos_TD, sin_TD):
+        B, T, _ = x_BTH.shape
+        q = self.q_norm(self.q_proj(x_BTH).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BTH).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BTH).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos_TD, sin_TD), apply_rotary(k, cos_TD, sin_TD)
+        if self.num_kv_heads != self.num_heads:
+            groups = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out_BNTD = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out_BNTD.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), no biases: Qwen3-MoE's dense MLP (the experts compute the same)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def moe_class(impl: str):
+    """The DeepSpeed-compatible MoE layer class for model.moe_impl, and the name of what was chosen."""
+    if impl in ("auto", "turbomoe"):
+        try:
+            from turbomoe.integrations.deepspeed import MoE
+            return MoE, "turbomoe"
+        except ImportError as e:
+            if impl == "turbomoe":
+                raise ImportError("model.moe_impl is 'turbomoe' but turbomoe.integrations.deepspeed.MoE cannot be "
+                                  f"imported ({e}); set model.moe_impl: deepspeed to use DeepSpeed's MoE") from e
+    from deepspeed.moe.layer import MoE
+    return MoE, "deepspeed"
+
+
+def renormalizes_topk(moe_cls, k: int) -> Optional[bool]:
+    """Whether a MoE class renormalises the top-k scores, when it has no switch for it.
+
+    DeepSpeed's gates renormalise the chosen probabilities for k >= 2 and keep the raw softmax
+    probability for k = 1. Returns None when the class takes norm_topk_prob itself.
+    """
+    if "norm_topk_prob" in inspect.signature(moe_cls.__init__).parameters:
+        return None
+    return k >= 2
+
+
+class MoEArgs(NamedTuple):
+    """The parallel and capacity settings of every MoE layer (the recipe's `moe` section)."""
+    ep_size: int = 1
+    capacity_factor: Optional[float] = None  # None is dropless
+    eval_capacity_factor: Optional[float] = None  # None: same as capacity_factor
+    min_capacity: int = 4
+
+
+def build_moe(cfg: ModelConfig, args: MoEArgs) -> nn.Module:
+    moe_cls, _ = moe_class(cfg.moe_impl)
+    fixed = renormalizes_topk(moe_cls, cfg.num_experts_per_tok)
+    kwargs = {}
+    if fixed is None:
+        kwargs["norm_topk_prob"] = cfg.norm_topk_prob
+    elif fixed != cfg.norm_topk_prob:
+        raise ValueError(f"{moe_cls.__module__}.MoE with k={cfg.num_experts_per_tok} always uses "
+                         f"norm_topk_prob={fixed}; set model.norm_topk_prob: {str(fixed).lower()} or another moe_impl")
+    dropless = args.capacity_factor is None
+    eval_cf = args.capacity_factor if args.eval_capacity_factor is None else args.eval_capacity_factor
+    # turbomoe's SwiGLUExpert (w1 gate, w3 up, w2 down) is the expert its grouped-GEMM fast path knows.
+    return moe_cls(hidden_size=cfg.hidden_size,
+                   expert=SwiGLUExpert(cfg.hidden_size, cfg.moe_intermediate_size),
+                   num_experts=cfg.num_experts,
+                   ep_size=args.ep_size,
+                   k=cfg.num_experts_per_tok,
+                   capacity_factor=1.0 if dropless else args.capacity_factor,
+                   eval_capacity_factor=1.0 if dropless else eval_cf,
+                   min_capacity=args.min_capacity,
+                   noisy_gate_policy=None,
+                   drop_tokens=not dropless,
+                   use_rts=False,  # Qwen3 drops nothing at random; capacity drops go by position/probability
+                   top2_2nd_expert_sampling=False,  # Qwen3 takes the true second choice
+                   **kwargs)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, moe_args: MoEArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.mlp = build_moe(cfg, moe_args) if self.is_moe else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x_BTH, cos_TD, sin_TD):
+        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos_TD, sin_TD)
+        h = self.post_attention_layernorm(x_BTH)
+        if not self.is_moe:
+            return x_BTH + self.mlp(h), None, None
+        out, aux, counts_E = self.mlp(h)
+        return x_BTH + out, aux, counts_E
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe_args: MoEArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, moe_args) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """input_ids [B, T] (+ labels [B, T], -100 ignored) -> CausalLMOutput."""
+
+    def __init__(self, cfg: ModelConfig, moe_args: MoEArgs = MoEArgs()):
+        super().__init__()
+        cfg.validate()
+        if cfg.num_experts % moe_args.ep_size:
+            raise ValueError(f"ep_size {moe_args.ep_size} does not divide num_experts {cfg.num_experts}")
+        self.config = cfg
+        self.moe_args = moe_args
+        self.moe_impl = moe_class(cfg.moe_impl)[1]
+        self.model = Qwen3MoeModel(cfg, moe_args)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, ep_rank: int = 0):
+        """Normal(0, initializer_range) weights, unit norms.
+
+        Every expert draws from its own generator, seeded by (seed, layer, global expert id), so
+        experts differ from one another (DeepSpeed's Experts deep-copies one module) and the
+        initial model is the same whatever ep_size; ep_rank says which experts this rank holds.
+        """
+        std = self.config.initializer_range
+        dense = torch.Generator().manual_seed(seed)
+        num_local = self.config.num_experts // self.moe_args.ep_size
+        for layer_idx, layer in enumerate(self.model.layers):
+            expert_ids = set()
+            if layer.is_moe:
+                for local_id, expert in enumerate(layer.mlp.deepspeed_moe.experts.deepspeed_experts):
+                    global_id = ep_rank * num_local + local_id
+                    key = f"{seed}/{layer_idx}/{global_id}".encode()
+                    g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+                    for p in expert.parameters():
+                        p.copy_(torch.randn(p.shape, generator=g) * std)
+                        expert_ids.add(id(p))
+            for name, p in layer.named_parameters():
+                if id(p) not in expert_ids:
+                    p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=dense) * std)
+        self.model.embed_tokens.weight.copy_(torch.randn(self.model.embed_tokens.weight.shape, generator=dense) * std)
+        self.model.norm.weight.fill_(1.0)
+        if not self.config.tie_word_embeddings:
+            self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=dense) * std)
+
+    def forward(self, input_ids_BT: torch.Tensor, labels_BT: Optional[torch.Tensor] = None) -> CausalLMOutput:
+        T = input_ids_BT.shape[1]
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        x = self.model.embed_tokens(input_ids_BT)
+        cos, sin = rotary_cos_sin(T, self.config.head_dim, self.config.rope_theta, x.device)
+        auxes, counts = [], []
+        for layer in self.model.layers:
+            x, aux, counts_E = layer(x, cos, sin)
+            if aux is not None:
+                auxes.append(aux)
+                counts.append(counts_E)
+        logits = self.lm_head(self.model.norm(x))
+        loss = None
+        if labels_BT is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels_BT.flatten(), ignore_index=-100)
+        return CausalLMOutput(logits, loss, torch.stack(auxes).mean(), torch.stack(counts))
