@@ -28,6 +28,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from torch import nn
 
 from turbomoe.integrations import deepspeed as tds
+from turbomoe.integrations.deepspeed_experts import stack_expert_tensors
 
 M, F, E, EP, TOKENS, STEPS, SAVE_AFTER = 16, 32, 4, 2, 64, 6, 3
 
@@ -49,6 +50,14 @@ class TinyMoEModel(nn.Module):
         h = h + y1
         y2, aux2, _ = self.moe_top2(h)
         return self.proj_out(h + y2), aux1 + aux2
+
+
+def expert_weights_are_views(layer) -> bool:
+    """Whether the grouped-GEMM path sees the SwiGLU experts' [w1; w3] as one view (no copy) of the
+    engine's parameter storage (ZeRO's flat buffers)."""
+    local = layer.deepspeed_moe.experts.deepspeed_experts
+    stacked = stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in local])
+    return stacked.untyped_storage().data_ptr() == local[0].w1.weight.untyped_storage().data_ptr()
 
 
 def build_engine(model_seed: int = 0):
@@ -147,6 +156,7 @@ def main():
 
     engine = build_engine()
     result["layer_types"] = sorted({type(m).__module__ for m in engine.module.modules() if isinstance(m, MoE)})
+    result["expert_weights_are_views"] = expert_weights_are_views(engine.module.moe_top2)
     if args.phase == "train":
         result["ep_fidelity"] = ep_fidelity(engine.device)
         result["losses"] = train_steps(engine, range(SAVE_AFTER), rank)

@@ -11,6 +11,7 @@ import deepspeed.moe.layer as ds_layer  # noqa: E402
 
 from turbomoe import ops  # noqa: E402
 from turbomoe.integrations import deepspeed as tds  # noqa: E402
+from turbomoe.integrations.deepspeed_experts import stack_expert_tensors  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
                                               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
@@ -125,6 +126,22 @@ def test_used_token_matches_stock(device):
 def test_residual_moe_matches_stock(device):
     stock, turbo = make_pair("mlp", device, k=2, capacity_factor=float(E), use_residual=True)
     x = torch.randn(64, M, device=device)
+    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+
+
+@pytest.mark.parametrize("expert", ["mlp", "swiglu"])
+def test_fast_path_weights_are_views_of_packed_params(expert):
+    stock, turbo = make_pair(expert, k=2, capacity_factor=float(E))
+    local = turbo.deepspeed_moe.experts.deepspeed_experts
+    first = local[0].w1.weight if expert == "swiglu" else local[0][0].weight
+    blocks = [[e.w1.weight, e.w3.weight] if expert == "swiglu" else [e[0].weight] for e in local]
+    stacked = stack_expert_tensors(blocks)
+    assert stacked.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()  # no copy
+    assert torch.equal(stacked, torch.stack([torch.cat(b) for b in blocks]))
+    # A parameter moved out of the packed buffer: the stacked weight is a copy, results unchanged.
+    first.data = first.data.clone()
+    assert stack_expert_tensors(blocks).untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    x = torch.randn(64, M)
     assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
 
 

@@ -22,7 +22,7 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops
-from .deepspeed_experts import SwiGLUExpert, fast_path_kind, run_experts
+from .deepspeed_experts import SwiGLUExpert, fast_path_kind, pack_expert_params, run_experts
 from .deepspeed_gating import drop_policy, expert_capacity, renormalize_kept, route, router_logits
 
 __all__ = ["MoE", "TurboMOELayer", "SwiGLUExpert", "patch", "unpatch", "is_patched"]
@@ -37,6 +37,15 @@ class TurboMOELayer(MOELayer):
                  num_local_experts: int) -> None:
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts, use_tutel=False)
         self.expert_fast_path = fast_path_kind(list(experts.deepspeed_experts))
+        if self.expert_fast_path is not None:
+            pack_expert_params(experts.deepspeed_experts)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() give every parameter new storage: pack the experts again.
+        super()._apply(fn, recurse)
+        if self.expert_fast_path is not None:
+            pack_expert_params(self.experts.deepspeed_experts)
+        return self
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
         M = hidden_states.shape[-1]

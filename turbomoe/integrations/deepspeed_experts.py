@@ -4,9 +4,10 @@ Stock `deepspeed.moe.experts.Experts` runs its local experts one after another. 
 expert is a plain MLP of one shape -- `nn.Sequential(Linear, activation, Linear)` or
 `SwiGLUExpert` -- and nothing hooks into them, `grouped_mlp` runs all of them at once: the capacity
 buffer [E_local, C, M] goes through batched matmuls (a grouped GEMM for equal-size groups) on the
-per-expert weights stacked at call time. The parameters stay in their per-expert modules, so the
-state dict (deepspeed_moe.experts.deepspeed_experts.{i}...) and DeepSpeed's per-expert
-checkpoint files do not change.
+per-expert weights seen as one [E_local, N, K] tensor. The parameters stay in their per-expert
+modules, so the state dict (deepspeed_moe.experts.deepspeed_experts.{i}...) and DeepSpeed's
+per-expert checkpoint files do not change; they are packed into one buffer (as ZeRO packs them),
+so that the stacked weight is a view, not a copy made every step.
 """
 from typing import Callable, List, Optional
 
@@ -61,21 +62,93 @@ def _hooked(module: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in module.modules())
 
 
+class _AliasStack(torch.autograd.Function):
+    """Per-expert blocks of tensors that lie at a fixed stride in one storage, seen as one
+    [E, rows, *rest] tensor without a copy; the backward splits the gradient back per tensor."""
+
+    @staticmethod
+    def forward(ctx, shape, stride, block_rows, *tensors):
+        ctx.block_rows = block_rows
+        first = tensors[0]
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = [p for block in grad.unbind(0) for p in block.split(ctx.block_rows, 0)]
+        return (None, None, None, *pieces)
+
+
+def _alias_stride(blocks: List[List[torch.Tensor]]) -> Optional[int]:
+    """Element stride between expert blocks when the blocks can be aliased as one tensor, else None.
+
+    Needs: one storage, dtype and trailing shape; each tensor contiguous; the tensors of a block
+    back to back; blocks at a constant stride. Parameters packed by `pack_expert_params` and
+    DeepSpeed ZeRO-1/2's flat buffers (parameters in module order) are laid out this way.
+    """
+    first = blocks[0][0]
+    storage, rest = first.untyped_storage().data_ptr(), first.shape[1:]
+    starts = []
+    for block in blocks:
+        offset = block[0].storage_offset()
+        starts.append(offset)
+        for t in block:
+            if (t.dtype != first.dtype or t.shape[1:] != rest or not t.is_contiguous()
+                    or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
+                return None
+            offset += t.numel()
+    block_numel = offset - starts[-1]
+    stride = starts[1] - starts[0] if len(starts) > 1 else block_numel
+    if stride < block_numel or any(b - a != stride for a, b in zip(starts, starts[1:])):
+        return None
+    return stride
+
+
+def stack_expert_tensors(blocks: List[List[torch.Tensor]]) -> torch.Tensor:
+    """[E, rows, *rest]: expert e's tensors concatenated along dim 0, stacked over experts.
+
+    Aliases the parameters' storage when it can (no copy); otherwise copies them (torch.stack).
+    """
+    block_rows = [t.shape[0] for t in blocks[0]]
+    first = blocks[0][0]
+    shape = (len(blocks), sum(block_rows)) + tuple(first.shape[1:])
+    stride = _alias_stride(blocks)
+    if stride is None:  # the tensors of a block have equal rows ([w1; w3]), so stacking them all works
+        return torch.stack([t for block in blocks for t in block]).view(shape)
+    inner = torch.empty(shape[1:], device="meta").stride()
+    return _AliasStack.apply(shape, (stride, ) + inner, block_rows, *[t for block in blocks for t in block])
+
+
+def pack_expert_params(experts: nn.ModuleList) -> None:
+    """Move the local experts' parameters into one flat buffer, in module order (as ZeRO does), so
+    that `stack_expert_tensors` can alias them. Names, values and the state dict do not change."""
+    params = [p for e in experts for p in e.parameters()]
+    if not params or len({(p.dtype, p.device) for p in params}) != 1:
+        return
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            view = flat[offset:offset + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+            offset += p.numel()
+
+
 def _grouped_linear(x_ECK: torch.Tensor, linears: List[nn.Linear]) -> torch.Tensor:
     """[E, C, K] @ stacked W[E, N, K]^T (+ bias [E, N]) -> [E, C, N], one batched GEMM."""
-    y_ECN = torch.bmm(x_ECK, torch.stack([lin.weight for lin in linears]).transpose(1, 2))
+    y_ECN = torch.bmm(x_ECK, stack_expert_tensors([[lin.weight] for lin in linears]).transpose(1, 2))
     if linears[0].bias is None:
         return y_ECN
     # A separate add: baddbmm with a broadcast bias takes a slow path on the CPU.
-    return y_ECN + torch.stack([lin.bias for lin in linears]).unsqueeze(1)
+    return y_ECN + stack_expert_tensors([[lin.bias] for lin in linears]).unsqueeze(1)
 
 
 def grouped_mlp(kind: str, experts: nn.ModuleList, x_ECM: torch.Tensor) -> torch.Tensor:
     """Run expert e on x[e] for all local experts at once: x [E_local, C, M] -> [E_local, C, M]."""
     if kind == "swiglu":
         E, C, _ = x_ECM.shape
-        # [w1_0; w3_0; w1_1; ...] stacks to [E, 2F, M] = [gate | up] per expert in one copy.
-        w_E2FM = torch.stack([w for e in experts for w in (e.w1.weight, e.w3.weight)]).view(E, -1, x_ECM.shape[2])
+        # [gate | up] per expert: one GEMM for both, then turbomoe's fused SwiGLU.
+        w_E2FM = stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in experts])
         h_R2F = torch.bmm(x_ECM, w_E2FM.transpose(1, 2)).view(E * C, -1)
         return _grouped_linear(swiglu(h_R2F).view(E, C, -1), [e.w2 for e in experts])
     act: Callable = experts[0][1]
