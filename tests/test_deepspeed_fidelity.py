@@ -85,9 +85,10 @@ def test_matches_stock_without_drops(device, dtype, k, expert):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("expert", ["mlp", "swiglu", "custom"])  # grouped: dropless rows; custom: C = max count
 @pytest.mark.parametrize("k,sampling", [(1, False), (2, False), (2, True), (4, False)])
-def test_dropless_matches_stock(device, k, sampling):
-    stock, turbo = make_pair("mlp", device, k=k, drop_tokens=False, top2_2nd_expert_sampling=sampling)
+def test_dropless_matches_stock(device, expert, k, sampling):
+    stock, turbo = make_pair(expert, device, k=k, drop_tokens=False, top2_2nd_expert_sampling=sampling)
     x = torch.randn(64, M, device=device)
     assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
 
@@ -269,8 +270,9 @@ def test_bad_arguments_raise():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k", [1, 2])
-def test_capacity_mode_has_no_host_sync(k):
-    _, turbo = make_pair("mlp", "cuda", torch.bfloat16, k=k, capacity_factor=1.25)
+@pytest.mark.parametrize("drop_tokens", [True, False])  # capacity buffers; dropless rows on one rank
+def test_no_host_sync(k, drop_tokens):
+    _, turbo = make_pair("swiglu", "cuda", torch.bfloat16, k=k, capacity_factor=1.25, drop_tokens=drop_tokens)
     x = torch.randn(256, M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     turbo(x)  # warm up (Triton compiles, caches fill)
     torch.cuda.synchronize()

@@ -10,6 +10,11 @@ and per-expert checkpoint files are those of stock; only `deepspeed_moe.forward`
     x [S, M] -> logits [S, E] -> ids, scores [S, k] -> slots [S, k]
       -> scatter_tokens -> buffer [E * C, M] = [ep, E_local, C, M]  --all-to-all-->  local experts
       -> all-to-all back -> gather_tokens(buffer, slots, combine weights) -> out [S, M]
+
+Dropless (drop_tokens=False) with ep_size > 1 sizes the buffers by C = the largest expert count
+over the expert-parallel group, as stock does: one host read per forward. With ep_size = 1 and
+grouped experts it uses turbomoe's dropless layout instead, [S * k, M] expert-contiguous rows and
+grouped GEMMs with the counts on the device: no host sync at all.
 """
 from typing import Optional
 
@@ -22,7 +27,8 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops
-from .deepspeed_experts import SwiGLUExpert, fast_path_kind, pack_expert_params, run_experts
+from .deepspeed_experts import (RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind, grouped_mlp,
+                                pack_expert_params, run_experts)
 from .deepspeed_gating import drop_policy, expert_capacity, renormalize_kept, route, router_logits
 
 __all__ = ["MoE", "TurboMOELayer", "SwiGLUExpert", "patch", "unpatch", "is_patched"]
@@ -57,14 +63,23 @@ class TurboMOELayer(MOELayer):
         routes = route(gate, router_logits(gate, x_SM), used_token)
         self.l_aux = routes.l_aux
         self.exp_counts = routes.counts.long().detach()  # stock: int64 routes per expert before capacity
-        C = expert_capacity(gate, S, routes.counts, self.ep_group)
-        seed = int(torch.randint(0, 2**31 - 1, (1, ))) if gate.drop_tokens and drop_policy(gate) == "rts" else 0
-        s = ops.assign_slots(routes.expert_ids, routes.scores, E, capacity=C, drop_policy=drop_policy(gate), seed=seed)
+        # Dropless on one expert-parallel rank with grouped experts: expert-contiguous rows and
+        # grouped GEMMs over counts on the device, no capacity, no padding, no host sync.
+        rows_layout = (not gate.drop_tokens and self.ep_size == 1 and bwc_tensor_model_parallel_world_size(groups.mpu) == 1
+                       and fast_path_applies(self.experts, self.expert_fast_path, x_SM.dtype))
+        C = None if rows_layout else expert_capacity(gate, S, routes.counts, self.ep_group)
+        policy = drop_policy(gate)
+        seed = int(torch.randint(0, 2**31 - 1, (1, ))) if gate.drop_tokens and policy == "rts" else 0
+        s = ops.assign_slots(routes.expert_ids, routes.scores, E, capacity=C, drop_policy=policy, seed=seed)
         weights_SK = routes.scores if gate.k == 1 else renormalize_kept(routes.scores, s.slots)
 
-        buf_ECM = ops.scatter_tokens(x_SM, s.slots, s.num_rows).view(E, C, M)
-        y_ECM = self._exchange_and_run_experts(buf_ECM)
-        out_SM = ops.gather_tokens(y_ECM.reshape(E * C, M), s.slots, weights_SK)
+        buf_RM = ops.scatter_tokens(x_SM, s.slots, s.num_rows)
+        if rows_layout:
+            y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
+                               RowGroups(s.kept_counts, s.num_rows))
+        else:
+            y_RM = self._exchange_and_run_experts(buf_RM.view(E, C, M)).reshape(E * C, M)
+        out_SM = ops.gather_tokens(y_RM, s.slots, weights_SK)
         return out_SM.reshape(hidden_states.shape)
 
     def _exchange_and_run_experts(self, buf_ECM: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ buffer [E_local, C, M] goes through batched matmuls (a grouped GEMM for equal-si
 per-expert weights seen as one [E_local, N, K] tensor. The parameters stay in their per-expert
 modules, so the state dict (deepspeed_moe.experts.deepspeed_experts.{i}...) and DeepSpeed's
 per-expert checkpoint files do not change; they are packed into one buffer (as ZeRO packs them),
-so that the stacked weight is a view, not a copy made every step.
+so that the stacked weight is a view, not a copy made every step. The dropless layer on one rank
+hands expert-contiguous rows [R, M] instead: grouped GEMMs over counts on the device (RowGroups).
 """
 from typing import Callable, List, Optional
 
@@ -15,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..autograd.grouped_gemm import grouped_mm
 from ..autograd.swiglu import swiglu
+from ..nn.experts import row_groups
 
 # Element-wise activations the fast path may apply on the stacked hidden states.
 _ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
@@ -134,39 +137,69 @@ def pack_expert_params(experts: nn.ModuleList) -> None:
             offset += p.numel()
 
 
-def _grouped_linear(x_ECK: torch.Tensor, linears: List[nn.Linear]) -> torch.Tensor:
-    """[E, C, K] @ stacked W[E, N, K]^T (+ bias [E, N]) -> [E, C, N], one batched GEMM."""
-    y_ECN = torch.bmm(x_ECK, stack_expert_tensors([[lin.weight] for lin in linears]).transpose(1, 2))
+class EqualGroups:
+    """Expert e owns x[e] of x [E, C, K] (the capacity buffer): batched GEMMs."""
+
+    def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x_ECK, w_ENK.transpose(1, 2))
+
+    def add_bias(self, y_ECN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
+        # A separate add: baddbmm with a broadcast bias takes a slow path on the CPU.
+        return y_ECN + b_EN.unsqueeze(1)
+
+
+class RowGroups:
+    """Expert e owns counts[e] consecutive rows of x [R, K] (the dropless layout): grouped GEMMs
+    with the counts on the device, so no host sync."""
+
+    def __init__(self, counts_E: torch.Tensor, num_rows: int):
+        self.counts_E = counts_E
+        self.num_rows = num_rows
+
+    def matmul(self, x_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E)
+
+    def add_bias(self, y_RN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
+        return y_RN + b_EN[row_groups(self.counts_E, self.num_rows)]
+
+
+def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups) -> torch.Tensor:
+    """Expert e's Linear on expert e's rows of x [.., K] -> [.., N], one grouped GEMM."""
+    y = groups.matmul(x, stack_expert_tensors([[lin.weight] for lin in linears]))
     if linears[0].bias is None:
-        return y_ECN
-    # A separate add: baddbmm with a broadcast bias takes a slow path on the CPU.
-    return y_ECN + stack_expert_tensors([[lin.bias] for lin in linears]).unsqueeze(1)
+        return y
+    return groups.add_bias(y, stack_expert_tensors([[lin.bias] for lin in linears]))
 
 
-def grouped_mlp(kind: str, experts: nn.ModuleList, x_ECM: torch.Tensor) -> torch.Tensor:
-    """Run expert e on x[e] for all local experts at once: x [E_local, C, M] -> [E_local, C, M]."""
+def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups) -> torch.Tensor:
+    """Expert e's MLP on expert e's rows of x, all local experts at once: [.., M] -> [.., M].
+
+    groups: EqualGroups for x [E_local, C, M], RowGroups for expert-contiguous x [R, M].
+    """
     if kind == "swiglu":
-        E, C, _ = x_ECM.shape
         # [gate | up] per expert: one GEMM for both, then turbomoe's fused SwiGLU.
-        w_E2FM = stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in experts])
-        h_R2F = torch.bmm(x_ECM, w_E2FM.transpose(1, 2)).view(E * C, -1)
-        return _grouped_linear(swiglu(h_R2F).view(E, C, -1), [e.w2 for e in experts])
+        h = groups.matmul(x, stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in experts]))
+        a = swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+        return _grouped_linear(a, [e.w2 for e in experts], groups)
     act: Callable = experts[0][1]
-    hidden = act(_grouped_linear(x_ECM, [e[0] for e in experts]))
-    return _grouped_linear(hidden, [e[2] for e in experts])
+    return _grouped_linear(act(_grouped_linear(x, [e[0] for e in experts], groups)), [e[2] for e in experts], groups)
+
+
+def fast_path_applies(experts_module: nn.Module, kind: Optional[str], dtype: torch.dtype) -> bool:
+    """The grouped path runs when the experts are a known MLP, nothing hooks into them (it would
+    bypass the hooks) and the input has the weights' dtype (no autocast)."""
+    weight = next(experts_module.deepspeed_experts[0].parameters(), None)
+    return kind is not None and weight is not None and weight.dtype == dtype and not _hooked(experts_module)
 
 
 def run_experts(experts_module: nn.Module, kind: Optional[str], x_GECM: torch.Tensor) -> torch.Tensor:
     """x [ep, E_local, C, M] (rows from each ep rank, for each local expert) -> same shape.
 
-    Falls back to the stock module (experts one by one) when the experts are not a known MLP,
-    when hooks are registered on them, or when the input dtype is not the weights' dtype.
+    The grouped path where it applies, else the stock module (experts one by one).
     """
-    local = experts_module.deepspeed_experts
-    weight = next(local[0].parameters(), None)
-    if kind is None or _hooked(experts_module) or weight is None or weight.dtype != x_GECM.dtype:
+    if not fast_path_applies(experts_module, kind, x_GECM.dtype):
         return experts_module(x_GECM)
     G, E, C, M = x_GECM.shape
     x_ECM = x_GECM.transpose(0, 1).reshape(E, G * C, M)
-    y_ECM = grouped_mlp(kind, local, x_ECM)
+    y_ECM = grouped_mlp(kind, experts_module.deepspeed_experts, x_ECM, EqualGroups())
     return y_ECM.reshape(E, G, C, -1).transpose(0, 1)

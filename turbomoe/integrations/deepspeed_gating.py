@@ -62,6 +62,9 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
     """
     S, E = logits_SE.shape
     k = gate.k
+    if k == 1 and S < gate.min_capacity:  # stock's top-1 asserts this
+        raise ValueError(f"top-1 gating needs at least min_capacity ({gate.min_capacity}) tokens, got {S}; "
+                         "set min_capacity=0 or use a larger batch")
     sample_second = k == 2 and gate.top2_2nd_expert_sampling
     rsample = k == 1 and gate.training and gate.noisy_gate_policy == "RSample"
     masked = k == 1 and used_token_S is not None
@@ -107,14 +110,11 @@ def drop_policy(gate: TopKGate) -> str:
 def expert_capacity(gate: TopKGate, num_tokens: int, counts_E: torch.Tensor, ep_group) -> int:
     """C: stock's formula when dropping; else the largest count over the expert-parallel group.
 
-    The dropless branch holds this layer's one host sync: the buffers (and the all-to-all) need C
-    as a Python int, and it is known only after routing. Stock reads it too, and syncs again in the
-    top-1 selection; here it is one int read per forward.
+    The dropless branch holds the layer's one host sync: the buffers (and the all-to-all) need C
+    as a Python int, and it is known only after routing. Stock reads it too (and top-1 syncs three
+    more times comparing and selecting with tensor capacities); here it is one int read.
     """
     E = counts_E.shape[0]
-    if gate.k == 1 and num_tokens < gate.min_capacity:
-        raise ValueError(f"top-1 gating needs at least min_capacity ({gate.min_capacity}) tokens, got {num_tokens}; "
-                         "set min_capacity=0 or use a larger batch")
     if gate.drop_tokens:
         factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
         return ops.capacity(num_tokens, E, gate.k, factor, gate.min_capacity)
