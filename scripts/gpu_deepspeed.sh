@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The DeepSpeed drop-in's GPU session, run from the repository root:
+#   bash scripts/gpu_deepspeed.sh [bench_deepspeed.py args...]
+# Installs the carried wheels (.whl: DeepSpeed and its pure-Python deps), runs the fidelity tests
+# on CUDA (and the expert-parallel launcher test over NCCL when there are 2+ GPUs), then the
+# stock-vs-turbomoe benchmark. Logs and JSON go to $OUT; the short table is printed last.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/turbomoe_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+export PATH=/tmp/site/bin:$PATH  # the deepspeed launcher, for tests/test_deepspeed_launcher.py
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+python3 -c "import torch, triton, deepspeed; print('torch', torch.__version__, 'triton', triton.__version__, \
+'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"
+date -u
+timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepspeed_fidelity.py tests/test_deepspeed_launcher.py \
+  2>&1 | tee "$OUT/pytest_deepspeed.log" | tail -25
+date -u
+timeout 280 python3 scripts/bench_deepspeed.py --json "$OUT/bench_deepspeed.json" "$@" 2>&1 \
+  | tee "$OUT/bench_deepspeed.log" | grep -v "^\[\|^{" | tail -12
+date -u
+echo "== summary =="
+grep -E "passed|failed|error" "$OUT/pytest_deepspeed.log" | tail -1
+grep -A6 "^  E  k" "$OUT/bench_deepspeed.log"
