@@ -17,16 +17,25 @@ import torch
 import triton
 import triton.language as tl
 
-_MM_CONFIGS = [
+_MM_CONFIGS = [  # bf16 / fp16 tiles, then fp32 (IEEE products need smaller tiles to fit shared memory)
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_stages=3, num_warps=8),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_stages=4, num_warps=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_stages=3, num_warps=4),
 ]
 _WGRAD_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}, num_stages=3, num_warps=8),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, num_stages=3, num_warps=4),
 ]
 _INTERPRET_CONFIG = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_stages=1, num_warps=1)]
+
+
+def _prune_by_dtype(configs, named_args, **kwargs):
+    """The last config serves fp32, the others 16-bit dtypes: fewer compilations per shape."""
+    if len(configs) == 1:
+        return configs
+    return configs[-1:] if named_args["x_ptr"].element_size() == 4 else configs[:-1]
 
 
 def _interpreting() -> bool:
@@ -40,7 +49,8 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-@triton.autotune(configs=_INTERPRET_CONFIG if _interpreting() else _MM_CONFIGS, key=["N", "K", "G"])
+@triton.autotune(configs=_INTERPRET_CONFIG if _interpreting() else _MM_CONFIGS, key=["N", "K", "G"],
+                 prune_configs_by={"early_config_prune": _prune_by_dtype})
 @triton.jit
 def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, counts_ptr, R, N, K, G,
                        stride_xr, stride_xk, stride_wg, stride_wk, stride_wn, stride_yr, stride_yn,
@@ -62,17 +72,18 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, counts_ptr, R, N, K, G,
             tile_n = local % n_tiles
             rows_in = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
             cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            # Clamped indices instead of load masks: out-of-group rows are computed, never stored.
+            # Rows are clamped (out-of-group rows are computed, never stored); the other dims are
+            # masked, since a clamp on a contiguous dim would defeat vectorised loads.
             rows_ld = tl.minimum(row_start + rows_in, R - 1).to(tl.int64)
-            cols_ld = tl.minimum(cols, N - 1)
+            col_ok = cols < N
             ks = tl.arange(0, BLOCK_K)
             a_ptrs = x_ptr + rows_ld[:, None] * stride_xr + ks[None, :] * stride_xk
-            b_ptrs = w_g_ptr + ks[:, None] * stride_wk + cols_ld[None, :] * stride_wn
+            b_ptrs = w_g_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, tl.cdiv(K, BLOCK_K)):
                 k_ok = ks < K - kk * BLOCK_K
                 a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
                 a_ptrs += BLOCK_K * stride_xk
                 b_ptrs += BLOCK_K * stride_wk
@@ -84,7 +95,8 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, counts_ptr, R, N, K, G,
         w_g_ptr += stride_wg
 
 
-@triton.autotune(configs=_INTERPRET_CONFIG if _interpreting() else _WGRAD_CONFIGS, key=["N", "K", "G"])
+@triton.autotune(configs=_INTERPRET_CONFIG if _interpreting() else _WGRAD_CONFIGS, key=["N", "K", "G"],
+                 prune_configs_by={"early_config_prune": _prune_by_dtype})
 @triton.jit
 def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, N, K, G,
                              stride_xr, stride_xk, stride_dyr, stride_dyn, stride_wg, stride_wk, stride_wn,
@@ -102,18 +114,20 @@ def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, N, K, G,
     m = tl.load(counts_ptr + g)
     ks = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks_ld = tl.minimum(ks, K - 1)
-    cols_ld = tl.minimum(cols, N - 1)
+    k_ok = ks < K
+    col_ok = cols < N
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for r in range(0, m, BLOCK_M):
         rows_in = r + tl.arange(0, BLOCK_M)
         rows = (row_start + rows_in).to(tl.int64)
         ok = rows_in < m  # rows of other groups must not leak into this sum
-        a = tl.load(x_ptr + rows[None, :] * stride_xr + ks_ld[:, None] * stride_xk, mask=ok[None, :], other=0.0)
-        b = tl.load(dy_ptr + rows[:, None] * stride_dyr + cols_ld[None, :] * stride_dyn, mask=ok[:, None], other=0.0)
+        a = tl.load(x_ptr + rows[None, :] * stride_xr + ks[:, None] * stride_xk, mask=k_ok[:, None] & ok[None, :],
+                    other=0.0)
+        b = tl.load(dy_ptr + rows[:, None] * stride_dyr + cols[None, :] * stride_dyn, mask=ok[:, None] & col_ok[None, :],
+                    other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     dw_ptrs = dw_ptr + g.to(tl.int64) * stride_wg + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(ks < K)[:, None] & (cols < N)[None, :])
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
 def _num_programs(device: torch.device) -> int:
