@@ -154,8 +154,11 @@ def train(cfg, args, resume, samples):
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     peak = peak_flops(t.peak_tflops)
     check_vocab = vocab_size_of(cfg.data.source) is None
+    t_start = time.perf_counter()
+    valid_losses, step_times, train_loss = [], [], None
     if start_step == 0:
-        log.write({"type": "valid", "step": 0, "valid_loss": evaluate(engine, valid, device)})
+        valid_losses.append(evaluate(engine, valid, device))
+        log.write({"type": "valid", "step": 0, "valid_loss": valid_losses[-1]})
 
     for step in range(start_step, last_step):
         torch.manual_seed(t.seed * 1_000_003 + step)  # any random draw of this step (e.g. RTS) is a function of it
@@ -187,15 +190,28 @@ def train(cfg, args, resume, samples):
                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                   "mfu": tokens_per_step / dt * flops_per_token / (world * peak) if peak else None}
         log.train_step(record)
+        step_times.append(dt)
+        train_loss = loss
         if done % cfg.eval.every == 0 or done == t.steps:
-            valid_loss = evaluate(engine, valid, device)
-            log.write({"type": "valid", "step": done, "valid_loss": valid_loss})
-            log.message(f"step {done}: valid loss {valid_loss:.4f}")
+            valid_losses.append(evaluate(engine, valid, device))
+            log.write({"type": "valid", "step": done, "valid_loss": valid_losses[-1]})
+            log.message(f"step {done}: valid loss {valid_losses[-1]:.4f}")
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step:
             checkpointing.save(engine, cfg.checkpoint.dir, done, cfg.checkpoint.keep,
                                {"step": done, "config": cfg.to_dict()})
             log.write({"type": "checkpoint", "step": done,
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})
+    # Throughput over the steps after the first few (start-up: allocator, kernel autotuning).
+    steady = step_times[min(len(step_times) - 1, max(1, len(step_times) // 10)):]
+    tokens_per_s = tokens_per_step * len(steady) / sum(steady) if steady else None
+    summary = {"type": "summary", "step": last_step, "steps_run": len(step_times), "wall_s": time.perf_counter() - t_start,
+               "train_loss": train_loss, "valid_loss_first": valid_losses[0] if valid_losses else None,
+               "valid_loss_last": valid_losses[-1] if valid_losses else None, "tokens_per_s": tokens_per_s,
+               "mfu": tokens_per_s * flops_per_token / (world * peak) if peak and tokens_per_s else None,
+               "device": torch.cuda.get_device_name() if on_gpu else "cpu", "world_size": world}
+    log.write(summary)
+    log.message("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in summary.items() if k != "type"))
     log.close()
 
 

@@ -1,0 +1,42 @@
+#!/bin/bash
+# The pretraining recipe on one GPU (run from the repository root, under 7 minutes on an H100):
+#   bash scripts/gpu_recipes.sh [extra pretrain.py args, e.g. --set train.steps=200]
+# installs the carried wheels (.whl: DeepSpeed and its deps), trains small-1gpu for STEPS steps
+# (default 300) through the deepspeed launcher, and prints tokens/s, MFU and the losses last.
+# Logs go to $OUT (default /tmp/turbomoe_out).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/turbomoe_out}
+STEPS=${STEPS:-300}
+RUN=$OUT/small-1gpu
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
+export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH
+python3 -c "import yaml, tqdm, deepspeed" || { echo "gpu_recipes.sh: pretrain.py needs pyyaml, tqdm and deepspeed"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+rm -rf "$RUN"
+date -u
+# The launcher's own entry point (python -m), since --target installs leave no `deepspeed` on PATH.
+timeout 330 python3 -m deepspeed.launcher.runner --num_gpus 1 recipes/pretrain.py \
+  --config recipes/configs/small-1gpu.yaml --set train.steps="$STEPS" --set eval.every=100 \
+  --set checkpoint.every=0 --set log.wandb=false --set log.dir="$RUN" "$@" 2>&1 \
+  | tr '\r' '\n' | grep -v "^\[\|it/s\]$\|FutureWarning\|return func" | tee "$OUT/pretrain.log" | tail -25
+echo "exit status: ${PIPESTATUS[0]}"
+date -u
+ls -la "$RUN/checkpoints"/global_step* 2>/dev/null | head -5
+python3 - "$RUN/log.jsonl" <<'PY'
+import json, sys
+recs = [json.loads(line) for line in open(sys.argv[1])]
+train = [r for r in recs if r["type"] == "train"]
+for r in train[::50] + train[-1:]:
+    print(f"step {r['step']:4d}  loss {r['loss']:.4f}  aux {r['aux_loss']:.3f}  load {r['expert_load']:.2f}  "
+          f"tok/s {r['tokens_per_s']:,.0f}  mfu {100 * (r['mfu'] or 0):.1f}%")
+for r in recs:
+    if r["type"] == "valid":
+        print(f"valid step {r['step']:4d}: {r['valid_loss']:.4f}")
+s = [r for r in recs if r["type"] == "summary"][-1]
+print(f"SUMMARY {s['device']}: {s['steps_run']} steps, {s['tokens_per_s']:,.0f} tokens/s, "
+      f"MFU {100 * (s['mfu'] or 0):.1f}%, train loss {s['train_loss']:.4f}, "
+      f"valid loss {s['valid_loss_first']:.4f} -> {s['valid_loss_last']:.4f}, {s['wall_s']:.0f} s")
+PY

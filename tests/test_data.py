@@ -1,0 +1,126 @@
+"""Pretraining data: byte tokenizer, text/jsonl/stdlib corpora, Megatron .bin/.idx datasets read
+through megatron-core's IndexedDataset, and the seeded train/validation samples."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from turbomoe.data import ArrayStream, ByteTokenizer, IndexedStream, Samples, load_stream, stdlib_files
+
+EOS = ByteTokenizer.eos_id
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return 'héllo' # ✓"
+    ids = tok.encode(text)
+    assert ids.max() < 256 and len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(list(ids) + [EOS]) == text
+
+
+def test_text_and_jsonl(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.txt").write_text("bb")
+    (tmp_path / "docs" / "a.txt").write_text("a")
+    (tmp_path / "docs" / "skip.md").write_text("not read")
+    stream = load_stream("text", [str(tmp_path / "docs")])
+    assert stream.read(0, len(stream)).tolist() == [97, EOS, 98, 98, EOS]  # sorted files, EOS after each
+    jl = tmp_path / "d.jsonl"
+    jl.write_text(json.dumps({"body": "xy"}) + "\n\n" + json.dumps({"body": "z"}) + "\n")
+    stream = load_stream("jsonl", [str(jl)], text_key="body")
+    assert stream.read(0, 5).tolist() == [120, 121, EOS, 122, EOS]
+    assert len(load_stream("jsonl", [str(jl)], text_key="body", max_tokens=2)) == 2
+
+
+def test_bad_paths_and_records(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_stream("text", [str(tmp_path / "missing.txt")])
+    with pytest.raises(FileNotFoundError, match="no \\*.jsonl files"):
+        load_stream("jsonl", [str(tmp_path)])
+    with pytest.raises(ValueError, match="data.paths is empty"):
+        load_stream("text", [])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"content": "no text field"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_stream("jsonl", [str(bad)])
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_stream("megatron", [str(tmp_path / "nothing_text_document")])
+    with pytest.raises(ValueError, match="data.source"):
+        load_stream("parquet", [])
+
+
+def test_stdlib_corpus():
+    files = stdlib_files()
+    assert len(files) > 100 and all(f.endswith(".py") for f in files)
+    assert not any("/test/" in f or "site-packages" in f for f in files)
+    stream = load_stream("stdlib", max_tokens=10_000)
+    assert len(stream) == 10_000
+    assert ByteTokenizer().decode(stream.read(0, 10_000)).count("def ") > 0
+
+
+def build_megatron(prefix, docs, dtype=np.int32):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for doc in docs:
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_megatron_indexed_dataset(tmp_path):
+    rng = np.random.default_rng(0)
+    docs_a = [rng.integers(0, 50_000, n).tolist() for n in (5, 1, 17, 3)]
+    docs_b = [rng.integers(0, 50_000, n).tolist() for n in (9, 2)]
+    build_megatron(tmp_path / "a_text_document", docs_a)
+    build_megatron(tmp_path / "b_text_document", docs_b, dtype=np.uint16)
+    flat = np.concatenate([np.array(d) for d in docs_a + docs_b])
+    stream = load_stream("megatron", [str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document.bin")])
+    assert isinstance(stream, IndexedStream) and len(stream) == len(flat)
+    for start, length in [(0, len(flat)), (3, 4), (5, 1), (4, 20), (24, 9), (len(flat) - 1, 1)]:
+        got = stream.read(start, length)
+        assert got.dtype == np.int64 and got.tolist() == flat[start:start + length].tolist(), (start, length)
+    samples = Samples(stream, seq_len=4, valid_fraction=0.2, seed=0)
+    assert samples.sample(2).tolist() == flat[8:13].tolist()
+
+
+def toy_samples(seed=0):
+    """100 samples of 10 tokens over the stream 0, 1, 2, ...: sample i starts with token 10 * i."""
+    return Samples(ArrayStream(np.arange(1001)), seq_len=10, valid_fraction=0.1, seed=seed)
+
+
+def test_samples_split_and_windows():
+    s = toy_samples()
+    assert len(s.train_ids) + len(s.valid_ids) == 100 and len(s.valid_ids) == 10
+    assert not set(s.train_ids) & set(s.valid_ids)
+    assert s.sample(7).tolist() == list(range(70, 81))  # inputs and next-token labels overlap by one
+
+
+def test_samples_deterministic_order_covers_every_sample_once_per_epoch():
+    a, b, other = toy_samples(seed=5), toy_samples(seed=5), toy_samples(seed=6)
+    world, micro, accum = 2, 3, 2
+    per_step = world * micro * accum
+    seen = []
+    for step in range(len(a.train_ids) // per_step):
+        for m in range(accum):
+            for rank in range(world):
+                batch = a.train_batch(step, m, accum, rank, world, micro)
+                assert np.array_equal(batch, b.train_batch(step, m, accum, rank, world, micro))
+                seen += [int(row[0]) // 10 for row in batch]
+    assert len(seen) == len(set(seen)) and set(seen) <= set(a.train_ids.tolist())
+    assert not np.array_equal(a.train_batch(0, 0, 1, 0, 1, 4), other.train_batch(0, 0, 1, 0, 1, 4))
+    # The next epoch is reshuffled.
+    n = len(a.train_ids)
+    assert [a._train_sample_id(i) for i in range(n)] != [a._train_sample_id(n + i) for i in range(n)]
+
+
+def test_validation_batches_and_small_corpora():
+    s = toy_samples()
+    v0, v1 = s.valid_batches(0, 2, 2, 8), s.valid_batches(1, 2, 2, 8)
+    assert len(v0) == len(v1) == 2  # 10 samples: 2 full rounds of 2 ranks x 2
+    rows = {tuple(r) for b in v0 + v1 for r in b}
+    assert len(rows) == 8
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        s.valid_batches(0, 4, 4, 1)
+    with pytest.raises(ValueError, match="too few"):
+        Samples(load_stream("stdlib", max_tokens=15), 10, 0.5, 0)

@@ -1,0 +1,169 @@
+"""recipes/pretrain.py: bad input fails before any work, checkpoint bookkeeping, and real runs
+through the deepspeed launcher with 2 ranks and ep_size=2 (CPU ranks over gloo here; GPUs where
+there are two): the loss falls, checkpoints are written, and a run stopped and resumed logs exactly
+the losses of an uninterrupted one."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("deepspeed")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+import checkpointing  # noqa: E402
+import pretrain  # noqa: E402
+from recipe_config import ConfigError, deepspeed_config, load_config, validate  # noqa: E402
+
+TINY = os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml")
+STEPS = 8
+# tiny-cpu, shortened: a few steps of the same model, data and parallel layout.
+SHORT = ["--set", f"train.steps={STEPS}", "--set", "train.warmup_steps=2", "--set", "eval.every=4",
+         "--set", "eval.batches=2", "--set", "checkpoint.every=4", "--set", "log.wandb=false"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp, *args, check=True):
+    """deepspeed --num_gpus 2 recipes/pretrain.py ... with logs and checkpoints under tmp."""
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), os.path.join(ROOT, "recipes", "pretrain.py"),
+           "--config", TINY, *SHORT, "--set", f"log.dir={tmp}", *args]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"launcher exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def records(log_dir, kind):
+    with open(os.path.join(log_dir, "log.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["type"] == kind]
+
+
+# ---------------------------------------------------------------- bad input, before any work
+
+
+def test_config_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {hidden_size: 64}\ntrian: {steps: 3}\n")
+    with pytest.raises(ConfigError, match="unknown config section.*trian"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="unknown key.*stpes.*'train'"):
+        load_config(TINY, ["train.stpes=3"])
+    with pytest.raises(ConfigError, match="unknown model config keys.*hidden"):
+        load_config(TINY, ["model.hidden=3"])
+    with pytest.raises(ConfigError, match="ep_size 3 does not divide model.num_experts 8"):
+        load_config(TINY, ["moe.ep_size=3"])
+    with pytest.raises(ConfigError, match="does not divide the world size 2"):
+        validate(load_config(TINY, ["moe.ep_size=4"]), world_size=2)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(TINY, ["steps=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as the launcher sets it for tiny-cpu's 2 ranks
+    args = pretrain.parse_args(["--config", TINY, "--set", "data.source=text",
+                                "--set", f"data.paths=[{tmp_path / 'missing.txt'}]"])
+    with pytest.raises(ConfigError, match="missing.txt' does not exist"):
+        pretrain.prepare(args)
+    args = pretrain.parse_args(["--config", TINY, "--resume", str(tmp_path)])
+    with pytest.raises(ConfigError, match="no checkpoint there"):
+        pretrain.prepare(args)
+    args = pretrain.parse_args(["--config", TINY, "--set", "model.vocab_size=200"])
+    with pytest.raises(ConfigError, match="257 tokens, more than model.vocab_size 200"):
+        pretrain.prepare(args)
+
+
+def test_generated_deepspeed_config():
+    cfg = load_config(TINY, ["train.grad_accum=3", "train.zero_stage=2", "deepspeed.zero_optimization.overlap_comm=true"])
+    ds = deepspeed_config(cfg, world_size=2, bf16=False)
+    assert ds["train_batch_size"] == cfg.train.micro_batch_size * 3 * 2
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert ds["gradient_clipping"] == cfg.train.grad_clip and ds["bf16"] == {"enabled": False}
+
+
+def test_lr_schedule():
+    f = [pretrain.lr_factor(s, 10, 110, 0.1) for s in range(110)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
+    assert f[60] == pytest.approx(0.55) and f[-1] > 0.1 and all(a >= b for a, b in zip(f[10:], f[11:]))
+
+
+def test_checkpoint_bookkeeping(tmp_path):
+    def tag(step, complete=True):
+        d = tmp_path / checkpointing.tag_of(step)
+        d.mkdir()
+        if complete:
+            (d / checkpointing.COMPLETE).write_text(str(step))
+
+    for s in (2, 4, 6):
+        tag(s)
+    tag(3, complete=False)  # an older save that crashed
+    tag(8, complete=False)  # a save that crashed just now
+    (tmp_path / "latest").write_text("global_step6")
+    assert checkpointing.resolve(str(tmp_path)) == (str(tmp_path), "global_step6")
+    assert checkpointing.resolve(str(tmp_path / "global_step4")) == (str(tmp_path), "global_step4")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        checkpointing.resolve(str(tmp_path / "global_step8"))
+    checkpointing.prune(str(tmp_path), keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step4", "global_step6",
+                                                                          "global_step8"]
+    (tmp_path / "latest").write_text("global_step8")
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpointing.resolve(str(tmp_path))
+
+
+def test_launcher_rejects_bad_input_before_work(tmp_path):
+    proc = launch(tmp_path / "run", "--set", "moe.ep_size=3", check=False)
+    assert proc.returncode != 0
+    assert "pretrain.py: error: moe.ep_size 3 does not divide model.num_experts 8" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- launcher runs
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("full")
+    launch(tmp)
+    return tmp
+
+
+def test_launcher_run_trains_and_checkpoints(full_run):
+    train, valid = records(full_run, "train"), records(full_run, "valid")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    assert [r["step"] for r in valid] == [0, 4, 8] and valid[-1]["valid_loss"] < valid[0]["valid_loss"] - 1.0
+    assert all(r["expert_load"] >= 1.0 and r["tokens_per_s"] > 0 for r in train)
+    ckpt = full_run / "checkpoints"
+    assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
+    files = set(os.listdir(ckpt / f"global_step{STEPS}"))
+    # Every expert of both MoE layers, from both expert-parallel ranks, and both ranks' ZeRO shards.
+    cfg = load_config(TINY)
+    assert {f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+            for layer in range(len(cfg.model.moe_layers())) for e in range(cfg.model.num_experts)} <= files
+    assert {"mp_rank_00_model_states.pt", checkpointing.COMPLETE, "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files
+    assert sorted(d for d in os.listdir(ckpt) if d.startswith("global_step")) == ["global_step4", "global_step8"]
+
+
+def test_stop_and_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
+    launch(tmp_path, "--stop-at-step", "3")
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step3"
+    launch(tmp_path, "--resume")
+    ref = {r["step"]: r for r in records(full_run, "train")}
+    got = records(tmp_path, "train")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for r in got:
+        for key in ("loss", "aux_loss", "lr", "grad_norm", "expert_load_per_layer"):
+            assert r[key] == ref[r["step"]][key], (r["step"], key)
+    ref_valid = {r["step"]: r["valid_loss"] for r in records(full_run, "valid")}
+    assert {r["step"]: r["valid_loss"] for r in records(tmp_path, "valid")} == ref_valid
