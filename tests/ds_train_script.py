@@ -63,7 +63,8 @@ def expert_weights_are_views(layer) -> bool:
 def build_engine(model_seed: int = 0):
     torch.manual_seed(model_seed)
     model = TinyMoEModel()
-    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "params"})
+    params_group = {"params": list(model.parameters()), "name": "params"}
+    groups = split_params_into_different_moe_groups_for_optimizer(params_group)
     optimizer = torch.optim.AdamW(groups, lr=1e-2)
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -168,7 +169,8 @@ def main():
         stock.save_checkpoint(ckpt, tag="stock")
         torch.save(params(stock), os.path.join(args.workdir, f"params_stock_rank{rank}.pt"))
     else:
-        saved = {tag: torch.load(os.path.join(args.workdir, f"params_{tag}_rank{rank}.pt")) for tag in ("turbomoe", "stock")}
+        saved = {tag: torch.load(os.path.join(args.workdir, f"params_{tag}_rank{rank}.pt"))
+                 for tag in ("turbomoe", "stock")}
         engine.load_checkpoint(ckpt, tag="turbomoe")
         result["resumed_param_diff"] = max_param_diff(engine, saved["turbomoe"])
         result["losses"] = train_steps(engine, range(SAVE_AFTER, STEPS), rank)

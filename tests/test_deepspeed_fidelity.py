@@ -256,6 +256,15 @@ def test_patch_swaps_stock_layer_for_unmodified_code():
     assert type(layer) is MoE and not isinstance(layer.deepspeed_moe, tds.TurboMOELayer)
 
 
+def test_wall_clock_breakdown_is_recorded():
+    """The engine's wall_clock_breakdown sets these flags and reads the times, as for stock."""
+    _, turbo = make_pair("mlp", k=2)
+    turbo.deepspeed_moe.wall_clock_breakdown = turbo.deepspeed_moe.gate.wall_clock_breakdown = True
+    turbo(torch.randn(64, M))
+    assert turbo.deepspeed_moe.time_moe > 0 and turbo.deepspeed_moe.gate.gate_time > 0
+    assert turbo.deepspeed_moe.time_moe >= turbo.deepspeed_moe.gate.gate_time
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="k must be"):
         tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=16, k=9)

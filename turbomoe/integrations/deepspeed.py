@@ -16,13 +16,15 @@ over the expert-parallel group, as stock does: one host read per forward. With e
 grouped experts it uses turbomoe's dropless layout instead, [S * k, M] expert-contiguous rows and
 grouped GEMMs with the counts on the device: no host sync at all.
 """
+import contextlib
 from typing import Optional
 
 import torch
 from torch import nn
 import deepspeed.moe.layer as ds_layer
 from deepspeed.moe.mappings import drop_tokens, gather_tokens
-from deepspeed.moe.sharded_moe import MOELayer, _AllToAll
+from deepspeed.moe.sharded_moe import (FIRST_ALLTOALL_TIMER, MOE_TIMER, SECOND_ALLTOALL_TIMER, TOPK_GATE_TIMER,
+                                       MOELayer, _AllToAll)
 from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
@@ -34,6 +36,19 @@ from .deepspeed_gating import drop_policy, expert_capacity, renormalize_kept, ro
 __all__ = ["MoE", "TurboMOELayer", "SwiGLUExpert", "patch", "unpatch", "is_patched"]
 
 StockMoE = ds_layer.MoE
+
+
+@contextlib.contextmanager
+def _timed(owner: nn.Module, timer: str, attr: str):
+    """Stock's wall-clock breakdown: when the engine sets owner.wall_clock_breakdown, time the
+    block with owner's (synchronizing) timer and store the milliseconds in owner.<attr>."""
+    if not owner.wall_clock_breakdown:
+        yield
+        return
+    owner.timers(timer).start()
+    yield
+    owner.timers(timer).stop()
+    setattr(owner, attr, owner.timers(timer).elapsed(reset=False))
 
 
 class TurboMOELayer(MOELayer):
@@ -54,33 +69,38 @@ class TurboMOELayer(MOELayer):
         return self
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
-        M = hidden_states.shape[-1]
-        x_SM = hidden_states.reshape(-1, M)
-        S = x_SM.shape[0]
-        gate = self.gate
-        E = gate.wg.weight.shape[0]
+        with _timed(self, MOE_TIMER, "time_moe"):
+            M = hidden_states.shape[-1]
+            x_SM = hidden_states.reshape(-1, M)
+            E = self.gate.wg.weight.shape[0]
+            # Dropless on one expert-parallel rank with grouped experts: expert-contiguous rows and
+            # grouped GEMMs over counts on the device, no capacity, no padding, no host sync.
+            rows_layout = (not self.gate.drop_tokens and self.ep_size == 1
+                           and bwc_tensor_model_parallel_world_size(groups.mpu) == 1
+                           and fast_path_applies(self.experts, self.expert_fast_path, x_SM.dtype))
+            with _timed(self.gate, TOPK_GATE_TIMER, "gate_time"):
+                s, weights_SK = self._route_and_assign(x_SM, used_token, rows_layout)
+            buf_RM = ops.scatter_tokens(x_SM, s.slots, s.num_rows)
+            if rows_layout:
+                y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
+                                   RowGroups(s.kept_counts, s.num_rows))
+            else:
+                y_RM = self._exchange_and_run_experts(buf_RM.view(E, s.capacity, M)).reshape(E * s.capacity, M)
+            out_SM = ops.gather_tokens(y_RM, s.slots, weights_SK)
+        return out_SM.reshape(hidden_states.shape)
 
+    def _route_and_assign(self, x_SM: torch.Tensor, used_token: Optional[torch.Tensor], rows_layout: bool):
+        """Sets l_aux and exp_counts; returns the slots and the combine weights [S, k]."""
+        gate = self.gate
         routes = route(gate, router_logits(gate, x_SM), used_token)
         self.l_aux = routes.l_aux
         self.exp_counts = routes.counts.long().detach()  # stock: int64 routes per expert before capacity
-        # Dropless on one expert-parallel rank with grouped experts: expert-contiguous rows and
-        # grouped GEMMs over counts on the device, no capacity, no padding, no host sync.
-        rows_layout = (not gate.drop_tokens and self.ep_size == 1 and bwc_tensor_model_parallel_world_size(groups.mpu) == 1
-                       and fast_path_applies(self.experts, self.expert_fast_path, x_SM.dtype))
-        C = None if rows_layout else expert_capacity(gate, S, routes.counts, self.ep_group)
+        C = None if rows_layout else expert_capacity(gate, x_SM.shape[0], routes.counts, self.ep_group)
         policy = drop_policy(gate)
         seed = int(torch.randint(0, 2**31 - 1, (1, ))) if gate.drop_tokens and policy == "rts" else 0
-        s = ops.assign_slots(routes.expert_ids, routes.scores, E, capacity=C, drop_policy=policy, seed=seed)
-        weights_SK = routes.scores if gate.k == 1 else renormalize_kept(routes.scores, s.slots)
-
-        buf_RM = ops.scatter_tokens(x_SM, s.slots, s.num_rows)
-        if rows_layout:
-            y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
-                               RowGroups(s.kept_counts, s.num_rows))
-        else:
-            y_RM = self._exchange_and_run_experts(buf_RM.view(E, C, M)).reshape(E * C, M)
-        out_SM = ops.gather_tokens(y_RM, s.slots, weights_SK)
-        return out_SM.reshape(hidden_states.shape)
+        s = ops.assign_slots(routes.expert_ids, routes.scores, routes.counts.shape[0], capacity=C,
+                             drop_policy=policy, seed=seed)
+        return s, routes.scores if gate.k == 1 else renormalize_kept(routes.scores, s.slots)
 
     def _exchange_and_run_experts(self, buf_ECM: torch.Tensor) -> torch.Tensor:
         """[E, C, M] on every rank -> each rank's experts on their rows from all ranks -> [E, C, M].
@@ -93,14 +113,16 @@ class TurboMOELayer(MOELayer):
         if tp > 1:
             # Non-expert tensor parallelism duplicates tokens on tp ranks: exchange a 1/tp share.
             buf_ECM = drop_tokens(buf_ECM, dim=1)
-        buf_ECM = _AllToAll.apply(self.ep_group, buf_ECM) if self.ep_size > 1 else buf_ECM.contiguous()
+        with _timed(self, FIRST_ALLTOALL_TIMER, "time_falltoall"):
+            buf_ECM = _AllToAll.apply(self.ep_group, buf_ECM) if self.ep_size > 1 else buf_ECM.contiguous()
         if tp > 1 and expert_tp:
             buf_ECM = gather_tokens(buf_ECM, dim=1)
         x_GECM = buf_ECM.reshape(self.ep_size, self.num_local_experts, -1, M)
         y_ECM = run_experts(self.experts, self.expert_fast_path, x_GECM).reshape(E, -1, M)
         if tp > 1 and expert_tp:
             y_ECM = drop_tokens(y_ECM, dim=1)
-        y_ECM = _AllToAll.apply(self.ep_group, y_ECM) if self.ep_size > 1 else y_ECM.contiguous()
+        with _timed(self, SECOND_ALLTOALL_TIMER, "time_salltoall"):
+            y_ECM = _AllToAll.apply(self.ep_group, y_ECM) if self.ep_size > 1 else y_ECM.contiguous()
         if tp > 1:
             y_ECM = gather_tokens(y_ECM, dim=1)
         return y_ECM
@@ -134,7 +156,8 @@ class MoE(StockMoE):
             raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got {k!r} "
                              f"with num_experts={num_experts}")
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
-            raise ValueError(f"noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', got {noisy_gate_policy!r}")
+            raise ValueError("noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', "
+                             f"got {noisy_gate_policy!r}")
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, False,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
