@@ -116,8 +116,9 @@ def test_noisy_gate_policies_match_stock(device, policy, k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_used_token_matches_stock(device):
-    stock, turbo = make_pair("mlp", device, k=1, capacity_factor=float(E))
+@pytest.mark.parametrize("drop_tokens", [True, False])
+def test_used_token_matches_stock(device, drop_tokens):
+    stock, turbo = make_pair("mlp", device, k=1, capacity_factor=float(E), drop_tokens=drop_tokens)
     x = torch.randn(64, M, device=device)
     used = (torch.arange(64, device=device) % 3 != 0).long()
     a, b = run(stock, x, used_token=used), run(turbo, x, used_token=used)

@@ -107,7 +107,7 @@ class TurboMOELayer(MOELayer):
 
         The same all-to-all and tensor-parallel token dropping as stock's MOELayer.forward.
         """
-        E, C, M = buf_ECM.shape
+        E, _, M = buf_ECM.shape
         tp = bwc_tensor_model_parallel_world_size(groups.mpu)
         expert_tp = groups._get_expert_model_parallel_world_size() > 1
         if tp > 1:
@@ -187,6 +187,7 @@ def patch() -> None:
     Stock's class gets a __new__ that builds turbomoe's subclass, so every reference to it works,
     however and whenever it was imported (Megatron-DeepSpeed's `from deepspeed.moe.layer import
     MoE`), and isinstance checks (the engine's) still hold. Call it before building the model.
+    Subclasses of stock's MoE are left alone (they may override its behaviour).
     """
     StockMoE.__new__ = _new_turbomoe
 
