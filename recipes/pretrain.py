@@ -105,6 +105,13 @@ def build_engine(cfg, rank: int, world: int, bf16: bool):
     return engine, model
 
 
+def check_token_ids(batch, vocab_size: int):
+    """Pre-tokenized data may come from a tokenizer larger than the model's vocabulary."""
+    if int(batch.max()) >= vocab_size:
+        raise ValueError(f"token id {int(batch.max())} in the data is >= model.vocab_size {vocab_size}; "
+                         f"set model.vocab_size to the tokenizer's")
+
+
 def evaluate(engine, batches, device) -> float:
     """Mean next-token loss over this rank's validation batches, averaged over ranks."""
     engine.eval()
@@ -154,6 +161,9 @@ def train(cfg, args, resume, samples):
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     peak = peak_flops(t.peak_tflops)
     check_vocab = vocab_size_of(cfg.data.source) is None
+    if check_vocab:
+        for b in valid:
+            check_token_ids(b, cfg.model.vocab_size)
     t_start = time.perf_counter()
     valid_losses, step_times, train_loss = [], [], None
     if start_step == 0:
@@ -169,9 +179,8 @@ def train(cfg, args, resume, samples):
         for micro_step in range(t.grad_accum):
             batch = torch.from_numpy(samples.train_batch(step, micro_step, t.grad_accum, rank, world,
                                                          t.micro_batch_size)).to(device)
-            if check_vocab and int(batch.max()) >= cfg.model.vocab_size:
-                raise ValueError(f"token id {int(batch.max())} in the data is >= model.vocab_size "
-                                 f"{cfg.model.vocab_size}; set model.vocab_size to the tokenizer's")
+            if check_vocab:
+                check_token_ids(batch, cfg.model.vocab_size)
             out = engine(batch[:, :-1], batch[:, 1:])
             engine.backward(out.loss + cfg.moe.aux_loss_coef * out.aux_loss)
             engine.step()

@@ -167,3 +167,16 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
             assert r[key] == ref[r["step"]][key], (r["step"], key)
     ref_valid = {r["step"]: r["valid_loss"] for r in records(full_run, "valid")}
     assert {r["step"]: r["valid_loss"] for r in records(tmp_path, "valid")} == ref_valid
+
+
+@pytest.mark.parametrize("name, world, billions", [("tiny-cpu", 2, (0.001, 0.003)), ("small-1gpu", 1, (0.3, 0.4)),
+                                                   ("1b-4gpu", 4, (0.95, 1.1))])
+def test_shipped_configs(name, world, billions):
+    import torch
+    from turbomoe.models import Qwen3MoeForCausalLM
+    cfg = load_config(os.path.join(ROOT, "recipes", "configs", f"{name}.yaml"))
+    validate(cfg, world_size=world)
+    assert billions[0] < cfg.model.num_parameters() / 1e9 < billions[1]
+    with torch.device("meta"):  # the full model, no memory: its size is what the config says
+        model = Qwen3MoeForCausalLM(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) == cfg.model.num_parameters()
