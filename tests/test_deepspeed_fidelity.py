@@ -11,6 +11,7 @@ from torch import nn
 pytest.importorskip("deepspeed")
 import deepspeed.moe.layer as ds_layer  # noqa: E402
 
+from conftest import assert_uniform, rel_err  # noqa: E402
 from turbomoe import ops  # noqa: E402
 from turbomoe.integrations import deepspeed as tds  # noqa: E402
 from turbomoe.integrations.deepspeed_experts import stack_expert_tensors  # noqa: E402
@@ -59,19 +60,23 @@ def run(layer, x, seed=5, used_token=None):
     return out.float(), l_aux.float(), counts, x.grad.float(), grads
 
 
-def assert_same(a, b, atol, rtol):
+def assert_same(a, b, tol):
+    """fp32: elementwise (atol, rtol). bf16: relative norm error per tensor, since bf16 sums of
+    many terms can cancel to near zero, where elementwise relative errors mean nothing."""
     out_a, aux_a, counts_a, dx_a, grads_a = a
     out_b, aux_b, counts_b, dx_b, grads_b = b
-    torch.testing.assert_close(out_b, out_a, atol=atol, rtol=rtol)
-    torch.testing.assert_close(aux_b, aux_a, atol=atol, rtol=rtol)
     assert counts_b.dtype == counts_a.dtype and torch.equal(counts_b.cpu(), counts_a.cpu())
-    torch.testing.assert_close(dx_b, dx_a, atol=atol, rtol=rtol)
     assert grads_a.keys() == grads_b.keys()
-    for name in grads_a:
-        torch.testing.assert_close(grads_b[name], grads_a[name], atol=atol, rtol=rtol, msg=name)
+    pairs = [("out", out_b, out_a), ("l_aux", aux_b, aux_a), ("dx", dx_b, dx_a)]
+    pairs += [(name, grads_b[name], grads_a[name]) for name in grads_a]
+    for name, got, want in pairs:
+        if isinstance(tol, tuple):
+            torch.testing.assert_close(got, want, atol=tol[0], rtol=tol[1], msg=lambda m: f"{name}: {m}")
+        else:
+            assert rel_err(got, want) < tol, (name, rel_err(got, want))
 
 
-TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (3e-2, 3e-2)}
+TOL = {torch.float32: (2e-5, 1e-4), torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,7 +88,7 @@ def test_matches_stock_without_drops(device, dtype, k, expert):
     stock, turbo = make_pair(expert, device, dtype, k=k, capacity_factor=float(E))
     assert turbo.deepspeed_moe.expert_fast_path == (None if expert == "custom" else expert)
     x = torch.randn(4, 32, M, device=device, dtype=dtype)
-    assert_same(run(stock, x), run(turbo, x), *TOL[dtype])
+    assert_same(run(stock, x), run(turbo, x), TOL[dtype])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -92,7 +97,7 @@ def test_matches_stock_without_drops(device, dtype, k, expert):
 def test_dropless_matches_stock(device, expert, k, sampling):
     stock, turbo = make_pair(expert, device, k=k, drop_tokens=False, top2_2nd_expert_sampling=sampling)
     x = torch.randn(64, M, device=device)
-    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+    assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -103,7 +108,7 @@ def test_drops_match_stock(device, k, sampling):
     x = torch.randn(64, M, device=device)
     a, b = run(stock, x), run(turbo, x)
     assert (b[0].abs().sum(1) == 0).any() or k > 1  # something is dropped (top-2/top-k keep a route or two)
-    assert_same(a, b, *TOL[torch.float32])
+    assert_same(a, b, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -112,7 +117,7 @@ def test_drops_match_stock(device, k, sampling):
 def test_noisy_gate_policies_match_stock(device, policy, k):
     stock, turbo = make_pair("mlp", device, k=k, capacity_factor=float(E), noisy_gate_policy=policy)
     x = torch.randn(64, M, device=device)
-    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+    assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -122,7 +127,7 @@ def test_used_token_matches_stock(device, drop_tokens):
     x = torch.randn(64, M, device=device)
     used = (torch.arange(64, device=device) % 3 != 0).long()
     a, b = run(stock, x, used_token=used), run(turbo, x, used_token=used)
-    assert_same(a, b, *TOL[torch.float32])
+    assert_same(a, b, TOL[torch.float32])
     assert int(b[2].sum()) == int(used.sum())
 
 
@@ -130,7 +135,7 @@ def test_used_token_matches_stock(device, drop_tokens):
 def test_residual_moe_matches_stock(device):
     stock, turbo = make_pair("mlp", device, k=2, capacity_factor=float(E), use_residual=True)
     x = torch.randn(64, M, device=device)
-    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+    assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
 
 
 @pytest.mark.parametrize("expert", ["mlp", "swiglu"])
@@ -146,7 +151,7 @@ def test_fast_path_weights_are_views_of_packed_params(expert):
     first.data = first.data.clone()
     assert stack_expert_tensors(blocks).untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
     x = torch.randn(64, M)
-    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+    assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
 
 
 def capture_expert_input(layer):
@@ -180,17 +185,14 @@ def test_rts_keeps_uniform_random_subsets():
     S, trials = 64, 200
     x = torch.rand(S, M) + 0.5  # positive: expert 3 wins every token, no expert output is exactly 0
     torch.manual_seed(0)
-    kept_times = torch.zeros(S)
+    kept_times = torch.zeros(S, dtype=torch.float64)
     with torch.no_grad():
         for _ in range(trials):
             out = turbo(x)[0]
             kept = out.abs().sum(1) != 0
             assert int(kept.sum()) == ops.capacity(S, E, 1, 2.0, 0) == 16
             kept_times += kept
-    # Binomial(200, 1/4): mean 50, sd 6.1; 5 sd either side.
-    assert kept_times.min() > 19 and kept_times.max() < 81, kept_times
-    # Not a fixed subset: the kept sets differ from trial to trial (a first-come policy keeps 0..15).
-    assert kept_times[:16].max() < trials
+    assert_uniform(kept_times / trials, 16 / S, trials)
     # Deterministic under torch.manual_seed.
     torch.manual_seed(7)
     a = turbo(x)[0]
@@ -216,7 +218,7 @@ def test_eval_with_drops_matches_stock(k):
     stock.eval()
     turbo.eval()
     x = torch.randn(64, M)
-    assert_same(run(stock, x), run(turbo, x), *TOL[torch.float32])
+    assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
 
 
 def test_checkpoints_load_both_ways():

@@ -160,7 +160,11 @@ class RowGroups:
         return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E)
 
     def add_bias(self, y_RN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
-        return y_RN + b_EN[row_groups(self.counts_E, self.num_rows)]
+        # Rows past sum(counts) (unrouted tokens) hold unspecified values whose gradient may be
+        # anything: `where`, not a multiply by 0, keeps it out of the bias gradient.
+        used_R = torch.arange(self.num_rows, device=y_RN.device) < self.counts_E.sum()
+        bias_RN = torch.where(used_R[:, None], b_EN[row_groups(self.counts_E, self.num_rows)], 0)
+        return y_RN + bias_RN
 
 
 def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups) -> torch.Tensor:
