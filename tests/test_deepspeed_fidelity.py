@@ -147,10 +147,15 @@ def test_fast_path_weights_are_views_of_packed_params(expert):
     stacked = stack_expert_tensors(blocks)
     assert stacked.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()  # no copy
     assert torch.equal(stacked, torch.stack([torch.cat(b) for b in blocks]))
+    # The gradients come back as per-expert slices of one batched dW, not as copies.
+    x = torch.randn(64, M)
+    turbo(x)[0].sum().backward()
+    grad_storages = {b[0].grad.untyped_storage().data_ptr() for b in blocks}
+    assert len(grad_storages) == 1 and all(b[0].grad.is_contiguous() for b in blocks)
+    turbo.zero_grad(set_to_none=True)
     # A parameter moved out of the packed buffer: the stacked weight is a copy, results unchanged.
     first.data = first.data.clone()
     assert stack_expert_tensors(blocks).untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-    x = torch.randn(64, M)
     assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
 
 

@@ -137,11 +137,31 @@ def pack_expert_params(experts: nn.ModuleList) -> None:
             offset += p.numel()
 
 
+class _BatchedLinear(torch.autograd.Function):
+    """y [E, C, N] = x [E, C, K] @ w [E, N, K]^T, one batched GEMM each way.
+
+    Its backward computes dw in w's own [E, N, K] layout: autograd's bmm would return it transposed,
+    and every expert parameter's gradient would then be copied to make it contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ECK, w_ENK):
+        ctx.save_for_backward(x_ECK, w_ENK)
+        return torch.bmm(x_ECK, w_ENK.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, dy_ECN):
+        x_ECK, w_ENK = ctx.saved_tensors
+        dx = torch.bmm(dy_ECN, w_ENK) if ctx.needs_input_grad[0] else None
+        dw = torch.bmm(dy_ECN.transpose(1, 2), x_ECK) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
 class EqualGroups:
     """Expert e owns x[e] of x [E, C, K] (the capacity buffer): batched GEMMs."""
 
     def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(x_ECK, w_ENK.transpose(1, 2))
+        return _BatchedLinear.apply(x_ECK, w_ENK)
 
     def add_bias(self, y_ECN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
         # A separate add: baddbmm with a broadcast bias takes a slow path on the CPU.
