@@ -28,7 +28,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from torch import nn
 
 from turbomoe.integrations import deepspeed as tds
-from turbomoe.integrations.deepspeed_experts import stack_expert_tensors
+from turbomoe.integrations.deepspeed_experts import fast_path_applies, stack_expert_tensors
 
 M, F, E, EP, TOKENS, STEPS, SAVE_AFTER = 16, 32, 4, 2, 64, 6, 3
 
@@ -157,7 +157,6 @@ def main():
 
     engine = build_engine()
     result["layer_types"] = sorted({type(m).__module__ for m in engine.module.modules() if isinstance(m, MoE)})
-    result["expert_weights_are_views"] = expert_weights_are_views(engine.module.moe_top2)
     if args.phase == "train":
         result["ep_fidelity"] = ep_fidelity(engine.device)
         result["losses"] = train_steps(engine, range(SAVE_AFTER), rank)
@@ -181,6 +180,10 @@ def main():
         other = build_engine(model_seed=1)  # different initial weights, so the load must overwrite them
         other.load_checkpoint(ckpt, tag="stock")
         result["stock_into_turbomoe_diff"] = max_param_diff(other, saved["stock"])
+    # After training: ZeRO has packed the parameters into its buffers, the engine has run forwards.
+    result["expert_weights_are_views"] = expert_weights_are_views(engine.module.moe_top2)
+    inner = engine.module.moe_top2.deepspeed_moe
+    result["grouped_experts"] = fast_path_applies(inner.experts, inner.expert_fast_path, torch.float32)
     with open(os.path.join(args.workdir, f"result_{args.phase}_rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -66,6 +66,7 @@ def test_expert_parallel_train_save_resume(tmp_path, device):
             assert result["patched"] and result["layer_types"] == ["turbomoe.integrations.deepspeed"]
             # ZeRO-2's flat buffers keep each rank's experts in module order: grouped GEMMs without a copy.
             assert result["expert_weights_are_views"]
+            assert result["grouped_experts"]  # the engine adds no hooks that would turn the fast path off
         # turbomoe vs stock layers on the same weights over the expert-parallel group.
         for case, err in trained[rank]["ep_fidelity"].items():
             assert err < 1e-4, (rank, case, err)
