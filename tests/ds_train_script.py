@@ -10,7 +10,8 @@ what makes it turbomoe's. Two MoE layers, ep_size = 2 (two local experts per ran
 and token drops, and top-2 dropless with SwiGLU experts. ZeRO stage 2, CPU (gloo) or GPU (NCCL).
 
 train:  checks turbomoe against stock layers on this expert-parallel group, trains 6 steps,
-        checkpoints after step 3 (tag "turbomoe"), and saves a stock model's checkpoint (tag "stock").
+        checkpoints after step 3 (tag "turbomoe"), trains 2 steps from scratch under ZeRO-1, and
+        saves a stock model's checkpoint (tag "stock").
 resume: loads "turbomoe" into a fresh engine, checks every parameter, trains steps 4..6; loads
         "turbomoe" into a stock model and "stock" into a turbomoe model and checks their parameters.
 Each rank writes its results to DIR/result_{phase}_rank{r}.json.
@@ -60,7 +61,7 @@ def expert_weights_are_views(layer) -> bool:
     return stacked.untyped_storage().data_ptr() == local[0].w1.weight.untyped_storage().data_ptr()
 
 
-def build_engine(model_seed: int = 0):
+def build_engine(model_seed: int = 0, zero_stage: int = 2):
     torch.manual_seed(model_seed)
     model = TinyMoEModel()
     params_group = {"params": list(model.parameters()), "name": "params"}
@@ -69,7 +70,7 @@ def build_engine(model_seed: int = 0):
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": zero_stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1000,
     }
@@ -163,6 +164,7 @@ def main():
         engine.save_checkpoint(ckpt, tag="turbomoe")
         torch.save(params(engine), os.path.join(args.workdir, f"params_turbomoe_rank{rank}.pt"))
         result["losses"] += train_steps(engine, range(SAVE_AFTER, STEPS), rank)
+        result["zero1_losses"] = train_steps(build_engine(zero_stage=1), range(2), rank)
         with stock_layers():
             stock = build_engine()
         stock.save_checkpoint(ckpt, tag="stock")

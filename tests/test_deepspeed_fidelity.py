@@ -205,6 +205,19 @@ def test_rts_keeps_uniform_random_subsets():
     assert torch.equal(a, turbo(x)[0])
 
 
+def test_activation_checkpointing_recomputes_the_same_routes():
+    """The RTS seed comes from the CPU generator, which checkpointing restores before recomputing."""
+    _, turbo = make_pair("mlp", k=1, capacity_factor=0.5, use_rts=True)
+    x = torch.randn(64, M)
+    plain = run(turbo, x, seed=3)
+    x_ckpt = x.clone().requires_grad_()
+    torch.manual_seed(3)
+    out, l_aux, counts = torch.utils.checkpoint.checkpoint(turbo, x_ckpt, use_reentrant=False)
+    (out.square().sum() + l_aux).backward()
+    grads = {n: p.grad for n, p in turbo.named_parameters()}
+    assert_same(plain, (out, l_aux, counts, x_ckpt.grad, grads), TOL[torch.float32])
+
+
 def test_eval_uses_eval_capacity_factor():
     _, turbo = make_pair("mlp", k=2, capacity_factor=1.0, eval_capacity_factor=3.0)
     seen = capture_expert_input(turbo)

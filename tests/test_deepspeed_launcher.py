@@ -1,4 +1,4 @@
-"""The real deepspeed launcher, two ranks, expert parallelism (ep_size = 2), ZeRO-2, save and resume.
+"""The real deepspeed launcher, two ranks, expert parallelism (ep_size = 2), ZeRO-2 (and 1), save and resume.
 
 Two launches of tests/ds_train_script.py, each reaching turbomoe without editing the script: the
 first through the launcher's --module entry (turbomoe.integrations.run_with_turbomoe), the second
@@ -70,6 +70,8 @@ def test_expert_parallel_train_save_resume(tmp_path, device):
         # turbomoe vs stock layers on the same weights over the expert-parallel group.
         for case, err in trained[rank]["ep_fidelity"].items():
             assert err < 1e-4, (rank, case, err)
+        # ZeRO stage 1 trains the same model to the same losses as stage 2.
+        assert trained[rank]["zero1_losses"] == pytest.approx(trained[rank]["losses"][:2], rel=1e-5, abs=1e-6)
         # Every parameter of every rank (its local experts included) survives the round trip,
         # and training continues with the losses of the uninterrupted run.
         assert resumed[rank]["resumed_param_diff"] == 0.0
