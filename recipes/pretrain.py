@@ -54,6 +54,9 @@ def prepare(args):
     except ImportError as e:
         raise ConfigError(str(e)) from e
     resume = None
+    if args.resume is None and os.path.isfile(os.path.join(cfg.checkpoint.dir, "latest")):
+        raise ConfigError(f"{cfg.checkpoint.dir} already holds a checkpoint; continue it with --resume, or start "
+                          f"afresh elsewhere (--set log.dir=... or checkpoint.dir=...) or after removing it")
     if args.resume is not None:
         try:
             resume = checkpointing.resolve(args.resume or cfg.checkpoint.dir)

@@ -70,16 +70,19 @@ def test_config_errors(tmp_path):
 
 def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as the launcher sets it for tiny-cpu's 2 ranks
-    args = pretrain.parse_args(["--config", TINY, "--set", "data.source=text",
-                                "--set", f"data.paths=[{tmp_path / 'missing.txt'}]"])
+
+    def prepare(*args):
+        return pretrain.prepare(pretrain.parse_args(["--config", TINY, "--set", f"log.dir={tmp_path / 'run'}", *args]))
+
     with pytest.raises(ConfigError, match="missing.txt' does not exist"):
-        pretrain.prepare(args)
-    args = pretrain.parse_args(["--config", TINY, "--resume", str(tmp_path)])
+        prepare("--set", "data.source=text", "--set", f"data.paths=[{tmp_path / 'missing.txt'}]")
     with pytest.raises(ConfigError, match="no checkpoint there"):
-        pretrain.prepare(args)
-    args = pretrain.parse_args(["--config", TINY, "--set", "model.vocab_size=200"])
+        prepare("--resume", str(tmp_path))
     with pytest.raises(ConfigError, match="257 tokens, more than model.vocab_size 200"):
-        pretrain.prepare(args)
+        prepare("--set", "model.vocab_size=200")
+    (tmp_path / "latest").write_text("global_step4")
+    with pytest.raises(ConfigError, match="already holds a checkpoint; continue it with --resume"):
+        prepare("--set", f"checkpoint.dir={tmp_path}")
 
 
 def test_generated_deepspeed_config():
