@@ -4,14 +4,17 @@ Every rank writes its part of <dir>/global_stepN (model, ZeRO optimizer shards a
 expert, including those of other expert-parallel ranks). Only after all ranks are done does rank 0
 mark the tag complete and atomically point <dir>/latest at it, so `latest` only ever names a whole
 checkpoint; then it deletes all but the newest `keep` complete ones, and any unfinished older tags.
+The marker holds what the run was (step, world size, config), so that a resume can be checked
+against it before any work starts.
 """
+import json
 import os
 import re
 import shutil
 
 import deepspeed.comm as dist
 
-COMPLETE = "turbomoe_complete"  # marker file inside a tag directory whose every rank has finished
+COMPLETE = "turbomoe_complete"  # JSON marker inside a tag directory whose every rank has finished
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -28,12 +31,13 @@ def _atomic_write(path: str, text: str):
     os.replace(tmp, path)
 
 
-def save(engine, ckpt_dir: str, step: int, keep: int, client_state: dict):
+def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
+    """All ranks: save step's checkpoint; meta (JSON-able) goes into its completion marker."""
     tag = tag_of(step)
-    engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False)
+    engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"step": step}, save_latest=False)
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
-        _atomic_write(os.path.join(ckpt_dir, tag, COMPLETE), str(step))
+        _atomic_write(os.path.join(ckpt_dir, tag, COMPLETE), json.dumps({"step": step, **meta}))
         _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
         prune(ckpt_dir, keep)
     dist.barrier()
@@ -49,6 +53,11 @@ def prune(ckpt_dir: str, keep: int):
     for s, name in tags:
         if s < complete[-1][0] and (s, name) not in kept:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def read_meta(ckpt_dir: str, tag: str) -> dict:
+    with open(os.path.join(ckpt_dir, tag, COMPLETE)) as f:
+        return json.load(f)
 
 
 def resolve(path: str):

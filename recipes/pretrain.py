@@ -62,6 +62,7 @@ def prepare(args):
             resume = checkpointing.resolve(args.resume or cfg.checkpoint.dir)
         except FileNotFoundError as e:
             raise ConfigError(str(e)) from e
+        check_resumable(cfg, checkpointing.read_meta(*resume), os.path.join(*resume))
     vocab = vocab_size_of(cfg.data.source)
     if vocab is not None and vocab > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer of data.source {cfg.data.source!r} has {vocab} tokens, more than "
@@ -72,6 +73,17 @@ def prepare(args):
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
     return cfg, resume, samples
+
+
+def check_resumable(cfg, meta: dict, path: str):
+    """A checkpoint continues only with the model and parallel layout that wrote it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if meta["config"]["model"] != cfg.model.to_dict():
+        diff = {k: (v, getattr(cfg.model, k)) for k, v in meta["config"]["model"].items() if getattr(cfg.model, k) != v}
+        raise ConfigError(f"--resume {path}: the checkpoint's model differs (key: (checkpoint, config)): {diff}")
+    if (meta["world_size"], meta["config"]["moe"]["ep_size"]) != (world, cfg.moe.ep_size):
+        raise ConfigError(f"--resume {path}: written by {meta['world_size']} ranks with ep_size "
+                          f"{meta['config']['moe']['ep_size']}; this run has {world} ranks and ep_size {cfg.moe.ep_size}")
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -148,9 +160,6 @@ def train(cfg, args, resume, samples):
         load_path, client_state = engine.load_checkpoint(resume[0], tag=resume[1])
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {resume}")
-        if client_state["config"]["model"] != cfg.model.to_dict():
-            raise ConfigError(f"the checkpoint {resume} was trained with another model config: "
-                              f"{client_state['config']['model']}")
         start_step = client_state["step"]
     last_step = args.stop_at_step or t.steps
     log = RunLog(cfg, start_step, rank == 0, None if resume is None else os.path.join(*resume))
@@ -210,7 +219,7 @@ def train(cfg, args, resume, samples):
             log.message(f"step {done}: valid loss {valid_losses[-1]:.4f}")
         if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step:
             checkpointing.save(engine, cfg.checkpoint.dir, done, cfg.checkpoint.keep,
-                               {"step": done, "config": cfg.to_dict()})
+                               {"world_size": world, "config": cfg.to_dict()})
             log.write({"type": "checkpoint", "step": done,
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})
     # Throughput over the steps after the first few (start-up: allocator, kernel autotuning).

@@ -83,6 +83,17 @@ def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
     (tmp_path / "latest").write_text("global_step4")
     with pytest.raises(ConfigError, match="already holds a checkpoint; continue it with --resume"):
         prepare("--set", f"checkpoint.dir={tmp_path}")
+    # A checkpoint of another model, or of another parallel layout, is refused before any work.
+    (tmp_path / "global_step4").mkdir()
+    meta = {"step": 4, "world_size": 2, "config": load_config(TINY, ["model.hidden_size=64"]).to_dict()}
+    (tmp_path / "global_step4" / checkpointing.COMPLETE).write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="model differs.*'hidden_size': \\(64, 128\\)"):
+        prepare("--resume", str(tmp_path))
+    meta["config"] = load_config(TINY).to_dict()
+    (tmp_path / "global_step4" / checkpointing.COMPLETE).write_text(json.dumps(meta))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="written by 2 ranks with ep_size 2; this run has 4 ranks"):
+        prepare("--resume", str(tmp_path))
 
 
 def test_generated_deepspeed_config():
@@ -104,7 +115,7 @@ def test_checkpoint_bookkeeping(tmp_path):
         d = tmp_path / checkpointing.tag_of(step)
         d.mkdir()
         if complete:
-            (d / checkpointing.COMPLETE).write_text(str(step))
+            (d / checkpointing.COMPLETE).write_text(json.dumps({"step": step}))
 
     for s in (2, 4, 6):
         tag(s)
