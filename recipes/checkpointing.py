@@ -34,24 +34,27 @@ def _atomic_write(path: str, text: str):
 def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
     """All ranks: save step's checkpoint; meta (JSON-able) goes into its completion marker."""
     tag = tag_of(step)
+    marker = os.path.join(ckpt_dir, tag, COMPLETE)
+    if dist.get_rank() == 0 and os.path.exists(marker):
+        os.remove(marker)  # overwriting a tag of a run resumed from an earlier one: incomplete until done
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"step": step}, save_latest=False)
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
-        _atomic_write(os.path.join(ckpt_dir, tag, COMPLETE), json.dumps({"step": step, **meta}))
+        _atomic_write(marker, json.dumps({"step": step, **meta}))
         _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
-        prune(ckpt_dir, keep)
+        prune(ckpt_dir, keep, step)
     dist.barrier()
 
 
-def prune(ckpt_dir: str, keep: int):
-    """Keep the newest `keep` complete tags; delete older complete ones and unfinished ones older than them."""
+def prune(ckpt_dir: str, keep: int, current: int):
+    """Keep the newest `keep` complete tags up to step `current` (the one just saved); delete the other
+    tags before it, complete or not. Tags after it (of a run that went further before this one resumed
+    from an earlier checkpoint) stay until this run overwrites them."""
     tags = sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := _TAG.match(name)))
-    complete = [(s, n) for s, n in tags if os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
-    if not complete:
-        return
+    complete = [(s, n) for s, n in tags if s <= current and os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
     kept = complete[-keep:]
     for s, name in tags:
-        if s < complete[-1][0] and (s, name) not in kept:
+        if s < current and (s, name) not in kept:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
 

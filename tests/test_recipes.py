@@ -126,8 +126,13 @@ def test_checkpoint_bookkeeping(tmp_path):
     assert checkpointing.resolve(str(tmp_path / "global_step4")) == (str(tmp_path), "global_step4")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         checkpointing.resolve(str(tmp_path / "global_step8"))
-    checkpointing.prune(str(tmp_path), keep=2)
+    checkpointing.prune(str(tmp_path), keep=2, current=6)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step4", "global_step6",
+                                                                          "global_step8"]
+    # A run resumed from step 4 has just saved step 5: step 6 is of the run it left, kept until overwritten.
+    tag(5)
+    checkpointing.prune(str(tmp_path), keep=1, current=5)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step5", "global_step6",
                                                                           "global_step8"]
     (tmp_path / "latest").write_text("global_step8")
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
