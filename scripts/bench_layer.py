@@ -4,7 +4,11 @@
 
 Every implementation runs the same step: forward of x [S, M], backward of a random grad_out
 (+ the aux loss where there is one), parameter grads reset to None between steps. Times are
-CUDA-event medians after warm-up, rotating over three input sets. Peak memory is the peak of
+CUDA-event medians after warm-up, rotating over three input sets, taken two ways:
+  queued  events around each step, steps issued back to back, one sync at the end (the method of
+          triton.testing.do_bench): the GPU time of a step while the CPU keeps ahead (the table)
+  synced  each step issued onto an idle GPU and waited for: adds the CPU time the step spends
+          before its first kernels (launch overhead that a model's previous layer would hide) Peak memory is the peak of
 allocated memory during one step minus what was allocated before it (parameters, inputs).
 Peers: DeepSpeed's MoE with SwiGLU experts (drop_tokens, capacity factor 1), a plain-PyTorch
 layer on torch._grouped_mm, ScatterMoE's GLUMLP (import path: its source under .peers/, never
@@ -18,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import traceback
 
 import torch
@@ -137,10 +142,10 @@ def build(name, cfg):
     S, M, F_, E, k = cfg
     if name == "dense floor":
         return DenseSwiGLU(M, F_), S * k
-    if name.startswith("turbomoe"):  # variants: "turbomoe triton-gmm", "turbomoe bf16-router"
+    if name.startswith("turbomoe"):  # variants: "turbomoe triton-gmm", "turbomoe fp32-router"
         layer = MoELayer(M, F_, E, k, gmm_backend="triton" if "triton-gmm" in name else None)
-        if "bf16-router" in name:
-            layer.router.router_dtype = DTYPE
+        if "fp32-router" in name:
+            layer.router.router_dtype = torch.float32
         return layer, S
     if name == "plain torch":
         return PlainTorchMoE(M, F_, E, k), S
@@ -182,14 +187,20 @@ def time_impl(name, cfg, iters, warmup=3):
     for i in range(warmup):
         step(i)
     torch.cuda.synchronize()
-    times = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        step(i)
+        end.record()
+    torch.cuda.synchronize()
+    queued = [start.elapsed_time(end) for start, end in events]
+    synced = []
+    for i, (start, end) in enumerate(events):
         start.record()
         step(i)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        synced.append(start.elapsed_time(end))
     for p in mod.parameters():
         p.grad = None
     torch.cuda.synchronize()
@@ -200,7 +211,7 @@ def time_impl(name, cfg, iters, warmup=3):
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
     del mod, sets
     torch.cuda.empty_cache()
-    return statistics.median(times), min(times), peak
+    return statistics.median(queued), statistics.median(synced), peak
 
 
 def profile_layer(name, cfg, steps=3):
@@ -217,14 +228,26 @@ def profile_layer(name, cfg, steps=3):
             run_step(mod, x, gy)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    def fresh_step():
+        for p in mod.parameters():
+            p.grad = None
+        x.grad = None
+        run_step(mod, x, gy)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fresh_step()  # no sync: the time the CPU takes to issue one step
+    issue_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            run_step(mod, x, gy)
+            fresh_step()
         torch.cuda.synchronize()
     kernels = sorted(((e.key, e.device_time_total / steps, e.count // steps) for e in prof.key_averages()
                       if e.device_time_total > 0), key=lambda t: -t[1])
     total = sum(t for _, t, _ in kernels)
-    print(f"{cfg} {name}: kernel time {total / 1e3:.2f} ms/step in {sum(c for _, _, c in kernels)} launches")
+    print(f"{cfg} {name}: kernel time {total / 1e3:.2f} ms/step in {sum(c for _, _, c in kernels)} launches; "
+          f"CPU issue time {issue_ms:.2f} ms/step")
     for key, t, c in kernels[:14]:
         print(f"  {t:9.1f} us  x{c:<3d} {key[:110]}")
     for p in mod.parameters():
@@ -321,8 +344,8 @@ def main():
         row = dict(cfg=cfg, impls={})
         for name in impls:
             try:
-                ms, best, peak = time_impl(name, cfg, args.iters)
-                row["impls"][name] = dict(ms=ms, min=best, peak_gib=peak)
+                ms, synced, peak = time_impl(name, cfg, args.iters)
+                row["impls"][name] = dict(ms=ms, synced_ms=synced, peak_gib=peak)
             except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
                 row["impls"][name] = dict(error=f"{type(e).__name__}: {e}"[:300])
                 traceback.print_exc(limit=2)
@@ -356,6 +379,12 @@ def main():
                 ratio = f" x{v['ms'] / floor:.2f}" if floor else ""
                 cells.append(f"{v['ms']:.2f}{ratio} [{v['peak_gib']:.1f}]".rjust(24))
         print(str(tuple(r["cfg"])).ljust(30) + "".join(cells))
+    print("\nsynced (each step from an idle GPU), ms (x dense floor synced)")
+    for r in results:
+        floor = r["impls"].get("dense floor", {}).get("synced_ms")
+        print(str(tuple(r["cfg"])).ljust(30) + "".join(
+            (f"{r['impls'][n]['synced_ms']:.2f}" + (f" x{r['impls'][n]['synced_ms'] / floor:.2f}" if floor else ""))
+            .rjust(24) if "synced_ms" in r["impls"][n] else "n/a".rjust(24) for n in impls))
     if args.gemms:
         print("\ngrouped GEMMs, fwd / dx / dw ms (both expert matrices), TFLOP/s; dense fwd")
         for r in results:

@@ -24,14 +24,19 @@ def expert_mlp(experts, e, x):
     return y + experts.b2[e] if experts.b2 is not None else y
 
 
-def loop_reference(layer, x):
-    """out, aux loss by a loop over experts, from the layer's own parameters (any dtype: fp64 math)."""
+def loop_reference(layer, x, select_logits=None):
+    """out, aux loss by a loop over experts, from the layer's own parameters (any dtype: fp64 math).
+
+    select_logits: the logits the tested layer saw (bf16 rounding can flip near-tied choices);
+    they pick the experts, the fp64 logits give the scores."""
     r = layer.router
     x_SM = x.reshape(-1, layer.hidden_size)
     S, E, k = x_SM.shape[0], layer.num_experts, layer.k
     logits = x_SM.to(torch.float64) @ r.weight.to(torch.float64).t()
-    probs = torch.softmax(logits, -1) if r.score_func == "softmax" else torch.sigmoid(logits)
-    select = probs if r.expert_bias is None else probs + r.expert_bias.double()
+    score = torch.softmax if r.score_func == "softmax" else (lambda t, dim: torch.sigmoid(t))
+    probs = score(logits, -1)
+    select = score(logits if select_logits is None else select_logits, -1)
+    select = select if r.expert_bias is None else select + r.expert_bias.double()
     ids = torch.topk(select.detach(), k, dim=-1).indices
     scores = probs.gather(1, ids)
     if r.renormalize:
@@ -72,7 +77,10 @@ def compare(layer, x, tol, grad_tol):
     out, aux = layer(x)
     ((out.double().cpu() * gy).sum() + aux.double().cpu()).backward()
     xr = x.detach().double().cpu().requires_grad_()
-    out_r, aux_r = loop_reference(ref_layer, xr)
+    dt = layer.router.router_dtype or x.dtype
+    seen = F.linear(x.detach().to(dt), layer.router.weight.detach().to(dt)).double().cpu()
+    seen = seen.reshape(-1, layer.num_experts)
+    out_r, aux_r = loop_reference(ref_layer, xr, seen)
     ((out_r * gy).sum() + aux_r).backward()
     assert torch.isfinite(out).all()
     assert rel(out, out_r) < tol

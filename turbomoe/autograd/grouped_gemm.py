@@ -14,6 +14,7 @@ Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] 
 The default on CUDA is "torch" where it applies, else "triton"; on the CPU "reference". Force one
 with backend= or TURBOMOE_GMM_BACKEND.
 """
+import functools
 import os
 from typing import Optional
 
@@ -22,9 +23,14 @@ import torch
 GMM_BACKENDS = ("torch", "triton", "reference")
 
 
+@functools.lru_cache(maxsize=None)
+def _is_sm90_plus(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def _torch_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and _is_sm90_plus(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
 
 
@@ -45,8 +51,8 @@ def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] 
     return backend
 
 
-def _offsets(counts_G: torch.Tensor) -> torch.Tensor:
-    """Inclusive int32 row offsets, torch._grouped_mm's `offs`."""
+def row_offsets(counts_G: torch.Tensor) -> torch.Tensor:
+    """Inclusive int32 row offsets [G] (torch._grouped_mm's `offs`): compute once, pass to every GEMM."""
     return torch.cumsum(counts_G, 0, dtype=torch.int32)
 
 
@@ -68,20 +74,22 @@ def _reference_wgrad(x_RK, dy_RN, counts_G):
     return dw
 
 
-def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, backend: str) -> torch.Tensor:
+def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, backend: str,
+               offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [R, N], no autograd. w may be a transposed view: the input gradient calls this on w^T."""
     if backend == "torch":
-        return torch._grouped_mm(x_RK, w_GKN, offs=_offsets(counts_G))
+        return torch._grouped_mm(x_RK, w_GKN, offs=row_offsets(counts_G) if offs_G is None else offs_G)
     if backend == "triton":
         from ..kernels.grouped_gemm import grouped_mm as triton_mm
         return triton_mm(x_RK, w_GKN, counts_G)
     return _reference_mm(x_RK, w_GKN, counts_G)
 
 
-def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str) -> torch.Tensor:
+def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str,
+             offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups."""
     if backend == "torch":
-        return torch._grouped_mm(x_RK.t(), dy_RN, offs=_offsets(counts_G))
+        return torch._grouped_mm(x_RK.t(), dy_RN, offs=row_offsets(counts_G) if offs_G is None else offs_G)
     if backend == "triton":
         from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
         return triton_wgrad(x_RK, dy_RN, counts_G)
@@ -91,18 +99,51 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
 class GroupedMM(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x_RK, w_GKN, counts_G, backend):
-        ctx.save_for_backward(x_RK, w_GKN, counts_G)
+    def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend):
+        if backend == "torch" and offs_G is None:
+            offs_G = row_offsets(counts_G)
+        ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
         ctx.backend = backend
-        return mm_forward(x_RK, w_GKN, counts_G, backend)
+        return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
     @staticmethod
     def backward(ctx, dy_RN):
-        x_RK, w_GKN, counts_G = ctx.saved_tensors
+        x_RK, w_GKN, counts_G, offs_G = ctx.saved_tensors
         dy_RN = dy_RN.contiguous()
-        dx = mm_forward(dy_RN, w_GKN.transpose(1, 2), counts_G, ctx.backend) if ctx.needs_input_grad[0] else None
-        dw = mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = mm_forward(dy_RN, w_GKN.transpose(1, 2), counts_G, ctx.backend, offs_G)
+        if ctx.needs_input_grad[1]:
+            dw = mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G)
+        return dx, dw, None, None, None
+
+
+class GroupBias(torch.autograd.Function):
+    """y + b[group of row]; db sums each group's rows with fp32 accumulation and no float atomics
+    (a one-hot [G, R] GEMM), so long groups keep bf16 bias gradients accurate and deterministic."""
+
+    @staticmethod
+    def forward(ctx, y_RN, b_GN, groups_R):
+        ctx.save_for_backward(groups_R)
+        ctx.num_groups = b_GN.shape[0]
+        return y_RN + b_GN.index_select(0, groups_R.clamp_max(b_GN.shape[0] - 1))
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        (groups_R,) = ctx.saved_tensors
+        onehot_GR = groups_R[None, :] == torch.arange(ctx.num_groups, device=groups_R.device)[:, None]
+        return dy_RN, onehot_GR.to(dy_RN.dtype) @ dy_RN, None
+
+
+def row_groups(offs_G: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Group of every row [R] (int64) from the inclusive offsets, on the device; G past sum(counts)."""
+    rows = torch.arange(num_rows, device=offs_G.device, dtype=offs_G.dtype)
+    return torch.searchsorted(offs_G, rows, right=True)
+
+
+def add_group_bias(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: torch.Tensor) -> torch.Tensor:
+    """y [R, N] + b [G, N] row-wise by group (groups_R from row_groups); differentiable in y and b."""
+    return GroupBias.apply(y_RN, b_GN, groups_R)
 
 
 def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor):
@@ -123,10 +164,13 @@ def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: tor
 
 
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
-               backend: Optional[str] = None) -> torch.Tensor:
-    """y [R, N] with y[rows_g] = x[rows_g] @ w[g]; differentiable in x and w; see the module doc."""
+               backend: Optional[str] = None, offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [R, N] with y[rows_g] = x[rows_g] @ w[g]; differentiable in x and w; see the module doc.
+
+    offs_G: row_offsets(counts_G), if the caller already has it (one launch fewer per GEMM).
+    """
     check_grouped_mm_args(x_RK, w_GKN, counts_G)
     backend = choose_gmm_backend(x_RK, w_GKN, backend)
     if backend == "torch" and x_RK.stride(1) != 1:
         x_RK = x_RK.contiguous()
-    return GroupedMM.apply(x_RK, w_GKN, counts_G, backend)
+    return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend)

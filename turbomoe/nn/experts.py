@@ -5,17 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autograd.grouped_gemm import grouped_mm
+from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
 from ..autograd.swiglu import swiglu
 
 ACTIVATIONS = ("swiglu", "gelu")
-
-
-def row_groups(counts_G: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Group of every row [R] (int64) from counts, on the device; rows past sum(counts) get the last group."""
-    ends = torch.cumsum(counts_G, 0)
-    rows = torch.arange(num_rows, device=counts_G.device, dtype=ends.dtype)
-    return torch.searchsorted(ends, rows, right=True).clamp_max(counts_G.shape[0] - 1)
 
 
 class GroupedExperts(nn.Module):
@@ -49,14 +42,15 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"x must be [R, {self.hidden_size}], got {tuple(x_RM.shape)}")
         if x_RM.dtype != self.w1.dtype:
             raise TypeError(f"x is {x_RM.dtype} but the expert weights are {self.w1.dtype}")
-        groups_R = row_groups(counts_E, x_RM.shape[0]) if self.b1 is not None else None
-        h = grouped_mm(x_RM, self.w1, counts_E, self.gmm_backend)
+        offs_E = row_offsets(counts_E)  # once for all four GEMM launches
+        groups_R = row_groups(offs_E, x_RM.shape[0]) if self.b1 is not None else None
+        h = grouped_mm(x_RM, self.w1, counts_E, self.gmm_backend, offs_E)
         if groups_R is not None:
-            h = h + self.b1[groups_R]
+            h = add_group_bias(h, self.b1, groups_R)
         a = swiglu(h) if self.activation == "swiglu" else F.gelu(h)
-        y = grouped_mm(a, self.w2, counts_E, self.gmm_backend)
+        y = grouped_mm(a, self.w2, counts_E, self.gmm_backend, offs_E)
         if groups_R is not None:
-            y = y + self.b2[groups_R]
+            y = add_group_bias(y, self.b2, groups_R)
         return y
 
     def extra_repr(self) -> str:

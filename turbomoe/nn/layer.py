@@ -72,5 +72,5 @@ class MoELayer(nn.Module):
         out_SM = ops.gather_tokens(y_RM, s.slots, g.scores, backend=self.backend)
         if self.shared_expert is not None:
             out_SM = out_SM + self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device))
-        self.expert_load.copy_(s.kept_counts.detach())
+        self.expert_load = s.kept_counts.detach()
         return out_SM.view(x.shape), aux_loss

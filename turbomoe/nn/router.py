@@ -15,12 +15,14 @@ class TopKRouter(nn.Module):
     router loss = aux_loss_coef * DeepSpeed's load-balancing loss + z_loss_coef * z-loss.
     expert_bias=True adds a buffer `expert_bias` [E] (fp32) that steers the choice but not the score
     (auxiliary-loss-free balancing); move it toward balance with `update_expert_bias`.
-    Logits are computed in router_dtype (fp32 by default) whatever the input dtype.
+    Logits are computed in router_dtype, by default the input's dtype (Megatron-core's default; the
+    gating math is fp32 either way); router_dtype=torch.float32 computes them in fp32 (a cast of x
+    and an fp32 GEMM more, each way).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, k: int, score_func: str = "softmax",
                  renormalize: bool = False, aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
-                 expert_bias: bool = False, router_dtype: torch.dtype = torch.float32,
+                 expert_bias: bool = False, router_dtype: Optional[torch.dtype] = None,
                  backend: Optional[str] = None, device=None, dtype=None):
         super().__init__()
         if not isinstance(num_experts, int) or num_experts < 1:
@@ -43,10 +45,13 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_SM: torch.Tensor) -> Tuple[GatingOutput, torch.Tensor]:
         """x [S, M] -> (GatingOutput: expert_ids [S, k], scores [S, k] fp32, counts [E], ...; loss)."""
-        logits_SE = F.linear(x_SM.to(self.router_dtype), self.weight.to(self.router_dtype))
+        dtype = self.router_dtype or x_SM.dtype
+        logits_SE = F.linear(x_SM.to(dtype), self.weight.to(dtype))
         g = ops.topk_gating(logits_SE, self.k, self.score_func, self.renormalize, self.expert_bias,
                             backend=self.backend)
-        loss = self.aux_loss_coef * g.aux_loss + self.z_loss_coef * g.z_loss
+        loss = self.aux_loss_coef * g.aux_loss
+        if self.z_loss_coef:  # skipped at 0: two launches fewer each way
+            loss = loss + self.z_loss_coef * g.z_loss
         return g, loss
 
     @torch.no_grad()
