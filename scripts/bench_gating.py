@@ -11,38 +11,16 @@ gather (forward and backward) beside a device-to-device copy bandwidth measured 
 """
 import argparse
 import json
-import statistics
 
 import torch
+from timing import copy_bandwidth_gbs, cuda_time_ms
 
 import turbomoe
 from turbomoe import ops
+from turbomoe.kernels.rows import pull_rows, push_rows
 
 CONFIGS = [(S, E, k, M) for S in (4096, 16384) for E in (8, 64) for k in (1, 2) for M in (2048, 4096)]
 CAPACITY_FACTOR, MIN_CAPACITY = 1.0, 4
-
-
-def cuda_time_ms(fn, warmup=10, iters=40):
-    """Median of CUDA-event timings of fn() after warm-up."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbs():
-    """Device-to-device copy of 2 GiB, counting bytes read plus bytes written."""
-    src = torch.randn(512 * 1024 * 1024, device="cuda")
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), 3, 10)
-    return 2 * src.numel() * 4 / ms / 1e6
 
 
 def deepspeed_path(logits, x, k):
@@ -72,8 +50,8 @@ def turbomoe_path(logits, x, k, seed=0):
     g = ops.topk_gating(logits, k, renormalize=k > 1)
     C = turbomoe.capacity(S, E, k, CAPACITY_FACTOR, MIN_CAPACITY)
     s = ops.assign_slots(g.expert_ids, g.scores, E, C, "rts" if k == 1 else "position", seed)
-    buf = ops.scatter_tokens(x, s.slots, s.num_rows)
-    return ops.gather_tokens(buf, s.slots, g.scores), g.aux_loss
+    buf = ops.scatter_tokens(x, s)
+    return ops.gather_tokens(buf, s, g.scores), g.aux_loss
 
 
 def fwd_bwd(path, logits, x, k, grad_out):
@@ -84,34 +62,37 @@ def fwd_bwd(path, logits, x, k, grad_out):
     return step
 
 
+TILES = [None, (1, 4096, 8), (1, 2048, 4), (2, 2048, 8), (1, 1024, 4), (4, 1024, 8)]
+
+
 def row_bandwidths(S, E, k, M, copy_gbs):
-    """Achieved GB/s of the four row kernels at one config; bytes = each input read once, each
-    output written once (kept rows only where a kernel touches only those)."""
+    """Achieved GB/s of the row kernels (scatter and gather, forward and backward) at one config,
+    launched directly so autograd's own overhead stays out. Bytes = each input read once, each
+    output written once, kept rows only where a kernel touches only those. Each tile candidate
+    (BLOCK_T, BLOCK_M, warps; None = the shipped heuristic) is timed."""
     dt = torch.bfloat16
-    logits = torch.randn(S, E, device="cuda")
-    g = ops.topk_gating(logits, k, renormalize=k > 1)
+    g = ops.topk_gating(torch.randn(S, E, device="cuda"), k, renormalize=k > 1)
     s = ops.assign_slots(g.expert_ids, g.scores, E, turbomoe.capacity(S, E, k, CAPACITY_FACTOR, MIN_CAPACITY))
     kept = int((s.slots >= 0).sum())
     R = s.num_rows
-    x = torch.randn(S, M, device="cuda", dtype=dt, requires_grad=True)
-    y = torch.randn(R, M, device="cuda", dtype=dt, requires_grad=True)
-    scores = g.scores.detach().requires_grad_()
+    x = torch.randn(S, M, device="cuda", dtype=dt)
+    y = torch.randn(R, M, device="cuda", dtype=dt)
+    buf, out = torch.empty(R, M, device="cuda", dtype=dt), torch.empty(S, M, device="cuda", dtype=dt)
+    dscores = torch.empty_like(g.scores)
     e = 2  # bytes per bf16 element
-    rows = {}
-    buf = ops.scatter_tokens(x, s.slots, R)
-    out = ops.gather_tokens(y, s.slots, scores)
-    g_buf, g_out = torch.randn_like(buf), torch.randn_like(out)
     cases = {
-        "scatter fwd": (lambda: ops.scatter_tokens(x, s.slots, R), (S + R) * M * e),
-        "scatter bwd": (lambda: torch.autograd.grad(buf, x, g_buf, retain_graph=True), (kept + S) * M * e),
-        "gather fwd": (lambda: ops.gather_tokens(y, s.slots, scores), (kept + S) * M * e),
-        "gather bwd": (lambda: torch.autograd.grad(out, (y, scores), g_out, retain_graph=True),
+        "scatter fwd": (lambda t: push_rows(x, s.slots, buf, s.kept_counts, s.capacity, tile=t), (S + R) * M * e),
+        "scatter bwd": (lambda t: pull_rows(y, s.slots, out, tile=t), (kept + S) * M * e),
+        "gather fwd": (lambda t: pull_rows(y, s.slots, out, g.scores, tile=t), (kept + S) * M * e),
+        "gather bwd": (lambda t: push_rows(x, s.slots, buf, s.kept_counts, s.capacity, g.scores, y, dscores, tile=t),
                        (S + kept + R) * M * e),
     }
+    rows = {}
     for name, (fn, nbytes) in cases.items():
-        ms = cuda_time_ms(fn)
-        gbs = nbytes / ms / 1e6
-        rows[name] = {"ms": ms, "GB/s": gbs, "of_copy": gbs / copy_gbs}
+        for tile in TILES:
+            ms = cuda_time_ms(lambda: fn(tile))
+            gbs = nbytes / ms / 1e6
+            rows.setdefault(name, {})[str(tile)] = {"ms": ms, "GB/s": gbs, "of_copy": gbs / copy_gbs}
     return rows
 
 
@@ -142,9 +123,10 @@ def main():
     for c in results["configs"]:
         print(f"{c['S']:>6} {c['E']:>3} {c['k']:>2} {c['M']:>5} | {c['deepspeed_ms']:>12.3f} "
               f"{c['turbomoe_ms']:>11.3f} {c['speedup']:>7.1f}x")
-    print("row kernels at S=16384 E=64 k=2 M=4096:")
-    for name, r in results["rows_S16384_E64_k2_M4096"].items():
-        print(f"  {name:<12} {r['ms']:.3f} ms  {r['GB/s']:.0f} GB/s  {100 * r['of_copy']:.0f}% of copy")
+    print("row kernels at S=16384 E=64 k=2 M=4096, % of copy bandwidth by tile (BLOCK_T, BLOCK_M, warps):")
+    print(" " * 13 + " ".join(f"{t:>15}" for t in map(str, TILES)))
+    for name, by_tile in results["rows_S16384_E64_k2_M4096"].items():
+        print(f"  {name:<11}" + " ".join(f"{100 * r['of_copy']:>14.0f}%" for r in by_tile.values()))
 
 
 if __name__ == "__main__":

@@ -40,12 +40,25 @@ def test_selection_bias_shape_and_device():
 def test_token_count_mismatch():
     x = torch.randn(5, 8)
     slots = torch.zeros(4, 1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="S = x.shape"):
+    with pytest.raises(ValueError, match="slots must be"):
         ops.scatter_tokens(x, slots, 4)
-    with pytest.raises(ValueError, match="differ"):
+    with pytest.raises(ValueError, match="slots must be"):
         ops.gather_tokens(torch.randn(4, 8), slots, torch.rand(5, 1))
     with pytest.raises(ValueError, match="differ"):
+        ops.gather_tokens(torch.randn(4, 8), slots, torch.rand(4, 2))
+    with pytest.raises(ValueError, match="differ"):
         ops.assign_slots(slots, torch.rand(5, 1), 2)
+
+
+def test_slots_and_num_rows():
+    x = torch.randn(4, 8)
+    s = reference.assign_slots(torch.zeros(4, 1, dtype=torch.int32), torch.rand(4, 1), 2, capacity=3)
+    with pytest.raises(ValueError, match="num_rows is required"):
+        ops.scatter_tokens(x, s.slots)
+    with pytest.raises(ValueError, match="disagrees"):
+        ops.scatter_tokens(x, s, 5)
+    with pytest.raises(ValueError, match="num_rows"):
+        ops.scatter_tokens(x, s.slots, -2)
 
 
 def test_wrong_dtypes():

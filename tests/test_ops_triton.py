@@ -116,13 +116,15 @@ def test_scatter_gather_match_reference(S, k, M, dtype, cap):
     s = ref.assign_slots(ids, scores, E, C, "position")
     x = torch.randn(S, M, device=DEV).to(dtype)
     xa, xb = x.clone().requires_grad_(), x.double().requires_grad_()
-    buf_a = ops.scatter_tokens(xa, s.slots, s.num_rows, backend="triton")
+    buf_a = ops.scatter_tokens(xa, s, backend="triton")
     buf_b = ref.scatter_tokens(xb, s.slots, s.num_rows)
     assert torch.equal(buf_a.double(), buf_b)  # a copy: exact, empty rows zero
+    # Bare slots find the empty rows through the inverse table instead of the kept counts.
+    assert torch.equal(ops.scatter_tokens(x, s.slots, s.num_rows, backend="triton"), buf_a)
     y = torch.randn(s.num_rows, M, device=DEV).to(dtype)
     ya, yb = y.clone().requires_grad_(), y.double().requires_grad_()
     sa, sb = scores.clone().requires_grad_(), scores.double().requires_grad_()
-    out_a = ops.gather_tokens(ya, s.slots, sa, backend="triton")
+    out_a = ops.gather_tokens(ya, s, sa, backend="triton")
     out_b = ref.gather_tokens(yb, s.slots, sb)
     assert out_a.dtype == dtype and rel_err(out_a, out_b) < TOL[dtype]
     g_out = torch.randn(S, M, device=DEV).to(dtype)
@@ -150,10 +152,12 @@ def test_gradcheck_autograd_functions():
     ids, scores = routing(6, 4, 2)
     s = ref.assign_slots(ids, scores, 4, 2, "position")
     x = torch.randn(6, 5, device=DEV, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: ScatterTokens.apply(t, s.slots, s.num_rows), (x, ))
+    for kept, cap in ((s.kept_counts, s.capacity), (None, None)):  # empty rows from counts, or from slots
+        assert torch.autograd.gradcheck(lambda t: ScatterTokens.apply(t, s.slots, s.num_rows, kept, cap), (x, ))
     y = torch.randn(s.num_rows, 5, device=DEV, dtype=torch.float64, requires_grad=True)
     sc = scores.double().requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: GatherTokens.apply(a, s.slots, b), (y, sc))
+    for kept, cap in ((s.kept_counts, s.capacity), (None, None)):
+        assert torch.autograd.gradcheck(lambda a, b: GatherTokens.apply(a, s.slots, b, kept, cap), (y, sc))
 
 
 def moe_step(logits, x, k, C, seed=0):
@@ -162,8 +166,8 @@ def moe_step(logits, x, k, C, seed=0):
     la, xa = logits.clone().requires_grad_(), x.clone().requires_grad_()
     g = ops.topk_gating(la, k, renormalize=True, backend="triton")
     s = ops.assign_slots(g.expert_ids, g.scores, E, C, "rts", seed, backend="triton")
-    buf = ops.scatter_tokens(xa, s.slots, s.num_rows, backend="triton")
-    out = ops.gather_tokens(torch.tanh(buf) * 2, s.slots, g.scores, backend="triton")
+    buf = ops.scatter_tokens(xa, s, backend="triton")
+    out = ops.gather_tokens(torch.tanh(buf) * 2, s, g.scores, backend="triton")
     (out.float().square().sum() + g.aux_loss + g.z_loss).backward()
     return out, la.grad, xa.grad, s.slots
 

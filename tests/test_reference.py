@@ -91,6 +91,13 @@ def test_dropless_is_expert_contiguous_in_token_order():
     assert s.kept_counts.tolist() == torch.bincount(ids.flatten().long(), minlength=5).tolist()
 
 
+def test_hash32_tensor_and_int_agree():
+    xs = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF]
+    assert ref.hash32(torch.tensor(xs, dtype=torch.int64)).tolist() == [ref.hash32_int(x) for x in xs]
+    # A bijection on 32 bits: no collisions over a range.
+    assert torch.unique(ref.hash32(torch.arange(1 << 16))).numel() == 1 << 16
+
+
 def test_rts_seed_determines_choice():
     ids = torch.zeros(64, 1, dtype=torch.int32)
     a = ref.assign_slots(ids, torch.rand(64, 1), 1, 16, "rts", seed=1).slots

@@ -7,8 +7,8 @@ Backends: "triton" (the GPU default; on the CPU only under TRITON_INTERPRET=1) a
 The data flow of an MoE layer:
     g = topk_gating(logits_SE, k)                       # ids, scores, counts, aux, z
     s = assign_slots(g.expert_ids, g.scores, E, capacity=C)
-    buf_RM = scatter_tokens(x_SM, s.slots, s.num_rows)    # experts run on buf
-    out_SM = gather_tokens(y_RM, s.slots, g.scores)
+    buf_RM = scatter_tokens(x_SM, s)                     # experts run on buf
+    out_SM = gather_tokens(y_RM, s, g.scores)
 """
 import os
 from typing import Optional
@@ -122,33 +122,54 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     return fused(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
 
 
-def scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int,
-                   backend: Optional[str] = None) -> torch.Tensor:
-    """x [S, M] -> expert buffer [num_rows, M]; rows no route reaches are zero."""
-    _check_float("x", x_SM, 2)
-    _check_index("slots", slots_SK)
-    if slots_SK.dim() != 2 or slots_SK.shape[0] != x_SM.shape[0]:
-        raise ValueError(f"slots must be [S, k] with S = x.shape[0] = {x_SM.shape[0]}, "
-                         f"got {tuple(slots_SK.shape)}")
-    _check_same_device(x=x_SM, slots=slots_SK)
+def _unpack_slots(slots, num_rows, S: int, device):
+    """A Slots from assign_slots, or a bare [S, k] slots tensor with num_rows -> (tensor, rows,
+    kept counts or None, capacity or None)."""
+    if isinstance(slots, Slots):
+        if num_rows is not None and num_rows != slots.num_rows:
+            raise ValueError(f"num_rows {num_rows} disagrees with the Slots' {slots.num_rows}")
+        table, num_rows, kept, cap = slots.slots, slots.num_rows, slots.kept_counts, slots.capacity
+    else:
+        if num_rows is None:
+            raise ValueError("num_rows is required with a bare slots tensor (or pass the Slots from assign_slots)")
+        table, kept, cap = slots, None, None
+    _check_index("slots", table)
+    if table.dim() != 2 or table.shape[0] != S:
+        raise ValueError(f"slots must be [S, k] with S = {S} tokens, got {tuple(table.shape)}")
     if not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"num_rows must be an int >= 0, got {num_rows!r}")
+    _check_same_device(tokens=torch.empty(0, device=device), slots=table)
+    return table, num_rows, kept, cap
+
+
+def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """x [S, M] -> expert buffer [num_rows, M]; rows no route reaches are zero.
+
+    slots: the Slots from assign_slots (it carries num_rows and the kept counts, which locate the
+    empty rows without another pass), or a bare [S, k] int tensor together with num_rows.
+    """
+    _check_float("x", x_SM, 2)
+    table, num_rows, kept, cap = _unpack_slots(slots, num_rows, x_SM.shape[0], x_SM.device)
     if choose_backend(x_SM, backend) == "reference":
-        return reference.scatter_tokens(x_SM, slots_SK, num_rows)
+        return reference.scatter_tokens(x_SM, table, num_rows)
     from .autograd.scatter import scatter_tokens as fused
-    return fused(x_SM, slots_SK, num_rows)
+    return fused(x_SM, table, num_rows, kept, cap)
 
 
-def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor,
+def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
                   backend: Optional[str] = None) -> torch.Tensor:
-    """out [S, M] = sum over kept routes of scores[s, j] * y[slots[s, j]], fp32 accumulation."""
+    """out [S, M] = sum over kept routes of scores[s, j] * y[slots[s, j]], fp32 accumulation.
+
+    slots: the Slots from assign_slots, or a bare [S, k] int tensor (y's rows are the buffer).
+    """
     _check_float("y", y_RM, 2)
-    _check_index("slots", slots_SK)
     _check_float("scores", scores_SK, 2)
-    if slots_SK.shape != scores_SK.shape:
-        raise ValueError(f"slots {tuple(slots_SK.shape)} and scores {tuple(scores_SK.shape)} differ")
-    _check_same_device(y=y_RM, slots=slots_SK, scores=scores_SK)
+    table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM.device)
+    if table.shape != scores_SK.shape:
+        raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
+    _check_same_device(y=y_RM, slots=table, scores=scores_SK)
     if choose_backend(y_RM, backend) == "reference":
-        return reference.gather_tokens(y_RM, slots_SK, scores_SK)
+        return reference.gather_tokens(y_RM, table, scores_SK)
     from .autograd.gather import gather_tokens as fused
-    return fused(y_RM, slots_SK, scores_SK)
+    return fused(y_RM, table, scores_SK, kept, cap)

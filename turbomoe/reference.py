@@ -115,12 +115,21 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def hash32_int(x: int) -> int:
+    """hash32 of one Python int (exact: Python ints do not overflow), to mix a seed on the host."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
 def rts_priority(num_routes: int, seed: int, device=None) -> torch.Tensor:
     """Random priority of route r = s * k + j for random token selection: a bijection of r, so
     no two routes tie, and the same seed gives the same priorities on every backend."""
-    seed_mix = int(hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64)))
     r = torch.arange(num_routes, dtype=torch.int64, device=device)
-    return hash32(r ^ seed_mix)
+    return hash32(r ^ hash32_int(seed))
 
 
 def assign_slots(expert_ids_SK: torch.Tensor,

@@ -1,29 +1,33 @@
 """autograd.Function for gather_tokens: out [S, M] = sum_j score * y[slot], hand-written backward."""
+from typing import Optional
+
 import torch
 
-from ..kernels.rows import invert_slots, pull_rows, push_rows
+from ..kernels.rows import pull_rows, push_rows
 
 
 class GatherTokens(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, y_RM, slots_SK, scores_SK):
+    def forward(ctx, y_RM, slots_SK, scores_SK, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int]):
         y_RM, slots_SK, scores_SK = y_RM.contiguous(), slots_SK.to(torch.int32).contiguous(), scores_SK.contiguous()
         out_SM = y_RM.new_empty(slots_SK.shape[0], y_RM.shape[1])
         pull_rows(y_RM, slots_SK, out_SM, scores_SK)
-        ctx.save_for_backward(y_RM, slots_SK, scores_SK)
+        ctx.save_for_backward(y_RM, slots_SK, scores_SK, kept_counts_E)
+        ctx.capacity = capacity
         return out_SM
 
     @staticmethod
     def backward(ctx, grad_out_SM):
-        y_RM, slots_SK, scores_SK = ctx.saved_tensors
-        # grad_y[slot] = score * grad_out (one writer per row); grad_score = <grad_out, y[slot]> in fp32.
+        y_RM, slots_SK, scores_SK, kept_counts_E = ctx.saved_tensors
+        # grad_y[slot] = score * grad_out (one writer per row, empty rows zero);
+        # grad_score = <grad_out, y[slot]> in fp32.
         grad_y_RM = torch.empty_like(y_RM)
         grad_scores_SK = torch.empty_like(scores_SK, dtype=torch.float64 if y_RM.dtype == torch.float64 else None)
-        push_rows(grad_out_SM.contiguous(), slots_SK, grad_y_RM, invert_slots(slots_SK, y_RM.shape[0]),
+        push_rows(grad_out_SM.contiguous(), slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
                   scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK)
-        return grad_y_RM, None, grad_scores_SK.to(scores_SK.dtype)
+        return grad_y_RM, None, grad_scores_SK.to(scores_SK.dtype), None, None
 
 
-def gather_tokens(y_RM, slots_SK, scores_SK):
-    return GatherTokens.apply(y_RM, slots_SK, scores_SK)
+def gather_tokens(y_RM, slots_SK, scores_SK, kept_counts_E=None, capacity=None):
+    return GatherTokens.apply(y_RM, slots_SK, scores_SK, kept_counts_E, capacity)

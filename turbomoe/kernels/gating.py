@@ -1,13 +1,15 @@
 """Triton kernels for topk_gating: logits [S, E] -> top-k ids, scores, counts and loss partials.
 
 One program owns BLOCK_S rows and all E columns, so a row's softmax, top-k and backward need no
-communication between programs. Counts are integer atomics (order-free, so deterministic);
-float reductions across rows are written as per-program partials and summed by torch.
+communication between programs. Reductions across rows (counts, the aux and z losses) are written
+as per-program partials and summed in a fixed order by a one-program kernel: deterministic, and
+two launches for the whole forward.
 """
 import torch
 import triton
 import triton.language as tl
 
+from ..reference import aux_loss_coefficient
 from .launch import acc_dtype, next_pow2, tl_dtype
 
 
@@ -39,9 +41,8 @@ def _row_probs(logits_ptr, rows, cols, S, E, stride_s, SIGMOID: tl.constexpr, AC
     return probs, softmax, lse, valid, cells
 
 
-@triton.jit
-def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, probsum_ptr, counts_ptr, first_ptr,
-                       S, E, stride_s,
+@triton.jit(do_not_specialize=["S", "E", "stride_s"])
+def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, partial_ptr, S, E, stride_s,
                        K: tl.constexpr, KP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
                        SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
@@ -50,7 +51,10 @@ def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, probs
     kcol = tl.arange(0, KP)
     probs, _, lse, valid, cells = _row_probs(logits_ptr, rows, cols, S, E, stride_s, SIGMOID, ACC)
     tl.store(lse_ptr + rows, lse, mask=rows < S)
-    tl.store(probsum_ptr + pid * E + cols, tl.sum(probs, axis=0), mask=cols < E)
+    # Per-block partials [4, E]: probability sums, route counts, first-choice counts, z-loss sum.
+    part = partial_ptr + pid * 4 * E
+    tl.store(part + cols, tl.sum(probs, axis=0), mask=cols < E)
+    tl.store(part + 3 * E, tl.sum(lse * lse, axis=0))
 
     sel = probs
     if HAS_BIAS:
@@ -70,55 +74,102 @@ def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, probs
         sc_t = tl.where(kcol[None, :] == j, score[:, None], sc_t)
         chosen += hit.to(tl.int32)
         if j == 0:
-            tl.atomic_add(first_ptr + cols, tl.sum(hit.to(tl.int32), axis=0), mask=cols < E)
-    tl.atomic_add(counts_ptr + cols, tl.sum(chosen, axis=0), mask=cols < E)
+            tl.store(part + 2 * E + cols, tl.sum(hit.to(ACC), axis=0), mask=cols < E)
+    tl.store(part + E + cols, tl.sum(chosen.to(ACC), axis=0), mask=cols < E)
     if RENORM:
         total = tl.sum(sc_t, axis=1)
-        sc_t = sc_t / tl.where(total > 0, total, 1.0)[:, None]
+        # Correctly rounded division: for k = 1 a score is exactly 1, as in the reference.
+        total = tl.where(total > 0, total, 1.0)[:, None]
+        if ACC == tl.float32:
+            sc_t = tl.div_rn(sc_t, total)
+        else:
+            sc_t = sc_t / total  # fp64 division is correctly rounded already
     out = rows[:, None] * K + kcol[None, :]
     omask = (rows < S)[:, None] & (kcol < K)[None, :]
     tl.store(ids_ptr + out, ids_t, mask=omask)
     tl.store(scores_ptr + out, sc_t, mask=omask)
 
 
-@triton.jit
-def _gating_bwd_kernel(logits_ptr, ids_ptr, scores_ptr, grad_scores_ptr, lse_ptr, aux_grad_ptr, z_coef_ptr,
-                       grad_logits_ptr, S, E, stride_s,
-                       K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-                       SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
+@triton.jit(do_not_specialize=["nblocks", "S", "E"])
+def _gating_stats_kernel(partial_ptr, counts_ptr, ce_ptr, aux_ptr, z_ptr, nblocks, S, E, coef,
+                         FIRST_ONLY: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr):
+    """One program: sums the per-block partials in a fixed order (deterministic) into counts [E],
+    ce [E] (the aux loss's fraction of routes), aux and z."""
+    cols = tl.arange(0, BLOCK_E)
+    blocks = tl.arange(0, BLOCK_B)
+    cmask = cols < E
+    probsum = tl.zeros([BLOCK_E], ACC)
+    counts = tl.zeros([BLOCK_E], ACC)
+    first = tl.zeros([BLOCK_E], ACC)
+    zsum = tl.zeros([BLOCK_B], ACC)
+    for b0 in range(0, nblocks, BLOCK_B):
+        b = b0 + blocks
+        bmask = b < nblocks
+        tile = partial_ptr + b[:, None] * 4 * E + cols[None, :]
+        m2 = bmask[:, None] & cmask[None, :]
+        probsum += tl.sum(tl.load(tile, mask=m2, other=0.0), axis=0)
+        counts += tl.sum(tl.load(tile + E, mask=m2, other=0.0), axis=0)
+        first += tl.sum(tl.load(tile + 2 * E, mask=m2, other=0.0), axis=0)
+        zsum += tl.load(partial_ptr + b * 4 * E + 3 * E, mask=bmask, other=0.0)
+    tl.store(counts_ptr + cols, counts.to(tl.int32), mask=cmask)
+    if FIRST_ONLY:
+        ce = first / S
+    else:
+        ce = counts / S
+    tl.store(ce_ptr + cols, ce, mask=cmask)
+    tl.store(aux_ptr, coef * tl.sum(probsum / S * ce, axis=0))
+    tl.store(z_ptr, tl.sum(zsum, axis=0) / S)
+
+
+@triton.jit(do_not_specialize=["S", "E", "stride_s"])
+def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_aux_ptr, g_z_ptr,
+                       grad_logits_ptr, S, E, stride_s, coef,
+                       K: tl.constexpr, KP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+                       SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_GS: tl.constexpr, HAS_AUX: tl.constexpr,
+                       HAS_Z: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_E)
     rmask = rows < S
     probs, softmax, lse, valid, cells = _row_probs(logits_ptr, rows, cols, S, E, stride_s, SIGMOID, ACC)
 
-    # d loss / d probs: aux-loss term (already scaled by coef * ce / S) plus the score gradients.
-    grad_p = tl.load(aux_grad_ptr + cols, mask=cols < E, other=0.0).to(ACC)[None, :] + tl.zeros_like(probs)
-    if RENORM:
-        # score_j = p_j / D with D = sum of the k chosen p: dp_i = (g_i - sum_j g_j score_j) / D.
-        gs_dot = tl.zeros([BLOCK_S], ACC)
-        denom = tl.zeros([BLOCK_S], ACC)
-        for j in tl.static_range(K):
-            g = tl.load(grad_scores_ptr + rows * K + j, mask=rmask, other=0.0).to(ACC)
-            sc = tl.load(scores_ptr + rows * K + j, mask=rmask, other=0.0).to(ACC)
-            e = tl.load(ids_ptr + rows * K + j, mask=rmask, other=-1)
-            gs_dot += g * sc
-            denom += tl.sum(tl.where(cols[None, :] == e[:, None], probs, 0.0), axis=1)
-        denom = tl.where(denom > 0, denom, 1.0)
-    for j in tl.static_range(K):
-        g = tl.load(grad_scores_ptr + rows * K + j, mask=rmask, other=0.0).to(ACC)
-        e = tl.load(ids_ptr + rows * K + j, mask=rmask, other=-1)
+    # d loss / d probs. The aux term: d/dp_se of coef * sum_e (sum_s p_se / S) * ce_e, scaled by
+    # 1/S per element here, before any sum.
+    grad_p = tl.zeros_like(probs)
+    if HAS_AUX:
+        g_aux = tl.load(g_aux_ptr).to(ACC)
+        ce = tl.load(ce_ptr + cols, mask=cols < E, other=0.0).to(ACC)
+        grad_p += (g_aux * coef / S * ce)[None, :]
+    if HAS_GS:
+        kcol = tl.arange(0, KP)
+        kmask = rmask[:, None] & (kcol < K)[None, :]
+        g_t = tl.load(grad_scores_ptr + rows[:, None] * K + kcol[None, :], mask=kmask, other=0.0).to(ACC)
+        e_t = tl.load(ids_ptr + rows[:, None] * K + kcol[None, :], mask=kmask, other=-1)
         if RENORM:
-            g = (g - gs_dot) / denom
-        grad_p += tl.where(cols[None, :] == e[:, None], g[:, None], 0.0)
+            # score_j = r_j / D, D = sum of the k chosen probs r. As a sum of differences,
+            # dr_i = sum_j r_j (g_i - g_j) / D^2 cancels exactly where it should (k = 1).
+            r_t = tl.zeros([BLOCK_S, KP], ACC)
+            for j in tl.static_range(K):
+                e_j = tl.sum(tl.where(kcol[None, :] == j, e_t, 0), axis=1)
+                r_j = tl.sum(tl.where(cols[None, :] == e_j[:, None], probs, 0.0), axis=1)
+                r_t = tl.where(kcol[None, :] == j, r_j[:, None], r_t)
+            denom = tl.sum(r_t, axis=1)
+            denom = tl.where(denom > 0, denom, 1.0)
+        for i in tl.static_range(K):
+            g_i = tl.sum(tl.where(kcol[None, :] == i, g_t, 0.0), axis=1)
+            e_i = tl.sum(tl.where(kcol[None, :] == i, e_t, 0), axis=1)
+            if RENORM:
+                g_i = tl.sum(r_t * (g_i[:, None] - g_t), axis=1) / (denom * denom)
+            grad_p += tl.where(cols[None, :] == e_i[:, None], g_i[:, None], 0.0)
 
     if SIGMOID:
         grad_l = grad_p * probs * (1.0 - probs)
     else:
         grad_l = probs * (grad_p - tl.sum(probs * grad_p, axis=1)[:, None])
-    # z-loss = sum_s lse_s^2 / S: d/dlogits = (2 / S) * lse * softmax; z_coef holds g_z * 2 / S.
-    z_coef = tl.load(z_coef_ptr).to(ACC)
-    grad_l += (z_coef * lse)[:, None] * softmax
+    if HAS_Z:
+        # z-loss = sum_s lse_s^2 / S: d/dlogits = (2 / S) * lse * softmax.
+        g_z = tl.load(g_z_ptr).to(ACC)
+        grad_l += (g_z * 2.0 / S * lse)[:, None] * softmax
     grad_l = tl.where(cells, grad_l, 0.0)
     tl.store(grad_logits_ptr + rows[:, None].to(tl.int64) * stride_s + cols[None, :], grad_l,
              mask=rmask[:, None] & (cols < E)[None, :])
@@ -131,8 +182,8 @@ def _blocks(S: int, E: int):
 
 
 def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: bool, bias_E=None):
-    """Returns ids [S,k] int32, scores [S,k], counts [E] int32, first-choice counts [E] int32,
-    lse [S] and the per-row-block probability sums [nblocks, E] (for the aux loss)."""
+    """Returns ids [S,k] int32, scores [S,k], counts [E] int32, ce [E] (the aux loss's route
+    fractions), lse [S], aux and z (0-d)."""
     logits_SE = logits_SE.contiguous()
     S, E = logits_SE.shape
     acc = acc_dtype(logits_SE.dtype)
@@ -141,19 +192,26 @@ def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: 
     ids = torch.empty(S, k, dtype=torch.int32, device=dev)
     scores = torch.empty(S, k, dtype=acc, device=dev)
     lse = torch.empty(S, dtype=acc, device=dev)
-    probsum = torch.empty(nblocks, E, dtype=acc, device=dev)
-    counts = torch.zeros(2, E, dtype=torch.int32, device=dev)
+    partials = torch.empty(max(nblocks, 1), 4, E, dtype=acc, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    stats = torch.empty(E + 2, dtype=acc, device=dev)  # ce [E], aux, z
     if S > 0:
         _gating_fwd_kernel[(nblocks, )](
-            logits_SE, bias_E if bias_E is not None else logits_SE, ids, scores, lse, probsum, counts[0], counts[1],
+            logits_SE, bias_E if bias_E is not None else logits_SE, ids, scores, lse, partials,
             S, E, logits_SE.stride(0), K=k, KP=next_pow2(k), BLOCK_S=block_s, BLOCK_E=block_e,
             SIGMOID=sigmoid, RENORM=renormalize, HAS_BIAS=bias_E is not None, ACC=tl_dtype(acc),
             num_warps=4 if block_s * block_e <= 4096 else 8)
-    return ids, scores, counts[0], counts[1], lse, probsum
+    else:
+        partials.zero_()
+    _gating_stats_kernel[(1, )](partials, counts, stats, stats[E:], stats[E + 1:], max(nblocks, 1), max(S, 1), E,
+                                aux_loss_coefficient(E, k), FIRST_ONLY=k <= 2, BLOCK_B=max(1, 4096 // block_e),
+                                BLOCK_E=block_e, ACC=tl_dtype(acc))
+    return ids, scores, counts, stats[:E], lse, stats[E], stats[E + 1]
 
 
-def gating_backward(logits_SE, ids, scores, grad_scores, lse, aux_grad_E, z_coef, sigmoid: bool, renormalize: bool):
-    """grad_logits [S, E] in the dtype of logits; aux_grad_E [E] and z_coef [1] are device tensors."""
+def gating_backward(logits_SE, ids, grad_scores, lse, ce_E, g_aux, g_z, sigmoid: bool, renormalize: bool):
+    """grad_logits [S, E] in the dtype of logits. grad_scores, g_aux and g_z may be None (no
+    gradient flows from them); g_aux and g_z stay on the device, so there is no host sync."""
     logits_SE = logits_SE.contiguous()
     S, E = logits_SE.shape
     k = ids.shape[1]
@@ -161,7 +219,9 @@ def gating_backward(logits_SE, ids, scores, grad_scores, lse, aux_grad_E, z_coef
     grad = torch.empty_like(logits_SE)
     if S > 0:
         _gating_bwd_kernel[(nblocks, )](
-            logits_SE, ids, scores, grad_scores.contiguous(), lse, aux_grad_E, z_coef, grad, S, E, logits_SE.stride(0),
-            K=k, BLOCK_S=block_s, BLOCK_E=block_e, SIGMOID=sigmoid, RENORM=renormalize,
+            logits_SE, ids, grad_scores.contiguous() if grad_scores is not None else lse, lse, ce_E,
+            g_aux if g_aux is not None else lse, g_z if g_z is not None else lse, grad, S, E, logits_SE.stride(0),
+            aux_loss_coefficient(E, k), K=k, KP=next_pow2(k), BLOCK_S=block_s, BLOCK_E=block_e, SIGMOID=sigmoid,
+            RENORM=renormalize, HAS_GS=grad_scores is not None, HAS_AUX=g_aux is not None, HAS_Z=g_z is not None,
             ACC=tl_dtype(acc_dtype(logits_SE.dtype)), num_warps=4 if block_s * block_e <= 4096 else 8)
     return grad

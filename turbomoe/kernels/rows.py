@@ -5,8 +5,9 @@ Two kernels serve the four directions, so each row of output has exactly one wri
              scatter forward, and gather backward (where it also forms grad_score = <src[s], y[row]>)
   pull_rows  token s reads its k rows and sums (score *) y[row] in fp32:
              gather forward, and scatter backward (unit scores)
-Buffer rows that no route reaches are written with zeros by the push kernel's extra programs,
-found through row_routes, the inverse of slots.
+Buffer rows that no route reaches are zeroed by extra programs of the push kernel. Which rows those
+are follows from the kept counts (capacity C: rows e*C + p with p >= kept[e]; dropless: rows past
+the sum of kept), or, for bare slots, from row_routes, the inverse of slots.
 """
 from typing import Optional
 
@@ -17,7 +18,7 @@ import triton.language as tl
 from .launch import next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "R"])
 def _invert_slots_kernel(slots_ptr, row_routes_ptr, n, R, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + offs, mask=offs < n, other=-1)
@@ -34,9 +35,28 @@ def invert_slots(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 @triton.jit
-def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, out_ptr, dscores_ptr,
-                      S, M, R, n_token_blocks,
+def _empty_rows(rows, R, row_routes_ptr, kept_ptr, C, E, LAYOUT: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Mask of buffer rows that no route reaches."""
+    if LAYOUT:
+        if C > 0:
+            expert = rows // C
+            kept = tl.load(kept_ptr + expert, mask=rows < R, other=0)
+            empty = (rows < R) & (rows - expert * C >= kept)
+        else:
+            e = tl.arange(0, BLOCK_E)
+            total = tl.sum(tl.load(kept_ptr + e, mask=e < E, other=0), axis=0)
+            empty = (rows < R) & (rows >= total)
+    else:
+        empty = (rows < R) & (tl.load(row_routes_ptr + rows, mask=rows < R, other=0) < 0)
+    return empty
+
+
+# M stays specialised: its divisibility lets rows move in 16-byte vectors.
+@triton.jit(do_not_specialize=["S", "R", "n_token_blocks", "C", "E"])
+def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kept_ptr, out_ptr, dscores_ptr,
+                      S, M, R, n_token_blocks, C, E,
                       K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr, LAYOUT: tl.constexpr,
                       HAS_SCORES: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
     cols0 = tl.arange(0, BLOCK_M)
@@ -67,17 +87,18 @@ def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, out
             tl.store(dscores_ptr + toks[:, None] * K + kcol[None, :], dots,
                      mask=tmask[:, None] & (kcol < K)[None, :])
     else:
-        rows = (pid - n_token_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
-        owner = tl.load(row_routes_ptr + rows, mask=rows < R, other=0)
-        empty = (rows < R) & (owner < 0)
+        # BLOCK_Z rows a program, BLOCK_T at a time; stores are masked to the empty ones.
         zeros = tl.zeros([BLOCK_T, BLOCK_M], out_ptr.dtype.element_ty)
-        for m0 in range(0, M, BLOCK_M):
-            cols = m0 + cols0
-            tl.store(out_ptr + rows[:, None].to(tl.int64) * M + cols[None, :], zeros,
-                     mask=empty[:, None] & (cols < M)[None, :])
+        for r0 in tl.static_range(0, BLOCK_Z, BLOCK_T):
+            rows = (pid - n_token_blocks) * BLOCK_Z + r0 + tl.arange(0, BLOCK_T)
+            empty = _empty_rows(rows, R, row_routes_ptr, kept_ptr, C, E, LAYOUT, BLOCK_E)
+            for m0 in range(0, M, BLOCK_M):
+                cols = m0 + cols0
+                tl.store(out_ptr + rows[:, None].to(tl.int64) * M + cols[None, :], zeros,
+                         mask=empty[:, None] & (cols < M)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "R"])
 def _pull_rows_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, S, M, R,
                       K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                       HAS_SCORES: tl.constexpr, ACC: tl.constexpr):
@@ -106,36 +127,43 @@ def row_tile(M: int, element_size: int):
     return block_t, block_m, 8 if block_t * block_m >= 4096 else 4
 
 
-def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor, row_routes_R: torch.Tensor,
+def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor,
+              kept_counts_E: Optional[torch.Tensor] = None, capacity: Optional[int] = None,
               scores_SK: Optional[torch.Tensor] = None, y_RM: Optional[torch.Tensor] = None,
-              dscores_SK: Optional[torch.Tensor] = None):
-    """out[slots[s, j]] = (scores[s, j] *) src[s]; empty rows of out zeroed; with y given,
-    dscores[s, j] = <src[s], y[slots[s, j]]> in fp32."""
+              dscores_SK: Optional[torch.Tensor] = None, tile=None):
+    """out[slots[s, j]] = (scores[s, j] *) src[s], and rows no route reaches zeroed; with y given,
+    dscores[s, j] = <src[s], y[slots[s, j]]> in fp32. The empty rows follow from kept_counts and
+    capacity (None: dropless) when given, else from slots alone."""
     S, M = src_SM.shape
     K = slots_SK.shape[1]
     R = out_RM.shape[0]
-    block_t, block_m, warps = row_tile(M, src_SM.element_size())
-    n_token_blocks = triton.cdiv(S, block_t)
-    grid = (n_token_blocks + triton.cdiv(R, block_t), )
-    if grid[0] == 0 or M == 0:
+    block_t, block_m, warps = tile or row_tile(M, src_SM.element_size())
+    if M == 0 or S + R == 0:
         if dscores_SK is not None:
             dscores_SK.zero_()
         return
-    acc = torch.float64 if src_SM.dtype == torch.float64 else torch.float32
+    layout = kept_counts_E is not None
+    row_routes = invert_slots(slots_SK, R) if not layout else slots_SK
+    E = kept_counts_E.numel() if layout else 1
+    block_z = max(block_t, 64)
+    n_token_blocks = triton.cdiv(S, block_t)
+    grid = (n_token_blocks + triton.cdiv(R, block_z), )
+    acc = tl.float64 if src_SM.dtype == torch.float64 else tl.float32
     _push_rows_kernel[grid](src_SM, slots_SK, scores_SK if scores_SK is not None else src_SM,
-                            y_RM if y_RM is not None else src_SM, row_routes_R, out_RM,
+                            y_RM if y_RM is not None else src_SM, row_routes,
+                            kept_counts_E if layout else slots_SK, out_RM,
                             dscores_SK if dscores_SK is not None else src_SM,
-                            S, M, R, n_token_blocks, K=K, KP=next_pow2(K), BLOCK_T=block_t, BLOCK_M=block_m,
-                            HAS_SCORES=scores_SK is not None, DOT=y_RM is not None,
-                            ACC=tl.float64 if acc == torch.float64 else tl.float32, num_warps=warps)
+                            S, M, R, n_token_blocks, capacity or 0, E, K=K, KP=next_pow2(K), BLOCK_T=block_t,
+                            BLOCK_M=block_m, BLOCK_Z=block_z, BLOCK_E=next_pow2(E), LAYOUT=layout,
+                            HAS_SCORES=scores_SK is not None, DOT=y_RM is not None, ACC=acc, num_warps=warps)
 
 
 def pull_rows(y_RM: torch.Tensor, slots_SK: torch.Tensor, out_SM: torch.Tensor,
-              scores_SK: Optional[torch.Tensor] = None):
+              scores_SK: Optional[torch.Tensor] = None, tile=None):
     """out[s] = sum_j (scores[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
     S, M = out_SM.shape
     K = slots_SK.shape[1]
-    block_t, block_m, warps = row_tile(M, y_RM.element_size())
+    block_t, block_m, warps = tile or row_tile(M, y_RM.element_size())
     if S == 0 or M == 0:
         return
     _pull_rows_kernel[(triton.cdiv(S, block_t), )](

@@ -1,69 +1,87 @@
 """Triton kernels for assign_slots: expert ids [S, k] -> buffer rows [S, k], kept counts [E].
 
-The building block is `expert_ranks`: for routes in a given order, the rank of each route among
-the routes of its expert, by a two-pass blocked scan (per-block histograms, an exclusive prefix
-over blocks, then an in-block cumsum). Integer only, so it is deterministic. Priority-based drop
-policies (rts, probs) rank routes by a sort of (expert, priority) keys built by a kernel.
+The building block is a blocked rank: for routes in a given order (token-major r = s*k + j, or
+choice-major: every first choice before any second), the rank of each route among the routes of
+its expert. Pass 1 writes per-block expert histograms; torch's cumsum turns them into prefixes
+over blocks; pass 2 ranks inside each block with a cumsum over a one-hot tile and writes either
+the rank or the final slot. Integer only, so deterministic. Priority drop policies (rts, probs)
+sort (expert, priority) keys and keep the first C of each expert.
+Ids outside [0, E) route nowhere, checked inside the kernels (no host sync).
 """
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-from ..reference import Slots, hash32
+from ..reference import Slots, hash32_int
 from .launch import next_pow2
 
+SELECT, CAPACITY, DROPLESS = 0, 1, 2  # what the rank pass writes
+
 
 @triton.jit
-def _onehot_tile(ids_ptr, n, E, pid, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+def _route_tile(ids_ptr, sel_ptr, n, S, K, E, C, pid, CHOICE_MAJOR: tl.constexpr, HAS_SEL: tl.constexpr,
+                BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Positions pid*BLOCK.. in the chosen order -> their routes r, expert ids e (-1 = none, or not
+    selected when sel is given: kept iff sel[r] < C) and the one-hot tile [BLOCK, BLOCK_E]."""
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    if CHOICE_MAJOR:
+        r = (i % S) * K + i // S
+    else:
+        r = i
+    e = tl.load(ids_ptr + r, mask=i < n, other=-1).to(tl.int32)
+    e = tl.where((e >= 0) & (e < E), e, -1)
+    if HAS_SEL:
+        e = tl.where(tl.load(sel_ptr + r, mask=i < n, other=C) < C, e, -1)
     cols = tl.arange(0, BLOCK_E)
-    e = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
-    onehot = ((e[:, None] == cols[None, :]) & (cols < E)[None, :]).to(tl.int32)
-    return offs, cols, e, onehot
+    onehot = (e[:, None] == cols[None, :]).to(tl.int32)
+    return i, r, cols, e, onehot
 
 
-@triton.jit
-def _histogram_kernel(ids_ptr, hist_ptr, n, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "S", "E", "C"])
+def _histogram_kernel(ids_ptr, sel_ptr, hist_ptr, n, S, E, C, K: tl.constexpr, CHOICE_MAJOR: tl.constexpr,
+                      HAS_SEL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     pid = tl.program_id(0)
-    _, cols, _, onehot = _onehot_tile(ids_ptr, n, E, pid, BLOCK, BLOCK_E)
+    _, _, cols, _, onehot = _route_tile(ids_ptr, sel_ptr, n, S, K, E, C, pid, CHOICE_MAJOR, HAS_SEL, BLOCK, BLOCK_E)
     tl.store(hist_ptr + pid * E + cols, tl.sum(onehot, axis=0), mask=cols < E)
 
 
-@triton.jit
-def _rank_kernel(ids_ptr, offsets_ptr, rank_ptr, n, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "S", "E", "C", "last_block"])
+def _rank_kernel(ids_ptr, sel_ptr, inclusive_ptr, out_ptr, n, S, E, C, last_block, K: tl.constexpr,
+                 CHOICE_MAJOR: tl.constexpr, HAS_SEL: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_E: tl.constexpr):
     pid = tl.program_id(0)
-    offs, cols, e, onehot = _onehot_tile(ids_ptr, n, E, pid, BLOCK, BLOCK_E)
-    before = tl.cumsum(onehot, axis=0) - onehot  # earlier routes of the same expert in this block
-    base = tl.load(offsets_ptr + pid * E + cols, mask=cols < E, other=0)
-    rank = tl.sum(onehot * (before + base[None, :]), axis=1)
-    tl.store(rank_ptr + offs, tl.where(e >= 0, rank, -1), mask=offs < n)
+    i, r, cols, e, onehot = _route_tile(ids_ptr, sel_ptr, n, S, K, E, C, pid, CHOICE_MAJOR, HAS_SEL, BLOCK,
+                                        BLOCK_E)
+    # Routes of the same expert in earlier blocks, then earlier in this block.
+    before = tl.load(inclusive_ptr + pid * E + cols, mask=cols < E, other=0) - tl.sum(onehot, axis=0)
+    rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + before[None, :]), axis=1)
+    routed = e >= 0
+    if MODE == 0:  # selection rank: kept iff < C
+        out = tl.where(routed, rank, C)
+    elif MODE == 1:  # capacity: expert e owns rows [e*C, (e+1)*C)
+        out = tl.where(routed, e * C + rank, -1)
+    else:  # dropless: expert e owns rows from the sum of the counts of experts before it
+        totals = tl.load(inclusive_ptr + last_block * E + cols, mask=cols < E, other=0)
+        offset = tl.cumsum(totals, axis=0) - totals
+        out = tl.where(routed, tl.sum(tl.where(cols[None, :] == e[:, None], offset[None, :], 0), axis=1) + rank, -1)
+    tl.store(out_ptr + r, out, mask=i < n)
 
 
-def _block_histograms(ids_R: torch.Tensor, E: int):
+def _ranks(ids_R, sel_R, E: int, C: int, S: int, k: int, choice_major: bool, mode: int):
+    """One rank pass over R = S*k routes -> out [R] int32 (per mode) and totals [E] int32."""
+    R = ids_R.numel()
     block_e = next_pow2(E)
-    block = max(16, min(256, 8192 // block_e))
-    nblocks = max(1, triton.cdiv(ids_R.numel(), block))
+    block = max(16, min(1024, 16384 // block_e))
+    nblocks = max(1, triton.cdiv(R, block))
     hist = torch.empty(nblocks, E, dtype=torch.int32, device=ids_R.device)
-    _histogram_kernel[(nblocks, )](ids_R, hist, ids_R.numel(), E, BLOCK=block, BLOCK_E=block_e)
-    return hist, block, block_e
-
-
-def expert_counts(ids_R: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Routes per expert [E] int32 of ids [R] (-1 = no route); bincount without its host sync."""
-    return _block_histograms(ids_R, num_experts)[0].sum(dim=0, dtype=torch.int32)
-
-
-def expert_ranks(ids_R: torch.Tensor, num_experts: int):
-    """ids [R] int32 in the order that matters (-1 = no route) -> rank [R] int32 of each route among
-    the routes of its expert (-1 for no route), and totals [E] int32."""
-    hist, block, block_e = _block_histograms(ids_R, num_experts)
+    meta = dict(K=k, CHOICE_MAJOR=choice_major, HAS_SEL=sel_R is not None, BLOCK=block, BLOCK_E=block_e,
+                num_warps=8 if block * block_e >= 8192 else 4)
+    sel = sel_R if sel_R is not None else ids_R
+    _histogram_kernel[(nblocks, )](ids_R, sel, hist, R, S, E, C, **meta)
     inclusive = torch.cumsum(hist, dim=0, dtype=torch.int32)
-    rank = torch.empty_like(ids_R)
-    _rank_kernel[(hist.shape[0], )](ids_R, inclusive - hist, rank, ids_R.numel(), num_experts, BLOCK=block,
-                                    BLOCK_E=block_e)
-    return rank, inclusive[-1]
+    out = torch.empty(R, dtype=torch.int32, device=ids_R.device)
+    _rank_kernel[(nblocks, )](ids_R, sel, inclusive, out, R, S, E, C, nblocks - 1, MODE=mode, **meta)
+    return out, inclusive[-1]
 
 
 @triton.jit
@@ -78,13 +96,13 @@ def _hash32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "E", "seed_mix"])
 def _priority_key_kernel(ids_ptr, scores_ptr, key_ptr, n, E, seed_mix, BLOCK: tl.constexpr, BY_SCORE: tl.constexpr):
     """key = expert * 2**32 + priority (smaller first); unrouted routes sort after every expert."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     e = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int64)
-    e = tl.where(e >= 0, e, E)
+    e = tl.where((e >= 0) & (e < E), e, E)
     if BY_SCORE:
         # Order-preserving map of fp32 bits to uint32, inverted so that higher scores come first.
         bits = tl.load(scores_ptr + offs, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
@@ -96,77 +114,46 @@ def _priority_key_kernel(ids_ptr, scores_ptr, key_ptr, n, E, seed_mix, BLOCK: tl
     tl.store(key_ptr + offs, (e << 32) | prio, mask=mask)
 
 
-@triton.jit
-def _place_kernel(ids_ptr, rank_ptr, kept_rank_ptr, offset_ptr, slots_ptr, n, C, DROPLESS: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """slot = offset[e] + rank (dropless) or e * C + kept_rank when kept (capacity), else -1."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    e = tl.load(ids_ptr + offs, mask=mask, other=-1)
-    if DROPLESS:
-        rank = tl.load(rank_ptr + offs, mask=mask, other=-1)
-        slot = tl.load(offset_ptr + e, mask=mask & (e >= 0), other=0) + rank
-    else:
-        kept_rank = tl.load(kept_rank_ptr + offs, mask=mask, other=-1)
-        slot = e * C + kept_rank
-        rank = kept_rank
-    tl.store(slots_ptr + offs, tl.where((e >= 0) & (rank >= 0), slot, -1), mask=mask)
-
-
-@triton.jit
-def _keep_kernel(ids_ptr, rank_ptr, kept_ids_ptr, n, C, BLOCK: tl.constexpr):
-    """kept_ids = id where the route's selection rank is under capacity, else -1."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    e = tl.load(ids_ptr + offs, mask=mask, other=-1)
-    rank = tl.load(rank_ptr + offs, mask=mask, other=-1)
-    tl.store(kept_ids_ptr + offs, tl.where((rank >= 0) & (rank < C), e, -1), mask=mask)
+@triton.jit(do_not_specialize=["n", "C"])
+def _select_kernel(keys_ptr, order_ptr, sel_ptr, n, C, BLOCK: tl.constexpr):
+    """Sorted keys group the routes by expert: position i is among its expert's first C exactly
+    when i < C or the key C places earlier belongs to another expert. sel = 0 kept, C dropped."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    e = tl.load(keys_ptr + i, mask=mask, other=0) >> 32
+    e_before = tl.load(keys_ptr + i - C, mask=mask & (i >= C), other=-1) >> 32
+    kept = (i < C) | (e_before != e)
+    tl.store(sel_ptr + tl.load(order_ptr + i, mask=mask, other=0), tl.where(kept, 0, C), mask=mask)
 
 
 _BLOCK = 1024
 
 
-def _selection_rank(ids_R, scores_R, E, drop_policy, seed, S, k):
-    """Rank of each route (token-major order r = s*k + j) among its expert's routes, in the order
-    the drop policy keeps them."""
+def _priority_selection(ids_R, scores_R, E, C, drop_policy, seed):
+    """sel [R]: 0 for routes among the first C of their expert by priority, else C."""
     R = ids_R.numel()
-    if drop_policy == "position":
-        # First choices of every token before any second choice: rank in choice-major order.
-        rank_cm, _ = expert_ranks(ids_R.view(S, k).t().contiguous().view(-1), E)
-        return rank_cm.view(k, S).t().reshape(-1)
-    seed_mix = int(hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64)))
     keys = torch.empty(R, dtype=torch.int64, device=ids_R.device)
-    _priority_key_kernel[(triton.cdiv(R, _BLOCK), )](ids_R, scores_R, keys, R, E, seed_mix, BLOCK=_BLOCK,
-                                                     BY_SCORE=drop_policy == "probs")
+    grid = (max(1, triton.cdiv(R, _BLOCK)), )
+    _priority_key_kernel[grid](ids_R, scores_R, keys, R, E, hash32_int(seed), BLOCK=_BLOCK,
+                               BY_SCORE=drop_policy == "probs")
     keys_sorted, order = torch.sort(keys, stable=True)
-    # Routes of expert e occupy sorted positions [start_e, start_e + count_e); unrouted ones come
-    # last and are never kept, whatever rank they get.
-    counts = expert_counts(ids_R, E)
-    start = torch.cumsum(counts, 0) - counts
-    sorted_ids = (keys_sorted >> 32).clamp_max(E - 1)
-    rank = torch.empty(R, dtype=torch.int32, device=ids_R.device)
-    rank[order] = (torch.arange(R, device=ids_R.device) - start[sorted_ids]).to(torch.int32)
-    return rank
+    sel = torch.empty(R, dtype=torch.int32, device=ids_R.device)
+    _select_kernel[grid](keys_sorted, order, sel, R, C, BLOCK=_BLOCK)
+    return sel
 
 
 def assign_slots(expert_ids_SK: torch.Tensor, scores_SK: torch.Tensor, num_experts: int,
-                 capacity: Optional[int] = None, drop_policy: str = "position", seed: int = 0) -> Slots:
+                 capacity=None, drop_policy: str = "position", seed: int = 0) -> Slots:
     S, k = expert_ids_SK.shape
     E = num_experts
-    ids = expert_ids_SK.to(torch.int32).contiguous().view(-1)
-    # Ids outside [0, E) route nowhere rather than index out of bounds.
-    ids = torch.where((ids >= 0) & (ids < E), ids, -1)
-    R = ids.numel()
-    slots = torch.empty(R, dtype=torch.int32, device=ids.device)
-    grid = (max(1, triton.cdiv(R, _BLOCK)), )
+    ids = expert_ids_SK.contiguous().view(-1)
     if capacity is None:
-        rank, counts = expert_ranks(ids, E)
-        offset = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-        _place_kernel[grid](ids, rank, rank, offset, slots, R, 0, DROPLESS=True, BLOCK=_BLOCK)
-        return Slots(slots.view(S, k), counts, R, None)
-    rank = _selection_rank(ids, scores_SK.contiguous().view(-1), E, drop_policy, seed, S, k)
-    kept_ids = torch.empty_like(ids)
-    _keep_kernel[grid](ids, rank, kept_ids, R, capacity, BLOCK=_BLOCK)
-    kept_rank, kept_counts = expert_ranks(kept_ids, E)
-    _place_kernel[grid](kept_ids, kept_rank, kept_rank, kept_rank, slots, R, capacity, DROPLESS=False, BLOCK=_BLOCK)
+        slots, counts = _ranks(ids, None, E, 0, S, k, False, DROPLESS)
+        return Slots(slots.view(S, k), counts, S * k, None)
+    if drop_policy == "position":
+        # First choices of every token before any second choice: rank in choice-major order.
+        sel, _ = _ranks(ids, None, E, capacity, S, k, True, SELECT)
+    else:
+        sel = _priority_selection(ids, scores_SK.contiguous().view(-1), E, capacity, drop_policy, seed)
+    slots, kept_counts = _ranks(ids, sel, E, capacity, S, k, False, CAPACITY)
     return Slots(slots.view(S, k), kept_counts, E * capacity, capacity)
