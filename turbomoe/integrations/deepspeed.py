@@ -80,13 +80,13 @@ class TurboMOELayer(MOELayer):
                            and fast_path_applies(self.experts, self.expert_fast_path, x_SM.dtype))
             with _timed(self.gate, TOPK_GATE_TIMER, "gate_time"):
                 s, weights_SK = self._route_and_assign(x_SM, used_token, rows_layout)
-            buf_RM = ops.scatter_tokens(x_SM, s.slots, s.num_rows)
+            buf_RM = ops.scatter_tokens(x_SM, s)
             if rows_layout:
                 y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
                                    RowGroups(s.kept_counts, s.num_rows))
             else:
                 y_RM = self._exchange_and_run_experts(buf_RM.view(E, s.capacity, M)).reshape(E * s.capacity, M)
-            out_SM = ops.gather_tokens(y_RM, s.slots, weights_SK)
+            out_SM = ops.gather_tokens(y_RM, s, weights_SK)
         return out_SM.reshape(hidden_states.shape)
 
     def _route_and_assign(self, x_SM: torch.Tensor, used_token: Optional[torch.Tensor], rows_layout: bool):

@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autograd.grouped_gemm import grouped_mm
+from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
 from ..autograd.swiglu import swiglu
-from ..nn.experts import row_groups
 
 # Element-wise activations the fast path may apply on the stacked hidden states.
 _ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
@@ -180,11 +179,8 @@ class RowGroups:
         return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E)
 
     def add_bias(self, y_RN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
-        # Rows past sum(counts) (unrouted tokens) hold unspecified values whose gradient may be
-        # anything: `where`, not a multiply by 0, keeps it out of the bias gradient.
-        used_R = torch.arange(self.num_rows, device=y_RN.device) < self.counts_E.sum()
-        bias_RN = torch.where(used_R[:, None], b_EN[row_groups(self.counts_E, self.num_rows)], 0)
-        return y_RN + bias_RN
+        # Rows past sum(counts) (unrouted tokens) get no bias gradient from add_group_bias.
+        return add_group_bias(y_RN, b_EN, row_groups(row_offsets(self.counts_E), self.num_rows))
 
 
 def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups) -> torch.Tensor:
