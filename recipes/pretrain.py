@@ -147,7 +147,8 @@ def train(cfg, args, resume, samples):
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:
         # The launcher starts one process per rank; share the cores instead of oversubscribing them.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)  # deepspeed, torchrun
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
