@@ -37,7 +37,8 @@ def loop_reference(layer, x, select_logits=None):
     probs = score(logits, -1)
     select = score(logits if select_logits is None else select_logits, -1)
     select = select if r.expert_bias is None else select + r.expert_bias.double()
-    ids = torch.topk(select.detach(), k, dim=-1).indices
+    # Descending, ties to the lower expert id (exact ties are common among bf16 logits).
+    ids = torch.sort(select.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
     scores = probs.gather(1, ids)
     if r.renormalize:
         scores = scores / scores.sum(-1, keepdim=True)
@@ -78,8 +79,8 @@ def compare(layer, x, tol, grad_tol):
     ((out.double().cpu() * gy).sum() + aux.double().cpu()).backward()
     xr = x.detach().double().cpu().requires_grad_()
     dt = layer.router.router_dtype or x.dtype
-    seen = F.linear(x.detach().to(dt), layer.router.weight.detach().to(dt)).double().cpu()
-    seen = seen.reshape(-1, layer.num_experts)
+    x_SM = x.detach().reshape(-1, layer.hidden_size).to(dt)
+    seen = F.linear(x_SM, layer.router.weight.detach().to(dt)).double().cpu()  # as the layer computes them
     out_r, aux_r = loop_reference(ref_layer, xr, seen)
     ((out_r * gy).sum() + aux_r).backward()
     assert torch.isfinite(out).all()
@@ -109,6 +110,12 @@ def test_cpu_fp32_against_loop(kw):
     if layer.router.expert_bias is not None:
         layer.router.expert_bias.copy_(torch.randn(6) * 0.1)
     compare(layer, torch.randn(3, 17, 32), 1e-5, 1e-4)
+
+
+def test_cpu_bf16_against_loop():
+    torch.manual_seed(5)
+    layer = MoELayer(64, 96, 8, 2, dtype=torch.bfloat16, bias=True)
+    compare(layer, torch.randn(2, 150, 64, dtype=torch.bfloat16), 2e-2, 3e-2)
 
 
 def test_cpu_expert_load_and_dropless_shapes():
