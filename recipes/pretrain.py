@@ -9,6 +9,7 @@ groups of moe.ep_size ranks. The batch of a step is a function of (seed, step), 
 draw of a step is seeded by it, so --resume continues exactly where a checkpoint left off.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -94,7 +95,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_engine(cfg, rank: int, world: int, bf16: bool):
+def build_engine(cfg, rank: int, ds_config: dict):
     torch.manual_seed(cfg.train.seed)
     moe = cfg.moe
     model = Qwen3MoeForCausalLM(cfg.model, MoEArgs(moe.ep_size, moe.capacity_factor, moe.eval_capacity_factor,
@@ -111,8 +112,7 @@ def build_engine(cfg, rank: int, world: int, bf16: bool):
     t = cfg.train
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731 (built on DeepSpeed's wrapped optimizer)
         opt, lambda step: lr_factor(step, t.warmup_steps, t.steps, t.min_lr_ratio))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
-                                           config=deepspeed_config(cfg, world, bf16))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config)
     actual = groups._get_expert_parallel_rank(f"ep_size_{moe.ep_size}")
     if actual != ep_rank:
         raise RuntimeError(f"rank {rank}: DeepSpeed placed this rank at expert-parallel rank {actual}, "
@@ -154,7 +154,12 @@ def train(cfg, args, resume, samples):
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     t = cfg.train
     bf16 = t.precision == "bf16" or (t.precision == "auto" and on_gpu)
-    engine, model = build_engine(cfg, rank, world, bf16)
+    ds_config = deepspeed_config(cfg, world, bf16)
+    if rank == 0:  # the DeepSpeed config this run used, beside its log
+        os.makedirs(cfg.log.dir, exist_ok=True)
+        with open(os.path.join(cfg.log.dir, "ds_config.json"), "w") as f:
+            json.dump(ds_config, f, indent=2)
+    engine, model = build_engine(cfg, rank, ds_config)
 
     start_step = 0
     if resume is not None:

@@ -1,7 +1,7 @@
 """recipes/pretrain.py: bad input fails before any work, checkpoint bookkeeping, and real runs
-through the deepspeed launcher with 2 ranks and ep_size=2 (CPU ranks over gloo here; GPUs where
-there are two): the loss falls, checkpoints are written, and a run stopped and resumed logs exactly
-the losses of an uninterrupted one."""
+through the deepspeed launcher with 2 CPU ranks (gloo) and ep_size=2, as tiny-cpu trains, on any
+machine: the loss falls, checkpoints are written, and a run stopped and resumed logs exactly the
+losses of an uninterrupted one."""
 import json
 import os
 import socket
@@ -34,7 +34,8 @@ def launch(tmp, *args, check=True):
     """deepspeed --num_gpus 2 recipes/pretrain.py ... with logs and checkpoints under tmp."""
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), os.path.join(ROOT, "recipes", "pretrain.py"),
            "--config", TINY, *SHORT, "--set", f"log.dir={tmp}", *args]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")  # CPU ranks also where there are GPUs
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -162,6 +163,8 @@ def test_launcher_run_trains_and_checkpoints(full_run):
     assert train[-1]["loss"] < train[0]["loss"] - 1.0
     assert [r["step"] for r in valid] == [0, 4, 8] and valid[-1]["valid_loss"] < valid[0]["valid_loss"] - 1.0
     assert all(r["expert_load"] >= 1.0 and r["tokens_per_s"] > 0 for r in train)
+    ds = json.loads((full_run / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 2 * load_config(TINY).train.micro_batch_size and ds["bf16"] == {"enabled": False}
     ckpt = full_run / "checkpoints"
     assert (ckpt / "latest").read_text() == f"global_step{STEPS}"
     files = set(os.listdir(ckpt / f"global_step{STEPS}"))
