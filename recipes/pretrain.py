@@ -79,8 +79,10 @@ def prepare(args):
 def check_resumable(cfg, meta: dict, path: str):
     """A checkpoint continues only with the model and parallel layout that wrote it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if meta["config"]["model"] != cfg.model.to_dict():
-        diff = {k: (v, getattr(cfg.model, k)) for k, v in meta["config"]["model"].items() if getattr(cfg.model, k) != v}
+    # moe_impl may change: both layers have the same parameters.
+    diff = {k: (v, getattr(cfg.model, k)) for k, v in meta["config"]["model"].items()
+            if k != "moe_impl" and getattr(cfg.model, k) != v}
+    if diff:
         raise ConfigError(f"--resume {path}: the checkpoint's model differs (key: (checkpoint, config)): {diff}")
     if (meta["world_size"], meta["config"]["moe"]["ep_size"]) != (world, cfg.moe.ep_size):
         raise ConfigError(f"--resume {path}: written by {meta['world_size']} ranks with ep_size "

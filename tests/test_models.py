@@ -132,7 +132,8 @@ def test_moe_impl_choice_and_norm_topk_prob():
     assert moe_class("deepspeed") == (deepspeed.moe.layer.MoE, "deepspeed")
     cls, name = moe_class("turbomoe")
     assert name == "turbomoe" and issubclass(cls, deepspeed.moe.layer.MoE)
-    assert moe_class("auto")[1] == "turbomoe"
+    with pytest.raises(ValueError, match="moe_impl"):
+        moe_class("auto")
     # Both gates renormalise top-k for k >= 2 and keep the raw probability for k = 1.
     with pytest.raises(ValueError, match="norm_topk_prob"):
         Qwen3MoeForCausalLM(tiny(norm_topk_prob=False))

@@ -2,7 +2,7 @@
 from dataclasses import asdict, dataclass, field, fields
 from typing import List
 
-MOE_IMPLS = ("auto", "turbomoe", "deepspeed")
+MOE_IMPLS = ("turbomoe", "deepspeed")
 
 
 @dataclass
@@ -25,8 +25,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
-    # auto: turbomoe.integrations.deepspeed.MoE when importable, else deepspeed.moe.layer.MoE.
-    moe_impl: str = "auto"
+    # turbomoe.integrations.deepspeed.MoE, or DeepSpeed's own deepspeed.moe.layer.MoE (same constructor).
+    moe_impl: str = "turbomoe"
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

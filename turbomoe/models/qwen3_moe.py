@@ -93,17 +93,18 @@ class SwiGLUMLP(nn.Module):
 
 
 def moe_class(impl: str):
-    """The DeepSpeed-compatible MoE layer class for model.moe_impl, and the name of what was chosen."""
-    if impl in ("auto", "turbomoe"):
+    """The DeepSpeed-compatible MoE layer class for model.moe_impl, and its name."""
+    if impl == "turbomoe":
         try:
             from turbomoe.integrations.deepspeed import MoE
-            return MoE, "turbomoe"
         except ImportError as e:
-            if impl == "turbomoe":
-                raise ImportError("model.moe_impl is 'turbomoe' but turbomoe.integrations.deepspeed.MoE cannot be "
-                                  f"imported ({e}); set model.moe_impl: deepspeed to use DeepSpeed's MoE") from e
-    from deepspeed.moe.layer import MoE
-    return MoE, "deepspeed"
+            raise ImportError("model.moe_impl is 'turbomoe' but turbomoe.integrations.deepspeed.MoE cannot be "
+                              f"imported ({e}); set model.moe_impl: deepspeed to use DeepSpeed's MoE") from e
+        return MoE, "turbomoe"
+    if impl == "deepspeed":
+        from deepspeed.moe.layer import MoE
+        return MoE, "deepspeed"
+    raise ValueError(f"model.moe_impl must be 'turbomoe' or 'deepspeed', got {impl!r}")
 
 
 def renormalizes_topk(moe_cls, k: int) -> Optional[bool]:
