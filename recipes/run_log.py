@@ -1,6 +1,7 @@
 """What a training run reports, from rank 0: a JSONL log (always), wandb (offline unless a key is
 configured), and a progress bar with tokens/s, loss, learning rate, aux loss, expert load and MFU."""
 import json
+import netrc
 import os
 import time
 from typing import Optional
@@ -23,6 +24,16 @@ def peak_flops(configured_tflops: Optional[float]) -> Optional[float]:
     return next((tf * 1e12 for key, tf in PEAK_BF16_TFLOPS if key in name), None)
 
 
+def wandb_key_configured() -> bool:
+    """WANDB_API_KEY, or the ~/.netrc entry that `wandb login` writes."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 class RunLog:
     def __init__(self, cfg, start_step: int, enabled: bool, resumed_from: Optional[str]):
         self.enabled = enabled
@@ -34,7 +45,7 @@ class RunLog:
         self.write({"type": "start", "step": start_step, "resumed_from": resumed_from, "time": time.time()})
         if cfg.log.wandb:
             import wandb
-            mode = cfg.log.wandb_mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+            mode = cfg.log.wandb_mode or ("online" if wandb_key_configured() else "offline")
             self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.name, dir=cfg.log.dir, mode=mode,
                                     config=cfg.to_dict())
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc=cfg.name, dynamic_ncols=True,

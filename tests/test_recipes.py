@@ -202,3 +202,17 @@ def test_shipped_configs(name, world, billions):
     with torch.device("meta"):  # the full model, no memory: its size is what the config says
         model = Qwen3MoeForCausalLM(cfg.model)
     assert sum(p.numel() for p in model.parameters()) == cfg.model.num_parameters()
+
+
+def test_wandb_online_only_with_a_key(tmp_path, monkeypatch):
+    import run_log
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert not run_log.wandb_key_configured()
+    netrc = tmp_path / ".netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password 0123456789\n")
+    netrc.chmod(0o600)
+    assert run_log.wandb_key_configured()
+    netrc.unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789")
+    assert run_log.wandb_key_configured()
