@@ -62,14 +62,25 @@ def fwd_bwd(path, logits, x, k, grad_out):
     return step
 
 
-TILES = [None, (1, 4096, 8), (1, 2048, 4), (2, 2048, 8), (1, 1024, 4), (4, 1024, 8)]
+def cuda_graph(step):
+    """Captures step (forward + backward) once; returns a replay. Possible only for a path with no
+    host sync and no data-dependent shapes: turbomoe's, not DeepSpeed's (it reads C on the host)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def row_bandwidths(S, E, k, M, copy_gbs):
     """Achieved GB/s of the row kernels (scatter and gather, forward and backward) at one config,
     launched directly so autograd's own overhead stays out. Bytes = each input read once, each
-    output written once, kept rows only where a kernel touches only those. Each tile candidate
-    (BLOCK_T, BLOCK_M, warps; None = the shipped heuristic) is timed."""
+    output written once, kept rows only where a kernel touches only those."""
     dt = torch.bfloat16
     g = ops.topk_gating(torch.randn(S, E, device="cuda"), k, renormalize=k > 1)
     s = ops.assign_slots(g.expert_ids, g.scores, E, turbomoe.capacity(S, E, k, CAPACITY_FACTOR, MIN_CAPACITY))
@@ -81,18 +92,17 @@ def row_bandwidths(S, E, k, M, copy_gbs):
     dscores = torch.empty_like(g.scores)
     e = 2  # bytes per bf16 element
     cases = {
-        "scatter fwd": (lambda t: push_rows(x, s.slots, buf, s.kept_counts, s.capacity, tile=t), (S + R) * M * e),
-        "scatter bwd": (lambda t: pull_rows(y, s.slots, out, tile=t), (kept + S) * M * e),
-        "gather fwd": (lambda t: pull_rows(y, s.slots, out, g.scores, tile=t), (kept + S) * M * e),
-        "gather bwd": (lambda t: push_rows(x, s.slots, buf, s.kept_counts, s.capacity, g.scores, y, dscores, tile=t),
+        "scatter fwd": (lambda: push_rows(x, s.slots, buf, s.kept_counts, s.capacity), (S + R) * M * e),
+        "scatter bwd": (lambda: pull_rows(y, s.slots, out), (kept + S) * M * e),
+        "gather fwd": (lambda: pull_rows(y, s.slots, out, g.scores), (kept + S) * M * e),
+        "gather bwd": (lambda: push_rows(x, s.slots, buf, s.kept_counts, s.capacity, g.scores, y, dscores),
                        (S + kept + R) * M * e),
     }
     rows = {}
     for name, (fn, nbytes) in cases.items():
-        for tile in TILES:
-            ms = cuda_time_ms(lambda: fn(tile))
-            gbs = nbytes / ms / 1e6
-            rows.setdefault(name, {})[str(tile)] = {"ms": ms, "GB/s": gbs, "of_copy": gbs / copy_gbs}
+        ms = cuda_time_ms(fn)
+        gbs = nbytes / ms / 1e6
+        rows[name] = {"ms": ms, "GB/s": gbs, "of_copy": gbs / copy_gbs}
     return rows
 
 
@@ -111,22 +121,24 @@ def main():
         grad_out = torch.randn(S, M, device="cuda", dtype=torch.bfloat16)
         ds_ms = cuda_time_ms(fwd_bwd(deepspeed_path, logits, x, k, grad_out))
         tm_ms = cuda_time_ms(fwd_bwd(turbomoe_path, logits, x, k, grad_out))
+        graph_ms = cuda_time_ms(cuda_graph(fwd_bwd(turbomoe_path, logits, x, k, grad_out)))
         results["configs"].append({"S": S, "E": E, "k": k, "M": M, "deepspeed_ms": ds_ms, "turbomoe_ms": tm_ms,
-                                   "speedup": ds_ms / tm_ms})
+                                   "turbomoe_graph_ms": graph_ms, "speedup": ds_ms / tm_ms,
+                                   "speedup_graph": ds_ms / graph_ms})
     results["rows_S16384_E64_k2_M4096"] = row_bandwidths(16384, 64, 2, 4096, copy_gbs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(f"\n{results['device']}, torch {results['torch']}, bf16 tokens, fp32 logits, capacity factor "
           f"{CAPACITY_FACTOR}, forward + backward; copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'S':>6} {'E':>3} {'k':>2} {'M':>5} | {'DeepSpeed ms':>12} {'turbomoe ms':>11} {'speedup':>8}")
+    print(f"{'S':>6} {'E':>3} {'k':>2} {'M':>5} | {'DeepSpeed':>9} {'turbomoe':>8} {'speedup':>7} | "
+          f"{'graphed':>7} {'speedup':>7}   (ms)")
     for c in results["configs"]:
-        print(f"{c['S']:>6} {c['E']:>3} {c['k']:>2} {c['M']:>5} | {c['deepspeed_ms']:>12.3f} "
-              f"{c['turbomoe_ms']:>11.3f} {c['speedup']:>7.1f}x")
-    print("row kernels at S=16384 E=64 k=2 M=4096, % of copy bandwidth by tile (BLOCK_T, BLOCK_M, warps):")
-    print(" " * 13 + " ".join(f"{t:>15}" for t in map(str, TILES)))
-    for name, by_tile in results["rows_S16384_E64_k2_M4096"].items():
-        print(f"  {name:<11}" + " ".join(f"{100 * r['of_copy']:>14.0f}%" for r in by_tile.values()))
+        print(f"{c['S']:>6} {c['E']:>3} {c['k']:>2} {c['M']:>5} | {c['deepspeed_ms']:>9.3f} {c['turbomoe_ms']:>8.3f} "
+              f"{c['speedup']:>6.1f}x | {c['turbomoe_graph_ms']:>7.3f} {c['speedup_graph']:>6.1f}x")
+    print("row kernels at S=16384 E=64 k=2 M=4096:")
+    for name, r in results["rows_S16384_E64_k2_M4096"].items():
+        print(f"  {name:<12} {r['ms']:.3f} ms  {r['GB/s']:.0f} GB/s  {100 * r['of_copy']:.0f}% of copy")
 
 
 if __name__ == "__main__":

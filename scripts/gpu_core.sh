@@ -10,6 +10,6 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # Processes in parallel: most of the time is Triton compiling each specialisation on the CPU.
-python3 -m pytest -q -n 8 -rf --tb=short -p no:cacheprovider tests/test_ops_triton.py tests/test_reference.py \
+python3 -m pytest -q -n 16 -rf --tb=short -p no:cacheprovider tests/test_ops_triton.py tests/test_reference.py \
   tests/test_errors.py 2>&1 | tee "$OUT/pytest_core.log" | tail -15
 python3 scripts/bench_gating.py --json "$OUT/bench_gating.json" 2>&1 | tee "$OUT/bench_gating.log" | tail -30

@@ -130,14 +130,14 @@ def row_tile(M: int, element_size: int):
 def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor,
               kept_counts_E: Optional[torch.Tensor] = None, capacity: Optional[int] = None,
               scores_SK: Optional[torch.Tensor] = None, y_RM: Optional[torch.Tensor] = None,
-              dscores_SK: Optional[torch.Tensor] = None, tile=None):
+              dscores_SK: Optional[torch.Tensor] = None):
     """out[slots[s, j]] = (scores[s, j] *) src[s], and rows no route reaches zeroed; with y given,
     dscores[s, j] = <src[s], y[slots[s, j]]> in fp32. The empty rows follow from kept_counts and
     capacity (None: dropless) when given, else from slots alone."""
     S, M = src_SM.shape
     K = slots_SK.shape[1]
     R = out_RM.shape[0]
-    block_t, block_m, warps = tile or row_tile(M, src_SM.element_size())
+    block_t, block_m, warps = row_tile(M, src_SM.element_size())
     if M == 0 or S + R == 0:
         if dscores_SK is not None:
             dscores_SK.zero_()
@@ -159,11 +159,11 @@ def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor
 
 
 def pull_rows(y_RM: torch.Tensor, slots_SK: torch.Tensor, out_SM: torch.Tensor,
-              scores_SK: Optional[torch.Tensor] = None, tile=None):
+              scores_SK: Optional[torch.Tensor] = None):
     """out[s] = sum_j (scores[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
     S, M = out_SM.shape
     K = slots_SK.shape[1]
-    block_t, block_m, warps = tile or row_tile(M, y_RM.element_size())
+    block_t, block_m, warps = row_tile(M, y_RM.element_size())
     if S == 0 or M == 0:
         return
     _pull_rows_kernel[(triton.cdiv(S, block_t), )](
