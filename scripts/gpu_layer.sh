@@ -1,6 +1,6 @@
 #!/bin/bash
 # The MoE layer's GPU session, in one call of the device machine (run from the repository root):
-#   bash scripts/gpu_layer.sh [bench args...]
+#   [TESTS=tests/test_nn_layer.py] bash scripts/gpu_layer.sh [bench args...]
 # installs the carried wheels (.whl: DeepSpeed and its pure-Python deps), puts ScatterMoE's source
 # (.peers, ignored) on the path, runs the GPU tests of the grouped GEMM and the layer, then the
 # benchmark; logs, JSON and the plot go to $OUT.
@@ -18,7 +18,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 '_grouped_mm', hasattr(torch, '_grouped_mm'), torch.cuda.get_device_name())"
 date -u
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_nn_layer.py tests/test_grouped_gemm.py \
+TESTS=${TESTS:-"tests/test_nn_layer.py tests/test_grouped_gemm.py"}
+timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs $TESTS \
   2>&1 | tee "$OUT/pytest.log" | grep -v "^SKIPPED.*torch._grouped_mm runs bf16" | tail -25
 date -u
 python3 scripts/bench_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[" | tail -40
