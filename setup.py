@@ -4,10 +4,12 @@ from setuptools import find_packages, setup
 EXTRAS = {
     "deepspeed": ["deepspeed==0.19.8"],
     "megatron": ["megatron-core==0.16.1"],
-    "train": ["deepspeed==0.19.8", "pyyaml", "tqdm", "wandb", "tokenizers"],
+    "train": ["deepspeed==0.19.8", "pyyaml", "tqdm", "wandb"],
     "export": ["safetensors"],
-    "dev": ["pytest", "numpy", "deepspeed==0.19.8", "pyyaml", "tqdm", "wandb", "tokenizers", "safetensors"],
+    "bench": ["matplotlib"],
 }
+# Everything the test suite touches: the integrations, the recipes and Megatron's indexed datasets.
+EXTRAS["dev"] = sorted({"pytest", "numpy", *EXTRAS["train"], *EXTRAS["megatron"], *EXTRAS["export"]})
 
 setup(
     name="turbomoe",

@@ -1,0 +1,35 @@
+"""Plots bench_gating.py's JSON: time of the gating path (forward + backward) per config for
+DeepSpeed, turbomoe eager and turbomoe replayed from a CUDA graph.
+
+    python scripts/plot_gating.py notes/bench_gating.json docs/bench_gating.png
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(src: str, dst: str):
+    res = json.load(open(src))
+    cfgs = res["configs"]
+    labels = [f"S={c['S']}\nE={c['E']} k={c['k']}\nM={c['M']}" for c in cfgs]
+    series = [("DeepSpeed 0.19", "deepspeed_ms"), ("turbomoe", "turbomoe_ms"),
+              ("turbomoe, CUDA graph", "turbomoe_graph_ms")]
+    fig, ax = plt.subplots(figsize=(14, 4.5))
+    width = 0.27
+    for i, (name, key) in enumerate(series):
+        ax.bar([x + (i - 1) * width for x in range(len(cfgs))], [c[key] for c in cfgs], width, label=name)
+    ax.set_xticks(range(len(cfgs)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("ms, forward + backward (lower is better)")
+    ax.set_title(f"MoE gating path (softmax/top-k, capacity, scatter, gather), bf16, {res['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
