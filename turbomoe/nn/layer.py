@@ -65,11 +65,12 @@ class MoELayer(nn.Module):
                              seed=self.seed, backend=self.backend)
         if self.training and self.drop_policy == "rts":
             self.seed += 1  # a fresh random selection each step
-        buf_RM = ops.scatter_tokens(x_SM, s.slots, s.num_rows, backend=self.backend)
+        # Passing the Slots (not the bare table) lets the kernels find empty rows from the kept counts.
+        buf_RM = ops.scatter_tokens(x_SM, s, backend=self.backend)
         # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
         counts_E = s.kept_counts if C is None else torch.full_like(s.kept_counts, C)
         y_RM = self.experts(buf_RM, counts_E)
-        out_SM = ops.gather_tokens(y_RM, s.slots, g.scores, backend=self.backend)
+        out_SM = ops.gather_tokens(y_RM, s, g.scores, backend=self.backend)
         if self.shared_expert is not None:
             out_SM = out_SM + self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device))
         self.expert_load = s.kept_counts.detach()
