@@ -286,6 +286,30 @@ def test_wall_clock_breakdown_is_recorded():
     assert turbo.deepspeed_moe.time_moe >= turbo.deepspeed_moe.gate.gate_time
 
 
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_norm_topk_prob_switch(k):
+    """norm_topk_prob=None is stock's choice; True / False pick renormalised or raw probabilities."""
+    x = torch.randn(2, 16, M)
+    kw = dict(hidden_size=M, num_experts=E, k=k, drop_tokens=False, top2_2nd_expert_sampling=False)
+    torch.manual_seed(1)
+    layers = {v: tds.MoE(expert=EXPERTS["mlp"](), norm_topk_prob=v, **kw) for v in (None, True, False)}
+    for v in (True, False):
+        layers[v].load_state_dict(layers[None].state_dict())
+    outs = {v: layer(x)[0] for v, layer in layers.items()}
+    assert torch.equal(outs[None], outs[k >= 2])
+    if k >= 2:
+        assert not torch.allclose(outs[True], outs[False])
+    # Against a per-token loop: out = sum over the top k of (renormalised or raw) p_e * expert_e(x).
+    moe = layers[False].deepspeed_moe
+    x_SM = x.reshape(-1, M)
+    top = torch.topk(torch.softmax(x_SM @ moe.gate.wg.weight.t(), 1), k, dim=1)
+    for v in (True, False):
+        w = top.values / top.values.sum(1, keepdim=True) if v else top.values
+        want = torch.stack([sum(w[s, j] * moe.experts.deepspeed_experts[int(top.indices[s, j])](x_SM[s])
+                                for j in range(k)) for s in range(x_SM.shape[0])])
+        torch.testing.assert_close(outs[v].reshape(-1, M), want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="k must be"):
         tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=16, k=9)

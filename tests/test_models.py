@@ -134,12 +134,17 @@ def test_moe_impl_choice_and_norm_topk_prob():
     assert name == "turbomoe" and issubclass(cls, deepspeed.moe.layer.MoE)
     with pytest.raises(ValueError, match="moe_impl"):
         moe_class("auto")
-    # Both gates renormalise top-k for k >= 2 and keep the raw probability for k = 1.
+    # turbomoe's layer takes norm_topk_prob; stock's always renormalises for k >= 2 and never for
+    # k = 1, so a model on it must say the same.
+    for k in (1, 2):
+        for norm in (True, False):
+            model = Qwen3MoeForCausalLM(tiny(num_experts_per_tok=k, norm_topk_prob=norm))
+            assert all(m.deepspeed_moe.norm_topk_prob == norm for m in model.modules() if isinstance(m, cls))
     with pytest.raises(ValueError, match="norm_topk_prob"):
-        Qwen3MoeForCausalLM(tiny(norm_topk_prob=False))
+        Qwen3MoeForCausalLM(tiny(moe_impl="deepspeed", norm_topk_prob=False))
     with pytest.raises(ValueError, match="norm_topk_prob"):
-        Qwen3MoeForCausalLM(tiny(num_experts_per_tok=1, norm_topk_prob=True))
-    Qwen3MoeForCausalLM(tiny(num_experts_per_tok=1, norm_topk_prob=False))
+        Qwen3MoeForCausalLM(tiny(moe_impl="deepspeed", num_experts_per_tok=1, norm_topk_prob=True))
+    Qwen3MoeForCausalLM(tiny(moe_impl="deepspeed", num_experts_per_tok=1, norm_topk_prob=False))
 
 
 @pytest.mark.parametrize("capacity", [None, 1.0])

@@ -55,8 +55,10 @@ class TurboMOELayer(MOELayer):
     """Stock's MOELayer (same gate and experts submodules) with a forward on turbomoe's ops."""
 
     def __init__(self, gate: nn.Module, experts: nn.Module, ep_group_name: str, ep_size: int,
-                 num_local_experts: int) -> None:
+                 num_local_experts: int, norm_topk_prob: Optional[bool] = None) -> None:
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts, use_tutel=False)
+        # None: stock's combine weights (renormalised over the kept routes for k >= 2, raw for k = 1).
+        self.norm_topk_prob = gate.k >= 2 if norm_topk_prob is None else norm_topk_prob
         self.expert_fast_path = fast_path_kind(list(experts.deepspeed_experts))
         if self.expert_fast_path is not None:
             pack_expert_params(experts.deepspeed_experts)
@@ -100,7 +102,7 @@ class TurboMOELayer(MOELayer):
         seed = int(torch.randint(0, 2**31 - 1, (1, ))) if gate.drop_tokens and policy == "rts" else 0
         s = ops.assign_slots(routes.expert_ids, routes.scores, routes.counts.shape[0], capacity=C,
                              drop_policy=policy, seed=seed)
-        return s, routes.scores if gate.k == 1 else renormalize_kept(routes.scores, s.slots)
+        return s, renormalize_kept(routes.scores, s.slots) if self.norm_topk_prob else routes.scores
 
     def _exchange_and_run_experts(self, buf_ECM: torch.Tensor) -> torch.Tensor:
         """[E, C, M] on every rank -> each rank's experts on their rows from all ranks -> [E, C, M].
@@ -133,7 +135,9 @@ class MoE(StockMoE):
 
     Same constructor, defaults and forward(hidden_states, used_token=None) -> (output, l_aux,
     exp_counts). k may be 1 .. 8. use_tutel is accepted and ignored: turbomoe's dispatch replaces
-    Tutel's.
+    Tutel's. One optional argument beyond stock's: norm_topk_prob (Hugging Face's name), whether
+    the combine weights are the kept routes' probabilities renormalised to sum 1; None keeps
+    stock's choice (yes for k >= 2, no for k = 1).
     """
 
     def __init__(self,
@@ -151,7 +155,8 @@ class MoE(StockMoE):
                  use_rts: bool = True,
                  use_tutel: bool = False,
                  enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True) -> None:
+                 top2_2nd_expert_sampling: bool = True,
+                 norm_topk_prob: Optional[bool] = None) -> None:
         if not isinstance(k, int) or not 1 <= k <= min(num_experts, ops.MAX_K):
             raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got {k!r} "
                              f"with num_experts={num_experts}")
@@ -163,7 +168,7 @@ class MoE(StockMoE):
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
         stock = self.deepspeed_moe
         self.deepspeed_moe = TurboMOELayer(stock.gate, stock.experts, stock.ep_group_name, ep_size,
-                                           self.num_local_experts)
+                                           self.num_local_experts, norm_topk_prob)
 
 
 def _new_turbomoe(cls, *args, **kwargs):
