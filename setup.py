@@ -18,7 +18,6 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["turbomoe", "turbomoe.*"]),
-    package_data={"turbomoe": ["csrc/*.cu", "csrc/*.cpp"]},
     python_requires=">=3.10",
     # torch is pinned by the user's environment (CPU or CUDA build); any 2.4+ works.
     install_requires=["torch>=2.4", "triton>=3.0", "numpy"],

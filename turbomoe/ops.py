@@ -122,7 +122,7 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     return fused(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
 
 
-def _unpack_slots(slots, num_rows, S: int, device):
+def _unpack_slots(slots, num_rows, S: int, like: torch.Tensor):
     """A Slots from assign_slots, or a bare [S, k] slots tensor with num_rows -> (tensor, rows,
     kept counts or None, capacity or None)."""
     if isinstance(slots, Slots):
@@ -138,7 +138,7 @@ def _unpack_slots(slots, num_rows, S: int, device):
         raise ValueError(f"slots must be [S, k] with S = {S} tokens, got {tuple(table.shape)}")
     if not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"num_rows must be an int >= 0, got {num_rows!r}")
-    _check_same_device(tokens=torch.empty(0, device=device), slots=table)
+    _check_same_device(tokens=like, slots=table)
     return table, num_rows, kept, cap
 
 
@@ -150,7 +150,7 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     empty rows without another pass), or a bare [S, k] int tensor together with num_rows.
     """
     _check_float("x", x_SM, 2)
-    table, num_rows, kept, cap = _unpack_slots(slots, num_rows, x_SM.shape[0], x_SM.device)
+    table, num_rows, kept, cap = _unpack_slots(slots, num_rows, x_SM.shape[0], x_SM)
     if choose_backend(x_SM, backend) == "reference":
         return reference.scatter_tokens(x_SM, table, num_rows)
     from .autograd.scatter import scatter_tokens as fused
@@ -165,7 +165,7 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
     """
     _check_float("y", y_RM, 2)
     _check_float("scores", scores_SK, 2)
-    table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM.device)
+    table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
     if table.shape != scores_SK.shape:
         raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
     _check_same_device(y=y_RM, slots=table, scores=scores_SK)
