@@ -168,7 +168,7 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
     table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
     if table.shape != scores_SK.shape:
         raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
-    _check_same_device(y=y_RM, slots=table, scores=scores_SK)
+    _check_same_device(y=y_RM, scores=scores_SK)  # slots were checked against y
     if choose_backend(y_RM, backend) == "reference":
         return reference.gather_tokens(y_RM, table, scores_SK)
     from .autograd.gather import gather_tokens as fused

@@ -3,6 +3,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.launch import acc_dtype
 from ..kernels.rows import pull_rows, push_rows
 
 
@@ -23,7 +24,7 @@ class GatherTokens(torch.autograd.Function):
         # grad_y[slot] = score * grad_out (one writer per row, empty rows zero);
         # grad_score = <grad_out, y[slot]> in fp32.
         grad_y_RM = torch.empty_like(y_RM)
-        grad_scores_SK = torch.empty_like(scores_SK, dtype=torch.float64 if y_RM.dtype == torch.float64 else None)
+        grad_scores_SK = torch.empty_like(scores_SK, dtype=acc_dtype(y_RM.dtype))
         push_rows(grad_out_SM.contiguous(), slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
                   scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK)
         return grad_y_RM, None, grad_scores_SK.to(scores_SK.dtype), None, None

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import next_pow2
+from .launch import acc_dtype, next_pow2, tl_dtype
 
 
 @triton.jit(do_not_specialize=["n", "R"])
@@ -148,14 +148,14 @@ def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor
     block_z = max(block_t, 64)
     n_token_blocks = triton.cdiv(S, block_t)
     grid = (n_token_blocks + triton.cdiv(R, block_z), )
-    acc = tl.float64 if src_SM.dtype == torch.float64 else tl.float32
     _push_rows_kernel[grid](src_SM, slots_SK, scores_SK if scores_SK is not None else src_SM,
                             y_RM if y_RM is not None else src_SM, row_routes,
                             kept_counts_E if layout else slots_SK, out_RM,
                             dscores_SK if dscores_SK is not None else src_SM,
                             S, M, R, n_token_blocks, capacity or 0, E, K=K, KP=next_pow2(K), BLOCK_T=block_t,
                             BLOCK_M=block_m, BLOCK_Z=block_z, BLOCK_E=next_pow2(E), LAYOUT=layout,
-                            HAS_SCORES=scores_SK is not None, DOT=y_RM is not None, ACC=acc, num_warps=warps)
+                            HAS_SCORES=scores_SK is not None, DOT=y_RM is not None,
+                            ACC=tl_dtype(acc_dtype(src_SM.dtype)), num_warps=warps)
 
 
 def pull_rows(y_RM: torch.Tensor, slots_SK: torch.Tensor, out_SM: torch.Tensor,
@@ -169,4 +169,4 @@ def pull_rows(y_RM: torch.Tensor, slots_SK: torch.Tensor, out_SM: torch.Tensor,
     _pull_rows_kernel[(triton.cdiv(S, block_t), )](
         y_RM, slots_SK, scores_SK if scores_SK is not None else y_RM, out_SM, S, M, y_RM.shape[0],
         K=K, BLOCK_T=block_t, BLOCK_M=block_m, HAS_SCORES=scores_SK is not None,
-        ACC=tl.float64 if y_RM.dtype == torch.float64 else tl.float32, num_warps=warps)
+        ACC=tl_dtype(acc_dtype(y_RM.dtype)), num_warps=warps)
