@@ -1,8 +1,9 @@
-"""The Triton kernels against the reference evaluated in float64, forward and backward.
+"""The kernel backends (Triton, and CUDA C++ on a GPU) against the reference evaluated in
+float64, forward and backward.
 
-Runs natively on a GPU. On the CPU it runs under TRITON_INTERPRET=1 (CI does this in its own
-process, since the variable is read when kernels are decorated), where the largest cases are left
-to the GPU because the interpreter is slow.
+Runs natively on a GPU, where every test runs once per backend. On the CPU it runs the Triton
+kernels under TRITON_INTERPRET=1 (CI does this in its own process, since the variable is read when
+kernels are decorated), where the largest cases are left to the GPU because the interpreter is slow.
 """
 import os
 
@@ -23,10 +24,18 @@ from turbomoe.autograd.gating import TopKGating  # noqa: E402
 from turbomoe.autograd.scatter import ScatterTokens  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
+KERNEL_BACKENDS = (["triton", pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else ["triton"])
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 DTYPES = [torch.float32, torch.bfloat16]
 SEK = [(S, E, k) for S in (1, 7, 128, 1000) for E in (1, 2, 8, 64, 128) for k in (1, 2, 4, 8) if k <= E]
 INTERPRETER_BUDGET = 300_000  # elements a case may move under the interpreter
+
+
+@pytest.fixture(params=KERNEL_BACKENDS)
+def backend(request):
+    if request.param == "cuda" and not ops.csrc.available():
+        pytest.skip("the CUDA extension could not be built here")
+    return request.param
 
 
 def interpreter_limit(elements: int):
@@ -66,14 +75,14 @@ def assert_near_tie(got_ids, want_ids, logits, score_func, bias_E):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S,E,k", SEK)
-def test_gating_matches_reference(S, E, k, dtype):
+def test_gating_matches_reference(S, E, k, dtype, backend):
     interpreter_limit(S * E * 4)
     for score_func, renorm, bias in (("softmax", False, False), ("softmax", True, False), ("sigmoid", True, True)):
         logits = make_logits(S, E, dtype)
         bias_E = torch.rand(E, device=DEV) * 0.1 if bias else None
         la = logits.clone().requires_grad_()
         lb = logits.double().requires_grad_()
-        got = ops.topk_gating(la, k, score_func, renorm, bias_E, backend="triton")
+        got = ops.topk_gating(la, k, score_func, renorm, bias_E, backend=backend)
         want = ref.topk_gating(lb, k, score_func, renorm, None if bias_E is None else bias_E.double())
         if bias_E is not None and not torch.equal(got.expert_ids, want.expert_ids):
             # probs + a continuous bias can tie to within fp32 rounding: either choice is right
@@ -105,13 +114,13 @@ def capacity_of(name, S, E, k):
 @pytest.mark.parametrize("kind", ["random", "hot"])
 @pytest.mark.parametrize("cap", CAPACITIES)
 @pytest.mark.parametrize("S,E,k", SEK)
-def test_slots_match_reference(S, E, k, cap, kind):
+def test_slots_match_reference(S, E, k, cap, kind, backend):
     interpreter_limit(S * k * E * 8)
     ids, scores = routing(S, E, k, kind)
     ids[S // 2, 0] = -1  # a token with no route
     C = capacity_of(cap, S, E, k)
     for policy in ("position", "rts", "probs") if C is not None else ("position", ):
-        got = ops.assign_slots(ids, scores, E, C, policy, seed=S + E, backend="triton")
+        got = ops.assign_slots(ids, scores, E, C, policy, seed=S + E, backend=backend)
         want = ref.assign_slots(ids, scores, E, C, policy, seed=S + E)
         assert torch.equal(got.slots, want.slots), policy
         assert torch.equal(got.kept_counts, want.kept_counts)
@@ -125,7 +134,7 @@ def test_slots_match_reference(S, E, k, cap, kind):
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("S", [1, 7, 128, 1000])
 @pytest.mark.parametrize("cap", ["dropless", "tight"])
-def test_scatter_gather_match_reference(S, k, M, dtype, cap):
+def test_scatter_gather_match_reference(S, k, M, dtype, cap, backend):
     interpreter_limit(S * k * M)
     E = 8
     ids, scores = routing(S, E, k)
@@ -133,15 +142,15 @@ def test_scatter_gather_match_reference(S, k, M, dtype, cap):
     s = ref.assign_slots(ids, scores, E, C, "position")
     x = torch.randn(S, M, device=DEV).to(dtype)
     xa, xb = x.clone().requires_grad_(), x.double().requires_grad_()
-    buf_a = ops.scatter_tokens(xa, s, backend="triton")
+    buf_a = ops.scatter_tokens(xa, s, backend=backend)
     buf_b = ref.scatter_tokens(xb, s.slots, s.num_rows)
     assert torch.equal(buf_a.double(), buf_b)  # a copy: exact, empty rows zero
     # Bare slots find the empty rows through the inverse table instead of the kept counts.
-    assert torch.equal(ops.scatter_tokens(x, s.slots, s.num_rows, backend="triton"), buf_a)
+    assert torch.equal(ops.scatter_tokens(x, s.slots, s.num_rows, backend=backend), buf_a)
     y = torch.randn(s.num_rows, M, device=DEV).to(dtype)
     ya, yb = y.clone().requires_grad_(), y.double().requires_grad_()
     sa, sb = scores.clone().requires_grad_(), scores.double().requires_grad_()
-    out_a = ops.gather_tokens(ya, s, sa, backend="triton")
+    out_a = ops.gather_tokens(ya, s, sa, backend=backend)
     out_b = ref.gather_tokens(yb, s.slots, sb)
     assert out_a.dtype == dtype and rel_err(out_a, out_b) < TOL[dtype]
     g_out = torch.randn(S, M, device=DEV).to(dtype)
@@ -158,40 +167,41 @@ def test_scatter_gather_match_reference(S, k, M, dtype, cap):
     assert (ya.grad[dropped_rows] == 0).all()
 
 
-def test_gradcheck_autograd_functions():
+def test_gradcheck_autograd_functions(backend):
+    impl = ops._impl(backend)
     torch.manual_seed(0)
     logits = make_logits(6, 5, torch.float64).requires_grad_()
     for score_func, renorm in (("softmax", False), ("softmax", True), ("sigmoid", True)):
         def gating(l):
-            ids, scores, counts, aux, z = TopKGating.apply(l, 3, score_func, renorm, None)
+            ids, scores, counts, aux, z = TopKGating.apply(l, 3, score_func, renorm, None, impl)
             return scores, aux, z
         assert torch.autograd.gradcheck(gating, (logits, ), eps=1e-7, atol=1e-8)
     ids, scores = routing(6, 4, 2)
     s = ref.assign_slots(ids, scores, 4, 2, "position")
     x = torch.randn(6, 5, device=DEV, dtype=torch.float64, requires_grad=True)
     for kept, cap in ((s.kept_counts, s.capacity), (None, None)):  # empty rows from counts, or from slots
-        assert torch.autograd.gradcheck(lambda t: ScatterTokens.apply(t, s.slots, s.num_rows, kept, cap), (x, ))
+        assert torch.autograd.gradcheck(lambda t: ScatterTokens.apply(t, s.slots, s.num_rows, kept, cap, impl), (x, ))
     y = torch.randn(s.num_rows, 5, device=DEV, dtype=torch.float64, requires_grad=True)
     sc = scores.double().requires_grad_()
     for kept, cap in ((s.kept_counts, s.capacity), (None, None)):
-        assert torch.autograd.gradcheck(lambda a, b: GatherTokens.apply(a, s.slots, b, kept, cap), (y, sc))
+        assert torch.autograd.gradcheck(lambda a, b: GatherTokens.apply(a, s.slots, b, kept, cap, impl), (y, sc))
 
 
-def moe_step(logits, x, k, C, seed=0):
+def moe_step(logits, x, k, C, backend, seed=0):
     """Gating -> slots -> scatter -> a stand-in expert -> gather, forward and backward."""
     E = logits.shape[1]
     la, xa = logits.clone().requires_grad_(), x.clone().requires_grad_()
-    g = ops.topk_gating(la, k, renormalize=True, backend="triton")
-    s = ops.assign_slots(g.expert_ids, g.scores, E, C, "rts", seed, backend="triton")
-    buf = ops.scatter_tokens(xa, s, backend="triton")
-    out = ops.gather_tokens(torch.tanh(buf) * 2, s, g.scores, backend="triton")
+    g = ops.topk_gating(la, k, renormalize=True, backend=backend)
+    s = ops.assign_slots(g.expert_ids, g.scores, E, C, "rts", seed, backend=backend)
+    buf = ops.scatter_tokens(xa, s, backend=backend)
+    out = ops.gather_tokens(torch.tanh(buf) * 2, s, g.scores, backend=backend)
     (out.float().square().sum() + g.aux_loss + g.z_loss).backward()
     return out, la.grad, xa.grad, s.slots
 
 
 @pytest.mark.parametrize("case", ["one_hot_expert", "S_below_E", "S_is_1", "far_over_capacity", "empty_experts"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_edge_cases_finite(case, dtype):
+def test_edge_cases_finite(case, dtype, backend):
     S, E, k, C, M = {"one_hot_expert": (64, 8, 2, 20, 32), "S_below_E": (3, 64, 2, 1, 32),
                      "S_is_1": (1, 8, 2, 1, 32), "far_over_capacity": (200, 4, 1, 2, 32),
                      "empty_experts": (16, 128, 1, 4, 32)}[case]
@@ -199,22 +209,22 @@ def test_edge_cases_finite(case, dtype):
     if case in ("one_hot_expert", "far_over_capacity"):
         logits[:, 0] = 30
     for cap in (C, None):
-        out, gl, gx, slots = moe_step(logits, torch.randn(S, M, device=DEV).to(dtype), k, cap)
+        out, gl, gx, slots = moe_step(logits, torch.randn(S, M, device=DEV).to(dtype), k, cap, backend)
         assert torch.isfinite(out).all() and torch.isfinite(gl).all() and torch.isfinite(gx).all()
         if cap is not None:
             kept = slots[slots >= 0]
             assert kept.numel() <= E * cap
 
 
-def test_deterministic_bits():
+def test_deterministic_bits(backend):
     logits = make_logits(300, 16, torch.bfloat16)
     x = torch.randn(300, 96, device=DEV).to(torch.bfloat16)
-    a = moe_step(logits, x, 2, 40, seed=7)
-    b = moe_step(logits, x, 2, 40, seed=7)
+    a = moe_step(logits, x, 2, 40, backend, seed=7)
+    b = moe_step(logits, x, 2, 40, backend, seed=7)
     for u, v in zip(a, b):
         assert torch.equal(u, v)
 
 
-def test_rts_uniform_on_triton():
-    freq = rts_keep_frequencies(lambda *a: ops.assign_slots(*a, backend="triton"), 64, 16, 200, device=DEV)
+def test_rts_uniform(backend):
+    freq = rts_keep_frequencies(lambda *a: ops.assign_slots(*a, backend=backend), 64, 16, 200, device=DEV)
     assert_uniform(freq, 16 / 64, 200)

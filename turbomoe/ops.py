@@ -1,8 +1,10 @@
 """The functional front of turbomoe: validates inputs and picks a backend for each op.
 
-Backends: "triton" (the GPU default; on the CPU only under TRITON_INTERPRET=1) and "reference"
-(plain PyTorch, the CPU default, differentiable through autograd). Force one with the
-`backend=` argument or the TURBOMOE_BACKEND environment variable.
+Backends: "cuda" (CUDA C++ kernels in turbomoe/csrc, built on first use: the GPU default, for
+E <= 1024), "triton" (the GPU default where cuda cannot serve: no nvcc, or more experts; on the
+CPU only under TRITON_INTERPRET=1) and "reference" (plain PyTorch, the CPU default,
+differentiable through autograd). Force one with the `backend=` argument or the TURBOMOE_BACKEND
+environment variable.
 
 The data flow of an MoE layer:
     g = topk_gating(logits_SE, k)                       # ids, scores, counts, aux, z
@@ -15,23 +17,44 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import csrc, reference
 from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots, capacity  # noqa: F401 (re-exported)
 
-BACKENDS = ("triton", "reference")
+BACKENDS = ("cuda", "triton", "reference")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_K = 8
 
 
-def choose_backend(t: torch.Tensor, backend: Optional[str] = None) -> str:
-    """Triton on CUDA tensors, the reference on CPU tensors, unless forced."""
-    backend = backend or os.environ.get("TURBOMOE_BACKEND") or ("triton" if t.is_cuda else "reference")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown turbomoe backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+def choose_backend(t: torch.Tensor, backend: Optional[str] = None, num_experts: int = 0) -> str:
+    """CUDA C++ on CUDA tensors where it applies, else Triton; the reference on CPU tensors; unless
+    forced. num_experts: E of the op (the cuda backend serves E <= csrc.MAX_EXPERTS)."""
+    forced = backend or os.environ.get("TURBOMOE_BACKEND")
+    if forced is None:
+        if not t.is_cuda:
+            return "reference"
+        return "cuda" if num_experts <= csrc.MAX_EXPERTS and csrc.available() else "triton"
+    if forced not in BACKENDS:
+        raise ValueError(f"unknown turbomoe backend {forced!r}; choose one of {BACKENDS}")
+    if forced == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                            "turbomoe is imported to run its kernels on the CPU")
-    return backend
+    if forced == "cuda":
+        if not t.is_cuda:
+            raise RuntimeError("the cuda backend needs CUDA tensors")
+        if num_experts > csrc.MAX_EXPERTS:
+            raise ValueError(f"the cuda backend serves at most {csrc.MAX_EXPERTS} experts, got {num_experts}; "
+                             "use the triton backend")
+        if not csrc.available():
+            raise RuntimeError("the cuda backend could not be built here (see the warning above)")
+    return forced
+
+
+def _impl(backend: str):
+    """The module of launchers of a kernel backend."""
+    if backend == "cuda":
+        return csrc
+    from . import kernels
+    return kernels
 
 
 def _check_float(name: str, t: torch.Tensor, ndim: int):
@@ -85,10 +108,11 @@ def topk_gating(logits_SE: torch.Tensor,
         _check_same_device(logits=logits_SE, selection_bias=selection_bias_E)
     if check_finite and not bool(torch.isfinite(logits_SE).all()):
         raise ValueError("logits contain NaN or Inf")
-    if choose_backend(logits_SE, backend) == "reference":
+    backend = choose_backend(logits_SE, backend, E)
+    if backend == "reference":
         return reference.topk_gating(logits_SE, k, score_func, renormalize, selection_bias_E)
     from .autograd.gating import topk_gating as fused
-    return fused(logits_SE, k, score_func, renormalize, selection_bias_E)
+    return fused(logits_SE, k, score_func, renormalize, selection_bias_E, _impl(backend))
 
 
 def assign_slots(expert_ids_SK: torch.Tensor,
@@ -116,10 +140,10 @@ def assign_slots(expert_ids_SK: torch.Tensor,
         raise ValueError(f"capacity must be None (dropless) or an int >= 0, got {capacity!r}")
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
-    if choose_backend(expert_ids_SK, backend) == "reference":
+    backend = choose_backend(expert_ids_SK, backend, num_experts)
+    if backend == "reference":
         return reference.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
-    from .kernels.slots import assign_slots as fused
-    return fused(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
+    return _impl(backend).assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
 
 
 def _unpack_slots(slots, num_rows, S: int, like: torch.Tensor):
@@ -151,10 +175,11 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     """
     _check_float("x", x_SM, 2)
     table, num_rows, kept, cap = _unpack_slots(slots, num_rows, x_SM.shape[0], x_SM)
-    if choose_backend(x_SM, backend) == "reference":
+    backend = choose_backend(x_SM, backend)
+    if backend == "reference":
         return reference.scatter_tokens(x_SM, table, num_rows)
     from .autograd.scatter import scatter_tokens as fused
-    return fused(x_SM, table, num_rows, kept, cap)
+    return fused(x_SM, table, num_rows, kept, cap, _impl(backend))
 
 
 def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
@@ -169,7 +194,8 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
     if table.shape != scores_SK.shape:
         raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
     _check_same_device(y=y_RM, scores=scores_SK)  # slots were checked against y
-    if choose_backend(y_RM, backend) == "reference":
+    backend = choose_backend(y_RM, backend)
+    if backend == "reference":
         return reference.gather_tokens(y_RM, table, scores_SK)
     from .autograd.gather import gather_tokens as fused
-    return fused(y_RM, table, scores_SK, kept, cap)
+    return fused(y_RM, table, scores_SK, kept, cap, _impl(backend))

@@ -3,19 +3,19 @@ from typing import Optional
 
 import torch
 
-from ..kernels.launch import acc_dtype
-from ..kernels.rows import pull_rows, push_rows
+from ..reference import compute_dtype
 
 
 class GatherTokens(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, y_RM, slots_SK, scores_SK, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int]):
+    def forward(ctx, y_RM, slots_SK, scores_SK, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], impl):
+        """impl: the backend module (turbomoe.kernels or turbomoe.csrc)."""
         y_RM, slots_SK, scores_SK = y_RM.contiguous(), slots_SK.to(torch.int32).contiguous(), scores_SK.contiguous()
         out_SM = y_RM.new_empty(slots_SK.shape[0], y_RM.shape[1])
-        pull_rows(y_RM, slots_SK, out_SM, scores_SK)
+        impl.pull_rows(y_RM, slots_SK, out_SM, scores_SK)
         ctx.save_for_backward(y_RM, slots_SK, scores_SK, kept_counts_E)
-        ctx.capacity = capacity
+        ctx.capacity, ctx.impl = capacity, impl
         return out_SM
 
     @staticmethod
@@ -24,11 +24,11 @@ class GatherTokens(torch.autograd.Function):
         # grad_y[slot] = score * grad_out (one writer per row, empty rows zero);
         # grad_score = <grad_out, y[slot]> in fp32.
         grad_y_RM = torch.empty_like(y_RM)
-        grad_scores_SK = torch.empty_like(scores_SK, dtype=acc_dtype(y_RM.dtype))
-        push_rows(grad_out_SM.contiguous(), slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
-                  scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK)
-        return grad_y_RM, None, grad_scores_SK.to(scores_SK.dtype), None, None
+        grad_scores_SK = torch.empty_like(scores_SK, dtype=compute_dtype(y_RM.dtype))
+        ctx.impl.push_rows(grad_out_SM.contiguous(), slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
+                           scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK)
+        return grad_y_RM, None, grad_scores_SK.to(scores_SK.dtype), None, None, None
 
 
-def gather_tokens(y_RM, slots_SK, scores_SK, kept_counts_E=None, capacity=None):
-    return GatherTokens.apply(y_RM, slots_SK, scores_SK, kept_counts_E, capacity)
+def gather_tokens(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl):
+    return GatherTokens.apply(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl)

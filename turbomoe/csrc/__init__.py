@@ -1,0 +1,94 @@
+"""turbomoe's CUDA C++ kernels, built on first use with torch.utils.cpp_extension.
+
+The same five launchers as the Triton backend (turbomoe/kernels/__init__.py), with the same
+signatures and results: gating_forward, gating_backward, assign_slots, push_rows, pull_rows. Each
+launcher is one C++ call that allocates and launches everything its op needs, so an op costs a
+few microseconds of host time where a chain of Triton launches from Python costs tens to hundreds:
+the gating path of a training step is host-bound at practical batch sizes.
+
+The build (about a minute of nvcc, once per torch and CUDA version; cached by torch in
+TORCH_EXTENSIONS_DIR) needs nvcc and ninja. Limits: E <= MAX_EXPERTS (the Triton backend serves
+larger E), k <= 8.
+"""
+import functools
+import os
+import warnings
+
+import torch
+
+from ..reference import Slots, aux_loss_coefficient, compute_dtype, hash32_int
+
+MAX_EXPERTS = 1024
+_SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu")
+_POLICIES = {"position": 0, "rts": 1, "probs": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def extension():
+    """The compiled module, built on the first call; raises if it cannot be built."""
+    from torch.utils.cpp_extension import load
+    here = os.path.dirname(os.path.abspath(__file__))
+    return load(name="turbomoe_cuda", sources=[os.path.join(here, s) for s in _SOURCES],
+                extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-lineinfo"],
+                verbose=os.environ.get("TURBOMOE_BUILD_VERBOSE") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether the CUDA backend can run here: a GPU, and the extension builds (once)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        extension()
+        return True
+    except Exception as e:  # noqa: BLE001 (no nvcc or ninja: Triton serves every op instead)
+        warnings.warn(f"turbomoe: the CUDA backend could not be built, using Triton ({type(e).__name__}: {e})")
+        return False
+
+
+def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: bool, bias_E=None):
+    """ids [S,k] int32, scores [S,k], counts [E] int32, ce [E], lse [S], aux and z (0-d)."""
+    E = logits_SE.shape[1]
+    if bias_E is not None:
+        bias_E = bias_E.to(compute_dtype(logits_SE.dtype)).contiguous()
+    ids, scores, counts, stats, lse = extension().gating_forward(
+        logits_SE.contiguous(), k, sigmoid, renormalize, bias_E, aux_loss_coefficient(E, k))
+    return ids, scores, counts, stats[:E], lse, stats[E], stats[E + 1]
+
+
+def gating_backward(logits_SE, ids, grad_scores, lse, ce_E, g_aux, g_z, sigmoid: bool, renormalize: bool):
+    """grad_logits [S, E]; grad_scores, g_aux and g_z may be None. lse is recomputed, not read."""
+    acc = compute_dtype(logits_SE.dtype)
+
+    def in_acc(t):
+        return None if t is None else t.to(acc).contiguous()
+    return extension().gating_backward(logits_SE.contiguous(), ids, in_acc(grad_scores), ce_E, in_acc(g_aux),
+                                       in_acc(g_z), sigmoid, renormalize,
+                                       aux_loss_coefficient(logits_SE.shape[1], ids.shape[1]))
+
+
+def assign_slots(expert_ids_SK: torch.Tensor, scores_SK: torch.Tensor, num_experts: int,
+                 capacity=None, drop_policy: str = "position", seed: int = 0) -> Slots:
+    S, k = expert_ids_SK.shape
+    by_score = capacity is not None and drop_policy == "probs"
+    slots, kept = extension().assign_slots(
+        expert_ids_SK.contiguous(), scores_SK.to(torch.float32).contiguous() if by_score else None, num_experts,
+        -1 if capacity is None else capacity, _POLICIES[drop_policy], hash32_int(seed))
+    return Slots(slots, kept, S * k if capacity is None else num_experts * capacity, capacity)
+
+
+def push_rows(src_SM, slots_SK, out_RM, kept_counts_E=None, capacity=None, scores_SK=None, y_RM=None,
+              dscores_SK=None):
+    """out[slots[s, j]] = (scores[s, j] *) src[s], rows no route reaches zeroed; with y given,
+    dscores[s, j] = <src[s], y[slots[s, j]]> in fp32 (see turbomoe/kernels/rows.py)."""
+    acc = compute_dtype(src_SM.dtype)
+    extension().push_rows(src_SM, slots_SK, out_RM,
+                          None if kept_counts_E is None else kept_counts_E.to(torch.int32).contiguous(),
+                          capacity or 0, None if scores_SK is None else scores_SK.to(acc).contiguous(),
+                          None if y_RM is None else y_RM.contiguous(), dscores_SK)
+
+
+def pull_rows(y_RM, slots_SK, out_SM, scores_SK=None):
+    """out[s] = sum_j (scores[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
+    extension().pull_rows(y_RM, slots_SK, out_SM,
+                          None if scores_SK is None else scores_SK.to(compute_dtype(y_RM.dtype)).contiguous())

@@ -1,0 +1,53 @@
+// Shared helpers of turbomoe's CUDA kernels: warp reductions in a fixed order (deterministic),
+// 16-byte row vectors, and the launch checks.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace turbomoe {
+
+constexpr unsigned FULL_MASK = 0xffffffffu;
+constexpr int WARP = 32;
+constexpr int WARPS_PER_BLOCK = 8;  // every kernel here runs blocks of 8 warps
+constexpr int BLOCK_THREADS = WARP * WARPS_PER_BLOCK;
+constexpr int MAX_EXPERTS = 1024;  // 32 columns per lane in the gating kernels, 36 KB of counters in slots
+constexpr int MAX_K = 8;
+
+// Routing math in fp32, or fp64 when the caller works in fp64 (gradcheck), as reference.compute_dtype.
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+// Butterfly reductions: every lane ends with the same value, summed in the same order every run.
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;
+}
+
+template <typename T> __device__ __forceinline__ T warp_max(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
+  return v;
+}
+
+// VEC elements of T moved as one load or store (16 bytes when VEC * sizeof(T) == 16).
+template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+inline bool aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+#define TURBOMOE_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
+
+}  // namespace turbomoe

@@ -1,0 +1,378 @@
+// topk_gating in CUDA: logits [S, E] -> top-k ids [S, k], scores [S, k], counts [E], aux and z.
+//
+// One warp owns a row; lane l holds columns l, l + 32, ... (CPL of them), so a row's softmax, top-k
+// and backward are warp shuffles. Sums across rows (counts, the aux and z losses) are per-block
+// partials [4, E], each block adding its warps in warp order, and one block sums the partials in
+// block order: deterministic, two launches for the forward. Same layout of partials as the Triton
+// kernels (turbomoe/kernels/gating.py).
+#include "common.cuh"
+
+namespace turbomoe {
+
+template <typename acc_t> struct RowProbs {
+  bool valid;  // all logits finite: else the row routes nowhere and gets no gradient
+  acc_t lse;
+};
+
+// Loads a row; fills probs (softmax or sigmoid) and softmax for this lane's columns.
+template <typename scalar_t, typename acc_t, int CPL>
+__device__ __forceinline__ RowProbs<acc_t> row_probs(const scalar_t* __restrict__ logits, int64_t row, int E,
+                                                     bool sigmoid, acc_t (&probs)[CPL], acc_t (&softmax)[CPL]) {
+  const int lane = threadIdx.x % WARP;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  acc_t x[CPL];
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = lane + WARP * i;
+    x[i] = c < E ? static_cast<acc_t>(logits[row * E + c]) : neg_inf;
+    bad |= c < E && !isfinite(x[i]);
+  }
+  RowProbs<acc_t> r;
+  r.valid = !__any_sync(FULL_MASK, bad);
+  acc_t mx = neg_inf;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) mx = max(mx, x[i]);
+  mx = r.valid ? warp_max(mx) : acc_t(0);
+  acc_t den = 0;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    softmax[i] = (r.valid && lane + WARP * i < E) ? exp(x[i] - mx) : acc_t(0);
+    den += softmax[i];
+  }
+  den = r.valid ? warp_sum(den) : acc_t(1);
+  r.lse = r.valid ? mx + log(den) : acc_t(0);
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    softmax[i] = softmax[i] / den;
+    const bool cell = r.valid && lane + WARP * i < E;
+    probs[i] = sigmoid ? (cell ? acc_t(1) / (acc_t(1) + exp(-x[i])) : acc_t(0)) : softmax[i];
+  }
+  return r;
+}
+
+// The value a lane holds at column c (c / 32 in its registers), broadcast from lane c % 32.
+template <typename acc_t, int CPL>
+__device__ __forceinline__ acc_t column_value(const acc_t (&v)[CPL], int c) {
+  acc_t mine = 0;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) mine = (i == c / WARP) ? v[i] : mine;
+  return __shfl_sync(FULL_MASK, mine, c % WARP);
+}
+
+template <typename scalar_t, typename acc_t, int CPL>
+__global__ void __launch_bounds__(BLOCK_THREADS)
+gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__ bias, int32_t* __restrict__ ids,
+                  acc_t* __restrict__ scores, acc_t* __restrict__ lse_out, acc_t* __restrict__ partials, int S, int E,
+                  int k, int rows_per_block, bool sigmoid, bool renorm) {
+  extern __shared__ unsigned char smem_raw[];
+  acc_t* block_part = reinterpret_cast<acc_t*>(smem_raw);  // [3, E]: prob sums, routes, first choices
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  acc_t psum[CPL], routes[CPL], firsts[CPL];
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) psum[i] = routes[i] = firsts[i] = 0;
+  acc_t zsum = 0;
+
+  const int row_end = min(S, (blockIdx.x + 1) * rows_per_block);
+  for (int row = blockIdx.x * rows_per_block + warp; row < row_end; row += WARPS_PER_BLOCK) {
+    acc_t probs[CPL], softmax[CPL];
+    const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL>(logits, row, E, sigmoid, probs, softmax);
+    if (lane == 0) lse_out[row] = rp.lse;
+    zsum += rp.lse * rp.lse;
+    int my_id = -1;  // lane j < k keeps choice j
+    acc_t my_score = 0;
+    if (rp.valid) {
+      acc_t sel[CPL];
+      unsigned chosen = 0;
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) {
+        const int c = lane + WARP * i;
+        psum[i] += probs[i];
+        sel[i] = c < E ? probs[i] + (bias ? bias[c] : acc_t(0)) : neg_inf;
+      }
+      for (int j = 0; j < k; ++j) {
+        // Largest selection value, ties to the lower column: a total order, so all lanes agree.
+        acc_t bv = neg_inf;
+        int bc = INT_MAX;
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) {
+          const int c = lane + WARP * i;
+          if (c < E && !((chosen >> i) & 1u) && (sel[i] > bv || (sel[i] == bv && c < bc))) {
+            bv = sel[i];
+            bc = c;
+          }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          const acc_t ov = __shfl_xor_sync(FULL_MASK, bv, o);
+          const int oc = __shfl_xor_sync(FULL_MASK, bc, o);
+          if (ov > bv || (ov == bv && oc < bc)) {
+            bv = ov;
+            bc = oc;
+          }
+        }
+        const acc_t score = column_value<acc_t, CPL>(probs, bc);
+        if (lane == bc % WARP) {
+          chosen |= 1u << (bc / WARP);
+#pragma unroll
+          for (int i = 0; i < CPL; ++i) {
+            if (i == bc / WARP) {
+              routes[i] += 1;
+              if (j == 0) firsts[i] += 1;
+            }
+          }
+        }
+        if (lane == j) {
+          my_id = bc;
+          my_score = score;
+        }
+      }
+      if (renorm) {
+        acc_t total = warp_sum(lane < k ? my_score : acc_t(0));
+        total = total > 0 ? total : acc_t(1);
+        my_score = my_score / total;  // IEEE division: for k = 1 exactly 1, as in the reference
+      }
+    }
+    if (lane < k) {
+      ids[int64_t(row) * k + lane] = my_id;
+      scores[int64_t(row) * k + lane] = my_score;
+    }
+  }
+
+  // Warps add their partials into shared memory one after another: a fixed order.
+  for (int w = 0; w < WARPS_PER_BLOCK; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) {
+        const int c = lane + WARP * i;
+        if (c < E) {
+          block_part[c] = (w ? block_part[c] : acc_t(0)) + psum[i];
+          block_part[E + c] = (w ? block_part[E + c] : acc_t(0)) + routes[i];
+          block_part[2 * E + c] = (w ? block_part[2 * E + c] : acc_t(0)) + firsts[i];
+        }
+      }
+      if (lane == 0) block_part[3 * E] = (w ? block_part[3 * E] : acc_t(0)) + zsum;
+    }
+    __syncthreads();
+  }
+  acc_t* out = partials + int64_t(blockIdx.x) * 4 * E;
+  for (int c = threadIdx.x; c <= 3 * E; c += BLOCK_THREADS) out[c] = block_part[c];
+}
+
+// One block of 32 x 32 threads: column tiles of 32, blocks strided over the 32 rows of threads,
+// then the 32 row sums added in row order.
+template <typename acc_t>
+__global__ void __launch_bounds__(1024)
+gating_stats_kernel(const acc_t* __restrict__ partials, int32_t* __restrict__ counts, acc_t* __restrict__ stats,
+                    int nblocks, int S, int E, acc_t coef, bool first_only) {
+  __shared__ acc_t tile[3][32][33];
+  __shared__ acc_t aux_terms[MAX_EXPERTS];
+  __shared__ acc_t zrow[32];
+  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  const int64_t stride = 4 * int64_t(E);
+  for (int c0 = 0; c0 < E; c0 += 32) {
+    const int c = c0 + tx;
+    acc_t p = 0, n = 0, f = 0;
+    if (c < E) {
+      for (int b = ty; b < nblocks; b += 32) {
+        p += partials[b * stride + c];
+        n += partials[b * stride + E + c];
+        f += partials[b * stride + 2 * E + c];
+      }
+    }
+    tile[0][ty][tx] = p;
+    tile[1][ty][tx] = n;
+    tile[2][ty][tx] = f;
+    __syncthreads();
+    if (ty == 0 && c < E) {
+      p = n = f = 0;
+      for (int r = 0; r < 32; ++r) {
+        p += tile[0][r][tx];
+        n += tile[1][r][tx];
+        f += tile[2][r][tx];
+      }
+      const acc_t ce = (first_only ? f : n) / S;
+      counts[c] = static_cast<int32_t>(n);
+      stats[c] = ce;
+      aux_terms[c] = p / S * ce;
+    }
+    __syncthreads();
+  }
+  if (tx == 0) {
+    acc_t z = 0;
+    for (int b = ty; b < nblocks; b += 32) z += partials[b * stride + 3 * E];
+    zrow[ty] = z;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    acc_t aux = 0, z = 0;
+    for (int c = 0; c < E; ++c) aux += aux_terms[c];
+    for (int r = 0; r < 32; ++r) z += zrow[r];
+    stats[E] = coef * aux;
+    stats[E + 1] = z / S;
+  }
+}
+
+template <typename scalar_t, typename acc_t, int CPL>
+__global__ void __launch_bounds__(BLOCK_THREADS)
+gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict__ ids,
+                  const acc_t* __restrict__ grad_scores, const acc_t* __restrict__ ce,
+                  const acc_t* __restrict__ g_aux, const acc_t* __restrict__ g_z, scalar_t* __restrict__ grad,
+                  int S, int E, int k, acc_t coef, bool sigmoid, bool renorm) {
+  const int lane = threadIdx.x % WARP;
+  const int row = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP;
+  if (row >= S) return;  // a whole warp leaves together
+  acc_t probs[CPL], softmax[CPL];
+  const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL>(logits, row, E, sigmoid, probs, softmax);
+  acc_t grad_p[CPL];
+  // The aux term d/dp_se of coef * sum_e (sum_s p_se / S) * ce_e, scaled by 1/S before any sum.
+  const acc_t aux_scale = g_aux ? *g_aux * coef / S : acc_t(0);
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = lane + WARP * i;
+    grad_p[i] = (g_aux && c < E) ? aux_scale * ce[c] : acc_t(0);
+  }
+  if (grad_scores && rp.valid) {
+    acc_t g[MAX_K], r[MAX_K];
+    int e[MAX_K];
+    acc_t denom = 0;
+#pragma unroll
+    for (int j = 0; j < MAX_K; ++j) {
+      if (j < k) {
+        g[j] = grad_scores[int64_t(row) * k + j];
+        e[j] = ids[int64_t(row) * k + j];
+        r[j] = e[j] >= 0 ? column_value<acc_t, CPL>(probs, e[j]) : acc_t(0);
+        denom += r[j];
+      }
+    }
+    denom = denom > 0 ? denom : acc_t(1);
+#pragma unroll
+    for (int i = 0; i < MAX_K; ++i) {
+      if (i < k && e[i] >= 0) {
+        acc_t gi = g[i];
+        if (renorm) {
+          // score_i = r_i / D: dr_i = sum_j r_j (g_i - g_j) / D^2, a sum of differences that
+          // cancels exactly where it should (k = 1).
+          acc_t s = 0;
+#pragma unroll
+          for (int j = 0; j < MAX_K; ++j) {
+            if (j < k) s += r[j] * (g[i] - g[j]);
+          }
+          gi = s / (denom * denom);
+        }
+        if (lane == e[i] % WARP) {
+#pragma unroll
+          for (int q = 0; q < CPL; ++q) grad_p[q] += (q == e[i] / WARP) ? gi : acc_t(0);
+        }
+      }
+    }
+  }
+  acc_t dot = 0;
+  if (!sigmoid) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) dot += probs[i] * grad_p[i];
+    dot = warp_sum(dot);
+  }
+  // z-loss = sum_s lse_s^2 / S: d/dlogits = (2 / S) * lse * softmax.
+  const acc_t z_scale = g_z ? *g_z * acc_t(2) / S * rp.lse : acc_t(0);
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = lane + WARP * i;
+    if (c < E) {
+      acc_t gl = sigmoid ? grad_p[i] * probs[i] * (acc_t(1) - probs[i]) : probs[i] * (grad_p[i] - dot);
+      gl += z_scale * softmax[i];
+      grad[int64_t(row) * E + c] = static_cast<scalar_t>(rp.valid ? gl : acc_t(0));
+    }
+  }
+}
+
+namespace {
+
+int columns_per_lane(int E) {
+  int cpl = 1;
+  while (cpl * WARP < E) cpl *= 2;
+  return cpl;
+}
+
+#define TURBOMOE_DISPATCH_CPL(E, ...)                                   \
+  switch (columns_per_lane(E)) {                                       \
+    case 1: { constexpr int CPL = 1; __VA_ARGS__(); break; }            \
+    case 2: { constexpr int CPL = 2; __VA_ARGS__(); break; }            \
+    case 4: { constexpr int CPL = 4; __VA_ARGS__(); break; }            \
+    case 8: { constexpr int CPL = 8; __VA_ARGS__(); break; }            \
+    case 16: { constexpr int CPL = 16; __VA_ARGS__(); break; }          \
+    default: { constexpr int CPL = 32; __VA_ARGS__(); break; }          \
+  }
+
+}  // namespace
+
+// Returns ids [S, k] int32, scores [S, k], counts [E] int32, stats [E + 2] (ce [E], aux, z), lse [S].
+std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool sigmoid, bool renorm,
+                                       const c10::optional<at::Tensor>& bias, double coef) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
+  const int S = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(E >= 1 && E <= MAX_EXPERTS && k >= 1 && k <= std::min(E, MAX_K), "gating: bad E or k");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto opts = logits.options();
+  const int rows_per_block = std::max<int>(WARPS_PER_BLOCK, cdiv(cdiv(S, 512), WARPS_PER_BLOCK) * WARPS_PER_BLOCK);
+  const int nblocks = std::max<int>(1, cdiv(S, rows_per_block));
+  at::Tensor ids = at::empty({S, k}, opts.dtype(at::kInt));
+  at::Tensor scores = at::empty({S, k}, opts.dtype(acc));
+  at::Tensor lse = at::empty({S}, opts.dtype(acc));
+  at::Tensor partials = at::empty({nblocks, 4, E}, opts.dtype(acc));
+  at::Tensor counts = at::empty({E}, opts.dtype(at::kInt));
+  at::Tensor stats = at::empty({E + 2}, opts.dtype(acc));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "turbomoe_gating_fwd", [&] {
+    using acc_t = typename Acc<scalar_t>::type;
+    const acc_t* bias_ptr = nullptr;
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->scalar_type() == acc && bias->is_contiguous() && bias->numel() == E, "bias: [E] in acc dtype");
+      bias_ptr = bias->data_ptr<acc_t>();
+    }
+    if (S > 0) {
+      TURBOMOE_DISPATCH_CPL(E, [&] {
+        gating_fwd_kernel<scalar_t, acc_t, CPL><<<nblocks, BLOCK_THREADS, (3 * E + 1) * sizeof(acc_t), stream>>>(
+            logits.data_ptr<scalar_t>(), bias_ptr, ids.data_ptr<int32_t>(), scores.data_ptr<acc_t>(),
+            lse.data_ptr<acc_t>(), partials.data_ptr<acc_t>(), S, E, k, rows_per_block, sigmoid, renorm);
+      });
+      TURBOMOE_CHECK_LAUNCH();
+    } else {
+      partials.zero_();
+    }
+    gating_stats_kernel<acc_t><<<1, 1024, 0, stream>>>(partials.data_ptr<acc_t>(), counts.data_ptr<int32_t>(),
+                                                       stats.data_ptr<acc_t>(), nblocks, std::max(S, 1), E,
+                                                       static_cast<acc_t>(coef), k <= 2);
+    TURBOMOE_CHECK_LAUNCH();
+  });
+  return {ids, scores, counts, stats, lse};
+}
+
+at::Tensor gating_backward(const at::Tensor& logits, const at::Tensor& ids, const c10::optional<at::Tensor>& grad_scores,
+                           const at::Tensor& ce, const c10::optional<at::Tensor>& g_aux,
+                           const c10::optional<at::Tensor>& g_z, bool sigmoid, bool renorm, double coef) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
+  const int S = logits.size(0), E = logits.size(1), k = ids.size(1);
+  TORCH_CHECK(E <= MAX_EXPERTS && k <= MAX_K && ids.scalar_type() == at::kInt && ids.is_contiguous(), "gating bwd");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor grad = at::empty_like(logits);
+  if (S == 0) return grad;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "turbomoe_gating_bwd", [&] {
+    using acc_t = typename Acc<scalar_t>::type;
+    auto ptr = [](const c10::optional<at::Tensor>& t) -> const acc_t* {
+      return t.has_value() ? t->data_ptr<acc_t>() : nullptr;
+    };
+    TURBOMOE_DISPATCH_CPL(E, [&] {
+      gating_bwd_kernel<scalar_t, acc_t, CPL><<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(
+          logits.data_ptr<scalar_t>(), ids.data_ptr<int32_t>(), ptr(grad_scores), ce.data_ptr<acc_t>(), ptr(g_aux),
+          ptr(g_z), grad.data_ptr<scalar_t>(), S, E, k, static_cast<acc_t>(coef), sigmoid, renorm);
+    });
+    TURBOMOE_CHECK_LAUNCH();
+  });
+  return grad;
+}
+
+}  // namespace turbomoe

@@ -1,0 +1,210 @@
+// Rows between the token layout [S, M] and the expert buffer [R, M], in CUDA; the same two
+// kernels as the Triton ones (turbomoe/kernels/rows.py), so each output row has one writer:
+//   push_rows  token s writes (score *) src[s] into row slots[s, j], for every j: scatter forward,
+//              and gather backward (where it also forms grad_score = <src[s], y[row]> in fp32)
+//   pull_rows  token s sums (score *) y[slots[s, j]] over j in fp32: gather forward, scatter backward
+// A warp owns a token and moves its row in 16-byte vectors. Buffer rows no route reaches are
+// zeroed by extra blocks of the push kernel, found from the kept counts.
+#include "common.cuh"
+
+namespace turbomoe {
+
+constexpr int ZERO_ROWS_PER_WARP = 8;
+
+// This warp's token's k slots (-1 where no valid row) and scores.
+template <typename acc_t, bool HAS_SCORES>
+__device__ __forceinline__ void load_routes(const int32_t* __restrict__ slots, const acc_t* __restrict__ scores,
+                                            int64_t s, int K, int64_t R, int64_t (&slot)[MAX_K],
+                                            acc_t (&score)[MAX_K]) {
+#pragma unroll
+  for (int j = 0; j < MAX_K; ++j) {
+    slot[j] = -1;
+    score[j] = acc_t(1);
+    if (j < K) {
+      const int64_t v = slots[s * K + j];
+      slot[j] = (v >= 0 && v < R) ? v : -1;
+      if (HAS_SCORES) score[j] = scores[s * K + j];
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t, int VEC, bool HAS_SCORES, bool DOT>
+__global__ void __launch_bounds__(BLOCK_THREADS)
+push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ slots, const acc_t* __restrict__ scores,
+                 const scalar_t* __restrict__ y, const int32_t* __restrict__ kept, scalar_t* __restrict__ out,
+                 acc_t* __restrict__ dscores, int64_t S, int64_t M, int64_t R, int K, int64_t token_blocks, int C, int E) {
+  using V = Vec<scalar_t, VEC>;
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int64_t nvec = M / VEC;
+  if (blockIdx.x < token_blocks) {
+    const int64_t s = blockIdx.x * WARPS_PER_BLOCK + warp;
+    if (s >= S) return;
+    int64_t slot[MAX_K];
+    acc_t score[MAX_K], dot[MAX_K];
+    load_routes<acc_t, HAS_SCORES>(slots, scores, s, K, R, slot, score);
+#pragma unroll
+    for (int j = 0; j < MAX_K; ++j) dot[j] = 0;
+    const V* src_row = reinterpret_cast<const V*>(src + s * M);
+    for (int64_t v = lane; v < nvec; v += WARP) {
+      const V a = src_row[v];
+#pragma unroll
+      for (int j = 0; j < MAX_K; ++j) {
+        if (j >= K || slot[j] < 0) continue;
+        V o;
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          o.v[q] = HAS_SCORES ? static_cast<scalar_t>(static_cast<acc_t>(a.v[q]) * score[j]) : a.v[q];
+        }
+        reinterpret_cast<V*>(out + slot[j] * M)[v] = o;
+        if (DOT) {
+          const V b = reinterpret_cast<const V*>(y + slot[j] * M)[v];
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) dot[j] += static_cast<acc_t>(a.v[q]) * static_cast<acc_t>(b.v[q]);
+        }
+      }
+    }
+    if (DOT) {
+#pragma unroll
+      for (int j = 0; j < MAX_K; ++j) {
+        if (j < K) {
+          const acc_t d = warp_sum(dot[j]);
+          if (lane == 0) dscores[s * K + j] = d;
+        }
+      }
+    }
+    return;
+  }
+  // Empty rows: capacity C > 0, rows e*C + p with p >= kept[e]; dropless (C = 0), rows past the
+  // sum of the kept counts.
+  int64_t total = 0;
+  if (C == 0) {
+    for (int e = lane; e < E; e += WARP) total += kept[e];
+    total = warp_sum(total);
+  }
+  V zero;
+#pragma unroll
+  for (int q = 0; q < VEC; ++q) zero.v[q] = static_cast<scalar_t>(0);
+  const int64_t row0 = ((blockIdx.x - token_blocks) * WARPS_PER_BLOCK + warp) * ZERO_ROWS_PER_WARP;
+  for (int64_t r = row0; r < min(R, row0 + ZERO_ROWS_PER_WARP); ++r) {
+    const bool empty = C > 0 ? (r % C) >= kept[r / C] : r >= total;
+    if (!empty) continue;
+    V* row = reinterpret_cast<V*>(out + r * M);
+    for (int64_t v = lane; v < nvec; v += WARP) row[v] = zero;
+  }
+}
+
+template <typename scalar_t, typename acc_t, int VEC, bool HAS_SCORES>
+__global__ void __launch_bounds__(BLOCK_THREADS)
+pull_rows_kernel(const scalar_t* __restrict__ y, const int32_t* __restrict__ slots, const acc_t* __restrict__ scores,
+                 scalar_t* __restrict__ out, int64_t S, int64_t M, int64_t R, int K) {
+  using V = Vec<scalar_t, VEC>;
+  const int lane = threadIdx.x % WARP;
+  const int64_t s = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP;
+  if (s >= S) return;
+  int64_t slot[MAX_K];
+  acc_t score[MAX_K];
+  load_routes<acc_t, HAS_SCORES>(slots, scores, s, K, R, slot, score);
+  V* out_row = reinterpret_cast<V*>(out + s * M);
+  for (int64_t v = lane; v < M / VEC; v += WARP) {
+    acc_t acc[VEC];
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) acc[q] = 0;
+#pragma unroll
+    for (int j = 0; j < MAX_K; ++j) {
+      if (j >= K || slot[j] < 0) continue;
+      const V b = reinterpret_cast<const V*>(y + slot[j] * M)[v];
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) {
+        acc[q] += HAS_SCORES ? static_cast<acc_t>(b.v[q]) * score[j] : static_cast<acc_t>(b.v[q]);
+      }
+    }
+    V o;
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) o.v[q] = static_cast<scalar_t>(acc[q]);
+    out_row[v] = o;
+  }
+}
+
+namespace {
+
+// 16-byte vectors where the rows allow them, else one element at a time.
+template <typename scalar_t, typename F>
+void dispatch_vec(int64_t M, std::initializer_list<const at::Tensor*> tensors, F&& f) {
+  constexpr int VEC16 = 16 / sizeof(scalar_t);
+  bool vec = M % VEC16 == 0;
+  for (const at::Tensor* t : tensors) vec = vec && (t == nullptr || aligned16(*t));
+  if (vec) f(std::integral_constant<int, VEC16>());
+  else f(std::integral_constant<int, 1>());
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), name, ": contiguous CUDA 2-D tensor");
+}
+
+}  // namespace
+
+void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& kept,
+               int64_t capacity, const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& y,
+               const c10::optional<at::Tensor>& dscores) {
+  check_rows(src, "src");
+  check_rows(out, "out");
+  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous() && slots.size(1) <= MAX_K, "slots: int32 [S, k]");
+  const c10::cuda::CUDAGuard guard(src.device());
+  const int64_t S = src.size(0), M = src.size(1), R = out.size(0);
+  const int K = slots.size(1);
+  if (!kept.has_value()) out.zero_();  // bare slots: no counts to find the empty rows from
+  if (M == 0 || S + R == 0) {
+    if (dscores.has_value()) dscores->zero_();
+    return;
+  }
+  const int E = kept.has_value() ? kept->numel() : 0;
+  const int64_t token_blocks = cdiv(S, WARPS_PER_BLOCK);
+  const int64_t zero_blocks = kept.has_value() ? cdiv(R, WARPS_PER_BLOCK * ZERO_ROWS_PER_WARP) : 0;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "turbomoe_push_rows", [&] {
+    using acc_t = typename Acc<scalar_t>::type;
+    const acc_t* sc = scores.has_value() ? scores->data_ptr<acc_t>() : nullptr;
+    const scalar_t* y_ptr = y.has_value() ? y->data_ptr<scalar_t>() : nullptr;
+    acc_t* ds = dscores.has_value() ? dscores->data_ptr<acc_t>() : nullptr;
+    const int32_t* kept_ptr = kept.has_value() ? kept->data_ptr<int32_t>() : nullptr;
+    dispatch_vec<scalar_t>(M, {&src, &out, y.has_value() ? &y.value() : nullptr}, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      auto launch = [&](auto kernel) {
+        kernel<<<token_blocks + zero_blocks, BLOCK_THREADS, 0, stream>>>(
+            src.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(), sc, y_ptr, kept_ptr, out.data_ptr<scalar_t>(), ds, S,
+            M, R, K, token_blocks, static_cast<int>(capacity), E);
+      };
+      if (y_ptr) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true>);
+      else if (sc) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false>);
+      else launch(push_rows_kernel<scalar_t, acc_t, VEC, false, false>);
+    });
+    TURBOMOE_CHECK_LAUNCH();
+  });
+}
+
+void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& scores) {
+  check_rows(y, "y");
+  check_rows(out, "out");
+  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous() && slots.size(1) <= MAX_K, "slots: int32 [S, k]");
+  const c10::cuda::CUDAGuard guard(y.device());
+  const int64_t S = out.size(0), M = out.size(1), R = y.size(0);
+  const int K = slots.size(1);
+  if (S == 0 || M == 0) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "turbomoe_pull_rows", [&] {
+    using acc_t = typename Acc<scalar_t>::type;
+    const acc_t* sc = scores.has_value() ? scores->data_ptr<acc_t>() : nullptr;
+    dispatch_vec<scalar_t>(M, {&y, &out}, [&](auto vec) {
+      constexpr int VEC = decltype(vec)::value;
+      auto launch = [&](auto kernel) {
+        kernel<<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(y.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(),
+                                                                       sc, out.data_ptr<scalar_t>(), S, M, R, K);
+      };
+      if (sc) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true>);
+      else launch(pull_rows_kernel<scalar_t, acc_t, VEC, false>);
+    });
+    TURBOMOE_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace turbomoe
