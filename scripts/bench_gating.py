@@ -6,6 +6,8 @@ forward + backward, from fp32 logits [S, E] and bf16 tokens [S, M]; the experts 
 and the router GEMM is left out, for both. DeepSpeed's path is its own code, called the way
 MOELayer.forward calls it (sparse routes, ep_size = 1). Also prints achieved GB/s of scatter and
 gather (forward and backward) beside a device-to-device copy bandwidth measured here.
+turbomoe is timed on both kernel backends: "cuda" (turbomoe/csrc, the default where it builds)
+and "triton"; eagerly (steps issued back to back) and replayed from a CUDA graph.
 
     python scripts/bench_gating.py [--quick] [--json out.json]
 """
@@ -17,7 +19,6 @@ from timing import copy_bandwidth_gbs, cuda_time_ms
 
 import turbomoe
 from turbomoe import ops
-from turbomoe.kernels.rows import pull_rows, push_rows
 
 CONFIGS = [(S, E, k, M) for S in (4096, 16384) for E in (8, 64) for k in (1, 2) for M in (2048, 4096)]
 CAPACITY_FACTOR, MIN_CAPACITY = 1.0, 4
@@ -45,13 +46,15 @@ def deepspeed_path(logits, x, k):
     return out, l_aux
 
 
-def turbomoe_path(logits, x, k, seed=0):
-    S, E = logits.shape
-    g = ops.topk_gating(logits, k, renormalize=k > 1)
-    C = turbomoe.capacity(S, E, k, CAPACITY_FACTOR, MIN_CAPACITY)
-    s = ops.assign_slots(g.expert_ids, g.scores, E, C, "rts" if k == 1 else "position", seed)
-    buf = ops.scatter_tokens(x, s)
-    return ops.gather_tokens(buf, s, g.scores), g.aux_loss
+def turbomoe_path(backend):
+    def path(logits, x, k, seed=0):
+        S, E = logits.shape
+        g = ops.topk_gating(logits, k, renormalize=k > 1, backend=backend)
+        C = turbomoe.capacity(S, E, k, CAPACITY_FACTOR, MIN_CAPACITY)
+        s = ops.assign_slots(g.expert_ids, g.scores, E, C, "rts" if k == 1 else "position", seed, backend=backend)
+        buf = ops.scatter_tokens(x, s, backend=backend)
+        return ops.gather_tokens(buf, s, g.scores, backend=backend), g.aux_loss
+    return path
 
 
 def fwd_bwd(path, logits, x, k, grad_out):
@@ -77,10 +80,11 @@ def cuda_graph(step):
     return graph.replay
 
 
-def row_bandwidths(S, E, k, M, copy_gbs):
+def row_bandwidths(S, E, k, M, copy_gbs, backend):
     """Achieved GB/s of the row kernels (scatter and gather, forward and backward) at one config,
     launched directly so autograd's own overhead stays out. Bytes = each input read once, each
     output written once, kept rows only where a kernel touches only those."""
+    push_rows, pull_rows = ops._impl(backend).push_rows, ops._impl(backend).pull_rows
     dt = torch.bfloat16
     g = ops.topk_gating(torch.randn(S, E, device="cuda"), k, renormalize=k > 1)
     s = ops.assign_slots(g.expert_ids, g.scores, E, turbomoe.capacity(S, E, k, CAPACITY_FACTOR, MIN_CAPACITY))
@@ -113,32 +117,37 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
+    backends = ["cuda", "triton"] if ops.csrc.available() else ["triton"]
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GB/s": copy_gbs,
-               "configs": []}
+               "backends": backends, "configs": []}
     for S, E, k, M in CONFIGS[:2] if args.quick else CONFIGS:
         logits = torch.randn(S, E, device="cuda", requires_grad=True)
         x = torch.randn(S, M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad_out = torch.randn(S, M, device="cuda", dtype=torch.bfloat16)
-        ds_ms = cuda_time_ms(fwd_bwd(deepspeed_path, logits, x, k, grad_out))
-        tm_ms = cuda_time_ms(fwd_bwd(turbomoe_path, logits, x, k, grad_out))
-        graph_ms = cuda_time_ms(cuda_graph(fwd_bwd(turbomoe_path, logits, x, k, grad_out)))
-        results["configs"].append({"S": S, "E": E, "k": k, "M": M, "deepspeed_ms": ds_ms, "turbomoe_ms": tm_ms,
-                                   "turbomoe_graph_ms": graph_ms, "speedup": ds_ms / tm_ms,
-                                   "speedup_graph": ds_ms / graph_ms})
-    results["rows_S16384_E64_k2_M4096"] = row_bandwidths(16384, 64, 2, 4096, copy_gbs)
+        row = {"S": S, "E": E, "k": k, "M": M,
+               "deepspeed_ms": cuda_time_ms(fwd_bwd(deepspeed_path, logits, x, k, grad_out))}
+        for b in backends:
+            row[f"{b}_ms"] = cuda_time_ms(fwd_bwd(turbomoe_path(b), logits, x, k, grad_out))
+        row["graph_ms"] = cuda_time_ms(cuda_graph(fwd_bwd(turbomoe_path(backends[0]), logits, x, k, grad_out)))
+        for key in [f"{b}_ms" for b in backends] + ["graph_ms"]:
+            row[key.replace("_ms", "_speedup")] = row["deepspeed_ms"] / row[key]
+        results["configs"].append(row)
+    results["rows_S16384_E64_k2_M4096"] = {b: row_bandwidths(16384, 64, 2, 4096, copy_gbs, b) for b in backends}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(f"\n{results['device']}, torch {results['torch']}, bf16 tokens, fp32 logits, capacity factor "
           f"{CAPACITY_FACTOR}, forward + backward; copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'S':>6} {'E':>3} {'k':>2} {'M':>5} | {'DeepSpeed':>9} {'turbomoe':>8} {'speedup':>7} | "
-          f"{'graphed':>7} {'speedup':>7}   (ms)")
+    heads = [f"{b} eager" for b in backends] + [f"{backends[0]} graphed"]
+    print(f"{'S':>6} {'E':>3} {'k':>2} {'M':>5} | {'DeepSpeed':>9} | " + " | ".join(f"{h:>17}" for h in heads)
+          + "   (ms, speedup)")
     for c in results["configs"]:
-        print(f"{c['S']:>6} {c['E']:>3} {c['k']:>2} {c['M']:>5} | {c['deepspeed_ms']:>9.3f} {c['turbomoe_ms']:>8.3f} "
-              f"{c['speedup']:>6.1f}x | {c['turbomoe_graph_ms']:>7.3f} {c['speedup_graph']:>6.1f}x")
-    print("row kernels at S=16384 E=64 k=2 M=4096:")
-    for name, r in results["rows_S16384_E64_k2_M4096"].items():
-        print(f"  {name:<12} {r['ms']:.3f} ms  {r['GB/s']:.0f} GB/s  {100 * r['of_copy']:.0f}% of copy")
+        cells = [f"{c[key + '_ms']:>8.3f} {c[key + '_speedup']:>7.1f}x" for key in backends + ["graph"]]
+        print(f"{c['S']:>6} {c['E']:>3} {c['k']:>2} {c['M']:>5} | {c['deepspeed_ms']:>9.3f} | " + " | ".join(cells))
+    for b, rows in results["rows_S16384_E64_k2_M4096"].items():
+        print(f"row kernels ({b}) at S=16384 E=64 k=2 M=4096:")
+        for name, r in rows.items():
+            print(f"  {name:<12} {r['ms']:.3f} ms  {r['GB/s']:.0f} GB/s  {100 * r['of_copy']:.0f}% of copy")
 
 
 if __name__ == "__main__":

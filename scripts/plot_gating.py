@@ -1,5 +1,5 @@
 """Plots bench_gating.py's JSON: time of the gating path (forward + backward) per config for
-DeepSpeed, turbomoe eager and turbomoe replayed from a CUDA graph.
+DeepSpeed, turbomoe eager on each kernel backend, and turbomoe replayed from a CUDA graph.
 
     python scripts/plot_gating.py notes/bench_gating.json docs/bench_gating.png
 """
@@ -16,12 +16,13 @@ def main(src: str, dst: str):
     res = json.load(open(src))
     cfgs = res["configs"]
     labels = [f"S={c['S']}\nE={c['E']} k={c['k']}\nM={c['M']}" for c in cfgs]
-    series = [("DeepSpeed 0.19", "deepspeed_ms"), ("turbomoe", "turbomoe_ms"),
-              ("turbomoe, CUDA graph", "turbomoe_graph_ms")]
+    series = ([("DeepSpeed 0.19", "deepspeed_ms")] + [(f"turbomoe, {b}", f"{b}_ms") for b in res["backends"]]
+              + [(f"turbomoe, {res['backends'][0]}, CUDA graph", "graph_ms")])
     fig, ax = plt.subplots(figsize=(14, 4.5))
-    width = 0.27
+    width = 0.8 / len(series)
     for i, (name, key) in enumerate(series):
-        ax.bar([x + (i - 1) * width for x in range(len(cfgs))], [c[key] for c in cfgs], width, label=name)
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(cfgs))], [c[key] for c in cfgs], width,
+               label=name)
     ax.set_xticks(range(len(cfgs)))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("ms, forward + backward (lower is better)")
