@@ -100,8 +100,17 @@ class TurboMOELayer(MOELayer):
         C = None if rows_layout else expert_capacity(gate, x_SM.shape[0], routes.counts, self.ep_group)
         policy = drop_policy(gate)
         seed = int(torch.randint(0, 2**31 - 1, (1, ))) if gate.drop_tokens and policy == "rts" else 0
-        s = ops.assign_slots(routes.expert_ids, routes.scores, routes.counts.shape[0], capacity=C,
-                             drop_policy=policy, seed=seed)
+        ids_SK, scores_SK = routes.expert_ids, routes.scores
+        # With tensor parallelism the row within C decides which TP rank runs a route (drop_tokens
+        # splits the C dim), so place top-2 routes where stock does: all first choices, then all
+        # second choices. assign_slots places kept routes in token order; routed as [k * S, 1] in
+        # choice-major order, its "position" policy keeps the same routes in stock's order.
+        choice_major = gate.k == 2 and C is not None and bwc_tensor_model_parallel_world_size(groups.mpu) > 1
+        if choice_major:
+            ids_SK, scores_SK = ids_SK.t().reshape(-1, 1), scores_SK.t().reshape(-1, 1)
+        s = ops.assign_slots(ids_SK, scores_SK, routes.counts.shape[0], capacity=C, drop_policy=policy, seed=seed)
+        if choice_major:
+            s = s._replace(slots=s.slots.view(gate.k, -1).t().contiguous())
         return s, renormalize_kept(routes.scores, s.slots) if self.norm_topk_prob else routes.scores
 
     def _exchange_and_run_experts(self, buf_ECM: torch.Tensor) -> torch.Tensor:

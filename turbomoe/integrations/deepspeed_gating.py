@@ -108,7 +108,8 @@ def drop_policy(gate: TopKGate) -> str:
 
 
 def expert_capacity(gate: TopKGate, num_tokens: int, counts_E: torch.Tensor, ep_group) -> int:
-    """C: stock's formula when dropping; else the largest count over the expert-parallel group.
+    """C: stock's formula when dropping; else the largest count over the expert-parallel group,
+    padded to a multiple of the tensor-parallel size.
 
     The dropless branch holds the layer's one host sync: the buffers (and the all-to-all) need C
     as a Python int, and it is known only after routing. Stock reads it too (and top-1 syncs three
@@ -121,9 +122,12 @@ def expert_capacity(gate: TopKGate, num_tokens: int, counts_E: torch.Tensor, ep_
     cap = counts_E.max().to(torch.int64)
     if pg_utils.is_parallel(ep_group):
         dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=ep_group)
-    if groups._get_expert_model_parallel_world_size() == 1 and groups.mpu is not None:
-        # Tensor-parallel non-experts split the capacity dim among tp ranks (see MOELayer): pad to tp.
-        tp = bwc_tensor_model_parallel_world_size(mpu=groups.mpu)
+    tp = bwc_tensor_model_parallel_world_size(mpu=groups.mpu)
+    if tp > 1:
+        # Tensor-parallel non-experts split the capacity dim among the tp ranks (drop_tokens in
+        # MOELayer), with or without expert tensor parallelism: pad C to a multiple of tp. Stock
+        # pads only without expert tensor parallelism; with it, an odd count fails drop_tokens'
+        # divisibility assert. Where stock runs, C is already a multiple of tp and nothing changes.
         cap = (cap + tp - 1) // tp * tp
     return int(cap)
 
