@@ -19,7 +19,10 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["turbomoe", "turbomoe.*"]),
     python_requires=">=3.10",
-    # torch is pinned by the user's environment (CPU or CUDA build); any 2.4+ works.
-    install_requires=["torch>=2.4", "triton>=3.0", "numpy"],
+    # The CUDA backend's sources, compiled on first use (turbomoe/csrc/__init__.py).
+    package_data={"turbomoe.csrc": ["*.cpp", "*.cu", "*.cuh"]},
+    # torch is pinned by the user's environment (CPU or CUDA build); any 2.4+ works. ninja builds
+    # the CUDA backend (torch.utils.cpp_extension needs it).
+    install_requires=["torch>=2.4", "triton>=3.0", "numpy", "ninja"],
     extras_require=EXTRAS,
 )

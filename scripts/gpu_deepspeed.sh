@@ -15,6 +15,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 python3 -c "import torch, triton, deepspeed; print('torch', torch.__version__, 'triton', triton.__version__, \
 'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"
 date -u
+# The CUDA backend of the gating ops builds once, before anything times it.
+python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available())"
 # Every fidelity test (CPU and CUDA); of the launcher tests only the NCCL one (CI runs the gloo one).
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepspeed_fidelity.py \
   "tests/test_deepspeed_launcher.py::test_expert_parallel_train_save_resume[cuda]" \

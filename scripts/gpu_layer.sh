@@ -18,6 +18,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 '_grouped_mm', hasattr(torch, '_grouped_mm'), torch.cuda.get_device_name())"
 date -u
+# The CUDA backend of the gating ops builds once, before anything times it.
+python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available())"
 TESTS=${TESTS:-"tests/test_nn_layer.py tests/test_grouped_gemm.py"}
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs $TESTS \
   2>&1 | tee "$OUT/pytest.log" | grep -v "^SKIPPED.*torch._grouped_mm runs bf16" | tail -25
