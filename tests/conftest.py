@@ -1,4 +1,7 @@
+import glob
 import math
+import os
+import time
 
 import pytest
 import torch
@@ -34,3 +37,17 @@ def assert_uniform(freq, p, seeds):
     route (false-alarm rate below 1e-4 over 64 routes)."""
     sd = math.sqrt(p * (1 - p) / seeds)
     assert (freq - p).abs().max() < 5 * sd, (freq - p).abs().max()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_deepspeed_shm_buffers():
+    """DeepSpeed's CPU all-reduce leaves a 66 MB buffer per rank in /dev/shm when a launched run
+    exits; remove the ones this session's launcher tests made, so repeated runs do not fill memory."""
+    start = time.time()
+    yield
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+        try:
+            if os.stat(path).st_mtime >= start:
+                os.remove(path)
+        except OSError:  # gone already, or not ours to remove
+            pass
