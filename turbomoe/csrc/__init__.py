@@ -18,7 +18,7 @@ import torch
 
 from ..reference import Slots, aux_loss_coefficient, compute_dtype, hash32_int
 
-MAX_EXPERTS = 1024
+MAX_EXPERTS = 1024  # mirrors common.cuh, whose kernels check it too; read here without building them
 _SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu")
 _POLICIES = {"position": 0, "rts": 1, "probs": 2}
 
