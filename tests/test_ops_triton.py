@@ -228,3 +228,44 @@ def test_deterministic_bits(backend):
 def test_rts_uniform(backend):
     freq = rts_keep_frequencies(lambda *a: ops.assign_slots(*a, backend=backend), 64, 16, 200, device=DEV)
     assert_uniform(freq, 16 / 64, 200)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
+@pytest.mark.parametrize("S,E", [(1, 2), (7, 3), (128, 8), (1000, 64), (333, 128), (64, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_second_expert_cuda_matches_reference(S, E, dtype):
+    """Same uniforms: the same experts (the noise is rounded as torch rounds it), scores and
+    gradients of logits and first scores; rows with non-finite logits route nowhere."""
+    if not ops.csrc.available():
+        pytest.skip("the CUDA extension could not be built here")
+    torch.manual_seed(S + E)
+    logits = make_logits(S, E, dtype)
+    if S > 5:
+        logits[5, 1] = float("inf")
+    rand = torch.rand(S, E, device=DEV)
+    got_l, ref_l = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got = ops.sample_second_expert(got_l, ops.topk_gating(got_l, 1, backend="cuda"), rand, backend="cuda")
+    exp = ops.sample_second_expert(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), rand, backend="reference")
+    assert torch.equal(got.expert_ids, exp.expert_ids) and torch.equal(got.counts, exp.counts)
+    assert rel_err(got.scores, exp.scores) < TOL[dtype]
+    g = torch.randn(S, 2, device=DEV, dtype=got.scores.dtype)
+    (got.scores * g).sum().backward()
+    (exp.scores * g).sum().backward()
+    assert rel_err(got_l.grad, ref_l.grad) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
+def test_gradcheck_second_expert_cuda():
+    if not ops.csrc.available():
+        pytest.skip("the CUDA extension could not be built here")
+    from turbomoe.autograd.sampling import SecondExpert
+    torch.manual_seed(0)
+    logits = make_logits(6, 5, torch.float64).requires_grad_()
+    first = ops.topk_gating(logits.detach(), 1, backend="cuda")
+    p1 = first.scores.clone().requires_grad_()
+    rand = torch.rand(6, 5, device=DEV)
+    assert torch.autograd.gradcheck(
+        lambda l, p: SecondExpert.apply(l, first.expert_ids, p, first.counts, rand, ops.csrc)[1], (logits, p1),
+        eps=1e-7, atol=1e-8)

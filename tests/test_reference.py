@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from turbomoe import reference as ref
 
-from conftest import assert_uniform, rts_keep_frequencies
+from conftest import assert_uniform, needs_cuda, rts_keep_frequencies
 
 ds_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
 
@@ -123,3 +123,35 @@ def test_reference_scatter_gather_roundtrip():
     onehot = F.one_hot(s.slots.long(), s.num_rows).double()  # [S, k, R]
     buf = torch.einsum("skr,sm->rm", onehot, x)
     torch.testing.assert_close(ref.scatter_tokens(x, s.slots, s.num_rows), buf)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_gumbel_noise_is_torch_distributions_gumbel(device):
+    """The same uniforms give the same noise, bit for bit, as Gumbel(0, 1).rsample (DeepSpeed's
+    gumbel_rsample) draws after the same seed."""
+    gumbel = torch.distributions.gumbel.Gumbel(torch.tensor(0.0, device=device), torch.tensor(1.0, device=device))
+    for seed, shape in ((0, (257, 8)), (1, (33, 64)), (2, (5, 3))):
+        torch.manual_seed(seed)
+        expected = gumbel.rsample(shape)
+        torch.manual_seed(seed)
+        assert torch.equal(ref.gumbel_noise(torch.rand(shape, device=device)), expected)
+
+
+def test_second_expert_is_noisy_argmax_without_first():
+    torch.manual_seed(0)
+    S, E = 300, 6
+    logits = torch.randn(S, E, dtype=torch.float64)
+    logits[3] = float("nan")  # routes nowhere: no second either
+    first = ref.topk_gating(logits, 1)
+    rand = torch.rand(S, E)
+    ids, scores, counts = ref.second_expert(logits, first.expert_ids, first.scores, first.counts, rand)
+    noisy = logits + ref.gumbel_noise(rand).double()
+    for s in (0, 1, 299):
+        others = [e for e in range(E) if e != int(ids[s, 0])]
+        assert int(ids[s, 1]) == max(others, key=lambda e: (float(noisy[s, e]), -e))
+    assert ids[3].tolist() == [-1, -1] and scores[3].tolist() == [0.0, 0.0]
+    assert (ids[:, 0] != ids[:, 1])[torch.arange(S) != 3].all()
+    probs = torch.softmax(logits, 1)
+    ok = ids[:, 1] >= 0
+    torch.testing.assert_close(scores[ok, 1], probs[ok].gather(1, ids[ok, 1:].long()).squeeze(1))
+    assert torch.equal(counts, torch.bincount(ids[ids >= 0].long(), minlength=E).to(torch.int32))

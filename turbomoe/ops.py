@@ -8,6 +8,7 @@ environment variable.
 
 The data flow of an MoE layer:
     g = topk_gating(logits_SE, k)                       # ids, scores, counts, aux, z
+      or sample_second_expert(logits_SE, topk_gating(logits_SE, 1))  # DeepSpeed's sampled top-2
     s = assign_slots(g.expert_ids, g.scores, E, capacity=C)
     buf_RM = scatter_tokens(x_SM, s)                     # experts run on buf
     out_SM = gather_tokens(y_RM, s, g.scores)
@@ -113,6 +114,41 @@ def topk_gating(logits_SE: torch.Tensor,
         return reference.topk_gating(logits_SE, k, score_func, renormalize, selection_bias_E)
     from .autograd.gating import topk_gating as fused
     return fused(logits_SE, k, score_func, renormalize, selection_bias_E, _impl(backend))
+
+
+def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: Optional[torch.Tensor] = None,
+                         backend: Optional[str] = None) -> GatingOutput:
+    """Top-2 gating with a sampled second expert (DeepSpeed's top2_2nd_expert_sampling).
+
+    first: topk_gating(logits, 1). The second expert is the argmax of logits + Gumbel noise over the
+    other experts; its score is its router probability. Returns first with expert_ids and scores
+    [S, 2] and counts including the second choices; aux and z are first's (DeepSpeed's top-2 aux
+    counts first choices only). rand [S, E] fp32 in [0, 1): the uniforms of the noise; None draws
+    torch.rand(S, E) as DeepSpeed's gumbel_rsample does, so the same seed samples the same experts.
+    The cuda backend fuses the op into one kernel each way; triton and reference run the reference.
+    """
+    _check_float("logits", logits_SE, 2)
+    if logits_SE.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"logits must be float32 or float64 (the router's dtype), got {logits_SE.dtype}")
+    S, E = logits_SE.shape
+    if E < 2:
+        raise ValueError("a second expert needs at least two experts")
+    if tuple(first.expert_ids.shape) != (S, 1) or tuple(first.scores.shape) != (S, 1):
+        raise ValueError(f"first must be the top-1 gating of these logits, [S, 1] = [{S}, 1]; got expert_ids "
+                         f"{tuple(first.expert_ids.shape)}")
+    if rand_SE is None:
+        rand_SE = torch.rand(S, E, device=logits_SE.device)
+    elif rand_SE.dtype != torch.float32 or tuple(rand_SE.shape) != (S, E):
+        raise ValueError(f"rand must be float32 [{S}, {E}], got {rand_SE.dtype} {tuple(rand_SE.shape)}")
+    _check_same_device(logits=logits_SE, expert_ids=first.expert_ids, rand=rand_SE)
+    backend = choose_backend(logits_SE, backend, E)
+    if backend == "cuda":
+        from .autograd.sampling import second_expert as fused
+        ids, scores, counts = fused(logits_SE, first.expert_ids, first.scores, first.counts, rand_SE, csrc)
+    else:
+        ids, scores, counts = reference.second_expert(logits_SE, first.expert_ids, first.scores, first.counts,
+                                                      rand_SE)
+    return first._replace(expert_ids=ids, scores=scores, counts=counts)
 
 
 def assign_slots(expert_ids_SK: torch.Tensor,

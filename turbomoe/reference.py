@@ -98,6 +98,41 @@ def topk_gating(logits_SE: torch.Tensor,
     return GatingOutput(ids.to(torch.int32), scores, counts.to(torch.int32), aux, z)
 
 
+def gumbel_noise(rand_SE: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise from fp32 uniforms in [0, 1) (the output of torch.rand), rounded op by op
+    as torch.distributions.Gumbel(0, 1).rsample turns its own torch.rand draw into noise: so the
+    same uniforms give the same noise as DeepSpeed's gumbel_rsample."""
+    finfo = torch.finfo(torch.float32)
+    low = torch.tensor(finfo.tiny, device=rand_SE.device)
+    high = torch.tensor(1 - finfo.eps, device=rand_SE.device)
+    u = low + rand_SE * (high - low)
+    return -(-u.log()).log()
+
+
+def second_expert(logits_SE: torch.Tensor, first_ids_S1: torch.Tensor, first_scores_S1: torch.Tensor,
+                  counts_E: torch.Tensor, rand_SE: torch.Tensor):
+    """Top-2 gating's sampled second expert (DeepSpeed's top2_2nd_expert_sampling): the argmax of
+    logits + Gumbel noise over the experts other than the first choice (ties to the lower id), and
+    its router probability p2 = p1 * exp(l2 - l1), differentiable in logits and p1.
+
+    logits [S, E] fp32 or fp64; first_ids [S, 1] (-1: no route, then no second either);
+    first_scores [S, 1] = p1; counts [E] of the first choices; rand [S, E] fp32 uniforms.
+    Returns ids [S, 2] int32, scores [S, 2] (p1, p2) and counts [E] int32 with the second choices.
+    """
+    first = first_ids_S1.long()
+    noisy = logits_SE.detach() + gumbel_noise(rand_SE).to(logits_SE.dtype)
+    noisy = noisy.scatter(1, first.clamp_min(0), float("-inf"))
+    second = torch.where(first >= 0, noisy.argmax(1, keepdim=True), first)
+    routed = second >= 0
+    # Rows that route nowhere may hold inf: keep their inf - inf out of exp and its gradient.
+    diff = torch.where(routed, logits_SE.gather(1, second.clamp_min(0)) - logits_SE.gather(1, first.clamp_min(0)), 0.0)
+    p2 = torch.where(routed, first_scores_S1 * torch.exp(diff), 0.0)
+    counts = counts_E.long() + torch.zeros_like(counts_E, dtype=torch.int64).scatter_add_(
+        0, second.clamp_min(0).view(-1), routed.long().view(-1))
+    return (torch.cat([first, second], 1).to(torch.int32), torch.cat([first_scores_S1, p2], 1),
+            counts.to(torch.int32))
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2**32 for x in [0, 2**32), split in 16-bit halves so int64 never overflows."""
     lo = x * (c & 0xFFFF)

@@ -1,7 +1,8 @@
 """turbomoe's CUDA C++ kernels, built on first use with torch.utils.cpp_extension.
 
 The same five launchers as the Triton backend (turbomoe/kernels/__init__.py), with the same
-signatures and results: gating_forward, gating_backward, assign_slots, push_rows, pull_rows. Each
+signatures and results: gating_forward, gating_backward, assign_slots, push_rows, pull_rows; and
+second_expert_forward / _backward (top-2 second-expert sampling, which only this backend fuses). Each
 launcher is one C++ call that allocates and launches everything its op needs, so an op costs a
 few microseconds of host time where a chain of Triton launches from Python costs tens to hundreds:
 the gating path of a training step is host-bound at practical batch sizes.
@@ -19,7 +20,7 @@ import torch
 from ..reference import Slots, aux_loss_coefficient, compute_dtype, hash32_int
 
 MAX_EXPERTS = 1024  # mirrors common.cuh, whose kernels check it too; read here without building them
-_SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu")
+_SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu", "sampling.cu")
 _POLICIES = {"position": 0, "rts": 1, "probs": 2}
 
 
@@ -92,3 +93,17 @@ def pull_rows(y_RM, slots_SK, out_SM, scores_SK=None):
     """out[s] = sum_j (scores[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
     extension().pull_rows(y_RM, slots_SK, out_SM,
                           None if scores_SK is None else scores_SK.to(compute_dtype(y_RM.dtype)).contiguous())
+
+
+def second_expert_forward(logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE):
+    """ids [S, 2] int32 (first, sampled second), scores [S, 2], counts [E] int32 with the second
+    choices added (see turbomoe.reference.second_expert)."""
+    return extension().second_expert_forward(logits_SE.contiguous(), first_ids_S1.to(torch.int32).contiguous(),
+                                             first_scores_S1.to(logits_SE.dtype).contiguous(), counts_E,
+                                             rand_SE.contiguous())
+
+
+def second_expert_backward(logits_SE, ids_S2, first_scores_S1, grad_scores_S2):
+    """grad of logits [S, E] and of the first scores [S]."""
+    return extension().second_expert_backward(logits_SE.contiguous(), ids_S2, first_scores_S1.contiguous(),
+                                              grad_scores_S2.to(logits_SE.dtype).contiguous())

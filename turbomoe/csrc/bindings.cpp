@@ -14,6 +14,11 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
                int64_t capacity, const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& y,
                const c10::optional<at::Tensor>& dscores);
 void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& scores);
+std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at::Tensor& first,
+                                              const at::Tensor& first_score, const at::Tensor& counts_first,
+                                              const at::Tensor& rand);
+std::vector<at::Tensor> second_expert_backward(const at::Tensor& logits, const at::Tensor& ids,
+                                               const at::Tensor& first_score, const at::Tensor& grad_scores);
 }  // namespace turbomoe
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -22,4 +27,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("assign_slots", &turbomoe::assign_slots, "expert ids -> slots, kept counts");
   m.def("push_rows", &turbomoe::push_rows, "out[slots[s, j]] = (score *) src[s]; optional dot products");
   m.def("pull_rows", &turbomoe::pull_rows, "out[s] = sum_j (score *) y[slots[s, j]]");
+  m.def("second_expert_forward", &turbomoe::second_expert_forward, "Gumbel-max second expert of top-2 gating");
+  m.def("second_expert_backward", &turbomoe::second_expert_backward, "grad of its scores -> grad of logits");
 }

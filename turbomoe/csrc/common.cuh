@@ -50,4 +50,22 @@ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 #define TURBOMOE_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
 
+// Columns of a row each lane of a warp holds (a power of two, at most 32: E <= MAX_EXPERTS).
+inline int columns_per_lane(int E) {
+  int cpl = 1;
+  while (cpl * WARP < E) cpl *= 2;
+  return cpl;
+}
+
+// Runs the lambda with constexpr int CPL = columns_per_lane(E) in scope.
+#define TURBOMOE_DISPATCH_CPL(E, ...)                                   \
+  switch (turbomoe::columns_per_lane(E)) {                             \
+    case 1: { constexpr int CPL = 1; __VA_ARGS__(); break; }            \
+    case 2: { constexpr int CPL = 2; __VA_ARGS__(); break; }            \
+    case 4: { constexpr int CPL = 4; __VA_ARGS__(); break; }            \
+    case 8: { constexpr int CPL = 8; __VA_ARGS__(); break; }            \
+    case 16: { constexpr int CPL = 16; __VA_ARGS__(); break; }          \
+    default: { constexpr int CPL = 32; __VA_ARGS__(); break; }          \
+  }
+
 }  // namespace turbomoe

@@ -287,26 +287,6 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
   }
 }
 
-namespace {
-
-int columns_per_lane(int E) {
-  int cpl = 1;
-  while (cpl * WARP < E) cpl *= 2;
-  return cpl;
-}
-
-#define TURBOMOE_DISPATCH_CPL(E, ...)                                   \
-  switch (columns_per_lane(E)) {                                       \
-    case 1: { constexpr int CPL = 1; __VA_ARGS__(); break; }            \
-    case 2: { constexpr int CPL = 2; __VA_ARGS__(); break; }            \
-    case 4: { constexpr int CPL = 4; __VA_ARGS__(); break; }            \
-    case 8: { constexpr int CPL = 8; __VA_ARGS__(); break; }            \
-    case 16: { constexpr int CPL = 16; __VA_ARGS__(); break; }          \
-    default: { constexpr int CPL = 32; __VA_ARGS__(); break; }          \
-  }
-
-}  // namespace
-
 // Returns ids [S, k] int32, scores [S, k], counts [E] int32, stats [E + 2] (ce [E], aux, z), lse [S].
 std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool sigmoid, bool renorm,
                                        const c10::optional<at::Tensor>& bias, double coef) {

@@ -34,7 +34,8 @@ def _count_routes(ids_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _score_of_other_expert(first_scores_S1, logits_SE, first_S1, other_S1):
-    """softmax(logits)[other] = softmax(logits)[first] * exp(l_other - l_first), differentiable.
+    """softmax(logits)[other] = softmax(logits)[first] * exp(l_other - l_first), differentiable
+    (RSample's noisy choice; top-2's sampled second expert has its own op).
 
     The first-choice probability comes from turbomoe's gating op, so the softmax is never
     materialised; l_other <= l_first (first is the argmax), so the exp cannot overflow.
@@ -72,16 +73,10 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
         noisy_SE = logits_SE.detach() + gumbel_rsample(logits_SE.shape, device=logits_SE.device)
 
     g = ops.topk_gating(logits_SE, 1 if sample_second else k)
+    if sample_second:  # draws its noise from torch.rand(S, E), as stock's gumbel_rsample
+        g = ops.sample_second_expert(logits_SE, g)
+    # l_aux stays the op's: for k <= 2 stock counts only first choices, with coefficient E.
     ids, scores, counts, l_aux = g.expert_ids, g.scores, g.counts, g.aux_loss
-
-    if sample_second:
-        noisy_SE = logits_SE.detach() + gumbel_rsample(logits_SE.shape, device=logits_SE.device)
-        noisy_SE.scatter_(1, ids.long().clamp_min(0), float("-inf"))
-        second = torch.where(ids >= 0, noisy_SE.argmax(1, keepdim=True).to(ids.dtype), ids)
-        scores = torch.cat([scores, _score_of_other_expert(scores, logits_SE, ids, second)], 1)
-        ids = torch.cat([ids, second], 1)
-        counts = counts + _count_routes(second, E)
-        # l_aux stays the op's: for k <= 2 stock counts only first choices, with coefficient E.
     if rsample:
         chosen = torch.where(ids >= 0, noisy_SE.argmax(1, keepdim=True).to(ids.dtype), ids)
         scores = _score_of_other_expert(scores, logits_SE, ids, chosen)

@@ -1,0 +1,26 @@
+"""autograd.Function for second_expert (top-2 second-expert sampling), hand-written backward."""
+import torch
+
+
+class SecondExpert(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE, impl):
+        """impl: the backend module that fuses the op (turbomoe.csrc)."""
+        ids_S2, scores_S2, counts = impl.second_expert_forward(logits_SE, first_ids_S1, first_scores_S1, counts_E,
+                                                               rand_SE)
+        ctx.save_for_backward(logits_SE, ids_S2, first_scores_S1)
+        ctx.impl = impl
+        ctx.mark_non_differentiable(ids_S2, counts)
+        return ids_S2, scores_S2, counts
+
+    @staticmethod
+    def backward(ctx, _g_ids, g_scores_S2, _g_counts):
+        logits_SE, ids_S2, first_scores_S1 = ctx.saved_tensors
+        # p2 = p1 * exp(l2 - l1): d l2 = g2 * p2, d l1 = -g2 * p2, d p1 = g1 + g2 * exp(l2 - l1).
+        g_logits, g_first = ctx.impl.second_expert_backward(logits_SE, ids_S2, first_scores_S1, g_scores_S2)
+        return g_logits, None, g_first.view_as(first_scores_S1).to(first_scores_S1.dtype), None, None, None
+
+
+def second_expert(logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE, impl):
+    return SecondExpert.apply(logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE, impl)

@@ -1,0 +1,137 @@
+// Second-expert sampling of top-2 gating (DeepSpeed's top2_2nd_expert_sampling), fused:
+//   second = argmax over e != first of logits[s, e] + gumbel[s, e],   score2 = p1 * exp(l2 - l1)
+// gumbel = -log(-log(tiny + rand * range)) from the uniforms torch.rand drew, rounded op by op as
+// torch.distributions.Gumbel(0, 1).rsample computes it (no FMA contraction), so the same uniforms
+// give the same experts as stock. One warp owns a row (as in gating.cu); ties go to the lower id,
+// as torch.argmax. The backward is one thread per row: two logits and the first score get gradient.
+#include "common.cuh"
+
+namespace turbomoe {
+
+template <typename scalar_t, int CPL>
+__global__ void second_expert_fwd_kernel(const scalar_t* __restrict__ logits, const float* __restrict__ rand,
+                                         const int32_t* __restrict__ first, const scalar_t* __restrict__ first_score,
+                                         int32_t* __restrict__ ids, scalar_t* __restrict__ scores,
+                                         int32_t* __restrict__ counts, int64_t S, int E, float tiny, float range) {
+  const int64_t row = int64_t(blockIdx.x) * WARPS_PER_BLOCK + threadIdx.x / WARP;
+  if (row >= S) return;
+  const int lane = threadIdx.x % WARP;
+  const int f = first[row];
+  const scalar_t neg_inf = -std::numeric_limits<scalar_t>::infinity();
+  scalar_t best = neg_inf;
+  int best_id = E;
+  if (f >= 0) {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const int c = lane + WARP * i;
+      if (c < E && c != f) {
+        const float u = __fadd_rn(tiny, __fmul_rn(rand[row * E + c], range));
+        const float noise = -logf(-logf(u));
+        const scalar_t v = logits[row * E + c] + static_cast<scalar_t>(noise);
+        if (v > best || best_id == E) {  // columns rise within a lane: keep the first maximum
+          best = v;
+          best_id = c;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {  // (max value, then lowest id) over the warp
+    const scalar_t v = __shfl_xor_sync(FULL_MASK, best, o);
+    const int id = __shfl_xor_sync(FULL_MASK, best_id, o);
+    if (v > best || (v == best && id < best_id) || (best_id == E && id < E)) {
+      best = v;
+      best_id = id;
+    }
+  }
+  if (lane != 0) return;
+  const scalar_t p1 = first_score[row];
+  const bool routed = f >= 0 && best_id < E;
+  ids[row * 2] = f;
+  ids[row * 2 + 1] = routed ? best_id : -1;
+  scores[row * 2] = p1;
+  scores[row * 2 + 1] = routed ? p1 * exp(logits[row * E + best_id] - logits[row * E + f]) : scalar_t(0);
+  if (routed) atomicAdd(counts + best_id, 1);  // integer adds: the same counts in any order
+}
+
+template <typename scalar_t>
+__global__ void second_expert_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict__ ids,
+                                         const scalar_t* __restrict__ first_score,
+                                         const scalar_t* __restrict__ grad_scores, scalar_t* __restrict__ grad_logits,
+                                         scalar_t* __restrict__ grad_first, int64_t S, int E) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= S) return;
+  const int f = ids[row * 2], e2 = ids[row * 2 + 1];
+  const scalar_t g1 = grad_scores[row * 2], g2 = grad_scores[row * 2 + 1];
+  if (e2 < 0) {
+    grad_first[row] = g1;
+    return;
+  }
+  const scalar_t r = exp(logits[row * E + e2] - logits[row * E + f]);
+  const scalar_t d = g2 * first_score[row] * r;  // d score2 / d l2 = score2, / d l1 = -score2
+  grad_first[row] = g1 + g2 * r;
+  grad_logits[row * E + e2] = d;
+  grad_logits[row * E + f] = -d;
+}
+
+// Returns ids [S, 2] int32, scores [S, 2] and counts [E] int32 (counts_first + second choices).
+std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at::Tensor& first,
+                                              const at::Tensor& first_score, const at::Tensor& counts_first,
+                                              const at::Tensor& rand) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble, "logits: fp32 or fp64");
+  TORCH_CHECK(logits.size(1) <= MAX_EXPERTS, "second expert: E must be at most ", MAX_EXPERTS);
+  TORCH_CHECK(first.scalar_type() == at::kInt && first.is_contiguous() && first.numel() == logits.size(0),
+              "first ids: contiguous int32 [S]");
+  const int64_t S = logits.size(0);
+  const int E = logits.size(1);
+  TORCH_CHECK(rand.scalar_type() == at::kFloat && rand.is_contiguous() && rand.sizes() == logits.sizes(),
+              "rand: contiguous fp32 [S, E]");
+  TORCH_CHECK(first_score.scalar_type() == logits.scalar_type() && first_score.is_contiguous() &&
+                  first_score.numel() == S, "first scores: contiguous [S] in the logits' dtype");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor ids = at::empty({S, 2}, first.options());
+  at::Tensor scores = at::empty({S, 2}, logits.options());
+  at::Tensor counts = counts_first.to(at::kInt, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  if (S == 0) return {ids, scores, counts};
+  // torch.distributions.Uniform(tiny, 1 - eps), whose rsample rounds high - low in fp32.
+  const float tiny = std::numeric_limits<float>::min();
+  const float range = (1.0f - std::numeric_limits<float>::epsilon()) - tiny;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "turbomoe_second_expert_fwd", [&] {
+    TURBOMOE_DISPATCH_CPL(E, [&] {
+      second_expert_fwd_kernel<scalar_t, CPL><<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(
+          logits.data_ptr<scalar_t>(), rand.data_ptr<float>(), first.data_ptr<int32_t>(),
+          first_score.data_ptr<scalar_t>(), ids.data_ptr<int32_t>(), scores.data_ptr<scalar_t>(),
+          counts.data_ptr<int32_t>(), S, E, tiny, range);
+    });
+    TURBOMOE_CHECK_LAUNCH();
+  });
+  return {ids, scores, counts};
+}
+
+// Returns grad_logits [S, E] (two entries per routed row) and grad of the first scores [S].
+std::vector<at::Tensor> second_expert_backward(const at::Tensor& logits, const at::Tensor& ids,
+                                               const at::Tensor& first_score, const at::Tensor& grad_scores) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
+  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.dim() == 2 && ids.size(1) == 2 &&
+                  ids.size(0) == logits.size(0), "ids: contiguous int32 [S, 2]");
+  TORCH_CHECK(grad_scores.scalar_type() == logits.scalar_type() && grad_scores.is_contiguous() &&
+                  grad_scores.sizes() == ids.sizes(), "grad of scores: contiguous [S, 2] in the logits' dtype");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t S = logits.size(0);
+  at::Tensor grad_logits = at::zeros_like(logits);
+  at::Tensor grad_first = at::empty({S}, logits.options());
+  if (S == 0) return {grad_logits, grad_first};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "turbomoe_second_expert_bwd", [&] {
+    second_expert_bwd_kernel<scalar_t><<<cdiv(S, BLOCK_THREADS), BLOCK_THREADS, 0, stream>>>(
+        logits.data_ptr<scalar_t>(), ids.data_ptr<int32_t>(), first_score.data_ptr<scalar_t>(),
+        grad_scores.data_ptr<scalar_t>(), grad_logits.data_ptr<scalar_t>(), grad_first.data_ptr<scalar_t>(), S,
+        logits.size(1));
+    TURBOMOE_CHECK_LAUNCH();
+  });
+  return {grad_logits, grad_first};
+}
+
+}  // namespace turbomoe
