@@ -4,12 +4,9 @@
 
 Every implementation runs the same step: forward of x [S, M], backward of a random grad_out
 (+ the aux loss where there is one), parameter grads reset to None between steps. Times are
-CUDA-event medians after warm-up, rotating over three input sets, taken two ways:
-  queued  events around each step, steps issued back to back, one sync at the end (the method of
-          triton.testing.do_bench): the GPU time of a step while the CPU keeps ahead (the table)
-  synced  each step issued onto an idle GPU and waited for: adds the CPU time the step spends
-          before its first kernels (launch overhead that a model's previous layer would hide) Peak memory is the peak of
-allocated memory during one step minus what was allocated before it (parameters, inputs).
+CUDA-event medians after warm-up, rotating over three input sets, queued (the table) and synced
+(scripts/timing.py says how). Peak memory is the peak of allocated memory during one step minus
+what was allocated before it (parameters, inputs).
 Peers: DeepSpeed's MoE with SwiGLU experts (drop_tokens, capacity factor 1), a plain-PyTorch
 layer on torch._grouped_mm, ScatterMoE's GLUMLP (import path: its source under .peers/, never
 committed), MegaBlocks' dMoE where installed. The dense floor is a SwiGLU FFN over S*k tokens:
@@ -18,9 +15,9 @@ Prints a table (ms, ratio to the dense floor, peak GiB) and writes bench_layer.j
 bench_layer.png to --out.
 """
 import argparse
+import itertools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -33,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, ".peers"))
 
+from timing import step_times_ms, synced_time_ms  # noqa: E402
 from turbomoe.autograd.grouped_gemm import mm_forward, mm_wgrad  # noqa: E402
 from turbomoe.nn import MoELayer  # noqa: E402
 
@@ -177,41 +175,28 @@ def time_impl(name, cfg, iters, warmup=3):
     sets = [(torch.randn(rows, M, device=DEV, dtype=DTYPE).requires_grad_(),
              torch.randn(rows, M, device=DEV, dtype=DTYPE)) for _ in range(3)]
 
-    def step(i):
+    counter = itertools.count()
+
+    def step():
+        i = next(counter)
         for p in mod.parameters():
             p.grad = None
         x, gy = sets[i % len(sets)]
         x.grad = None
         run_step(mod, x, gy)
 
-    for i in range(warmup):
-        step(i)
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for i, (start, end) in enumerate(events):
-        start.record()
-        step(i)
-        end.record()
-    torch.cuda.synchronize()
-    queued = [start.elapsed_time(end) for start, end in events]
-    synced = []
-    for i, (start, end) in enumerate(events):
-        start.record()
-        step(i)
-        end.record()
-        end.synchronize()
-        synced.append(start.elapsed_time(end))
+    queued, synced = step_times_ms(step, warmup, iters)
     for p in mod.parameters():
         p.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    step(0)
+    step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
     del mod, sets
     torch.cuda.empty_cache()
-    return statistics.median(queued), statistics.median(synced), peak
+    return queued, synced, peak
 
 
 def profile_layer(name, cfg, steps=3):
@@ -256,16 +241,7 @@ def profile_layer(name, cfg, steps=3):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run_step(mod, x, gy)
-    graph.replay()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    print(f"{cfg} {name}: CUDA-graph replay {statistics.median(times):.2f} ms (median of 20)")
+    print(f"{cfg} {name}: CUDA-graph replay {synced_time_ms(graph.replay, 20):.2f} ms (synced median of 20)")
     del graph, mod
 
 

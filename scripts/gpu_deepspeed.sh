@@ -22,9 +22,9 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepspeed_fi
   "tests/test_deepspeed_launcher.py::test_expert_parallel_train_save_resume[cuda]" \
   2>&1 | tee "$OUT/pytest_deepspeed.log" | tail -25
 date -u
-timeout 280 python3 scripts/bench_deepspeed.py --json "$OUT/bench_deepspeed.json" "$@" 2>&1 \
-  | tee "$OUT/bench_deepspeed.log" | grep -v "^\[\|^{" | tail -12
+timeout 420 python3 scripts/bench_deepspeed.py --json "$OUT/bench_deepspeed.json" "$@" 2>&1 \
+  | tee "$OUT/bench_deepspeed.log" | grep -v "^\[\|^{" | tail -3
 date -u
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/pytest_deepspeed.log" | tail -1
-grep -A6 "^  E  k" "$OUT/bench_deepspeed.log"
+grep -B1 -A6 "^  E  k" "$OUT/bench_deepspeed.log"

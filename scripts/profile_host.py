@@ -43,10 +43,24 @@ def kernel_count(step):
     return sum(e.count for e in events), sum(e.device_time_total for e in events)
 
 
+def op_table(step, top, steps=5):
+    """torch.profiler's host time per op (self CPU time, us per step), most expensive first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    print(f"  {'self CPU us/step':>16} {'calls/step':>10}  op (torch.profiler, {steps} steps)")
+    for e in rows:
+        print(f"  {e.self_cpu_time_total / steps:16.1f} {e.count / steps:10.1f}  {e.key[:90]}")
+
+
 def report(name, step, top):
     host = issue_us(step)
     n_kernels, gpu_us = kernel_count(step)
     print(f"{name}: host issue {host:.0f} us/step, {n_kernels} GPU ops, GPU busy {gpu_us:.0f} us/step")
+    op_table(step, top)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(20):
