@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, ".peers"))
 
-from timing import step_times_ms, synced_time_ms  # noqa: E402
+from timing import reset_grads, step_times_ms, synced_time_ms  # noqa: E402
 from turbomoe.autograd.grouped_gemm import mm_forward, mm_wgrad  # noqa: E402
 from turbomoe.nn import MoELayer  # noqa: E402
 
@@ -168,6 +168,16 @@ def run_step(mod, x, gy):
     torch.autograd.backward(tensors, grads)
 
 
+def train_step(mod, x, gy):
+    """One training step of mod on input x (requires grad) and output gradient gy, grads reset first."""
+    tensors = list(mod.parameters()) + [x]
+
+    def step():
+        reset_grads(tensors)
+        run_step(mod, x, gy)
+    return step
+
+
 def time_impl(name, cfg, iters, warmup=3):
     mod, rows = build(name, cfg)
     mod = mod.to(DEV, DTYPE).train()
@@ -175,26 +185,20 @@ def time_impl(name, cfg, iters, warmup=3):
     sets = [(torch.randn(rows, M, device=DEV, dtype=DTYPE).requires_grad_(),
              torch.randn(rows, M, device=DEV, dtype=DTYPE)) for _ in range(3)]
 
-    counter = itertools.count()
+    steps, counter = [train_step(mod, x, gy) for x, gy in sets], itertools.count()
 
     def step():
-        i = next(counter)
-        for p in mod.parameters():
-            p.grad = None
-        x, gy = sets[i % len(sets)]
-        x.grad = None
-        run_step(mod, x, gy)
+        steps[next(counter) % len(steps)]()
 
     queued, synced = step_times_ms(step, warmup, iters)
-    for p in mod.parameters():
-        p.grad = None
+    reset_grads(mod.parameters())
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    del mod, sets
+    del mod, sets, steps, step
     torch.cuda.empty_cache()
     return queued, synced, peak
 
@@ -213,12 +217,7 @@ def profile_layer(name, cfg, steps=3):
             run_step(mod, x, gy)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    def fresh_step():
-        for p in mod.parameters():
-            p.grad = None
-        x.grad = None
-        run_step(mod, x, gy)
-
+    fresh_step = train_step(mod, x, gy)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fresh_step()  # no sync: the time the CPU takes to issue one step
@@ -235,9 +234,7 @@ def profile_layer(name, cfg, steps=3):
           f"CPU issue time {issue_ms:.2f} ms/step")
     for key, t, c in kernels[:14]:
         print(f"  {t:9.1f} us  x{c:<3d} {key[:110]}")
-    for p in mod.parameters():
-        p.grad = None
-    x.grad = None
+    reset_grads(list(mod.parameters()) + [x])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run_step(mod, x, gy)

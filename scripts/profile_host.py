@@ -183,18 +183,12 @@ def main():
         x = torch.randn(S, a.M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         step = layer_step(layer, x, torch.randn_like(x))
     else:
-        from bench_layer import DEV, DTYPE, build, run_step
+        from bench_layer import DEV, DTYPE, build, train_step
         S = a.S or 8192
         mod, rows = build("turbomoe", (S, a.M, a.F, a.E, a.k))
         mod = mod.to(DEV, DTYPE).train()
         x = torch.randn(rows, a.M, device=DEV, dtype=DTYPE, requires_grad=True)
-        gy = torch.randn_like(x)
-
-        def step():
-            for q in mod.parameters():
-                q.grad = None
-            x.grad = None
-            run_step(mod, x, gy)
+        step = train_step(mod, x, torch.randn_like(x))
     report(f"{a.what} S={S} E={a.E} k={a.k} M={a.M}", step, a.top)
 
 

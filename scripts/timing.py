@@ -58,6 +58,13 @@ def step_times_ms(fn, warmup: int = 3, iters: int = 20) -> Tuple[float, float]:
     return cuda_time_ms(fn, warmup, iters), synced_time_ms(fn, iters)
 
 
+def reset_grads(tensors):
+    """Gradients to None between training steps, as zero_grad(set_to_none=True) does, over a list
+    made once (a module's zero_grad walks its whole tree every call: ~0.4 ms at 64 experts)."""
+    for t in tensors:
+        t.grad = None
+
+
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy of 2 GiB, counting bytes read plus bytes written."""
     src = torch.randn(512 * 1024 * 1024, device="cuda")
