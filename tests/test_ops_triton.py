@@ -225,6 +225,29 @@ def test_deterministic_bits(backend):
         assert torch.equal(u, v)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="many tiles of routes: GPU sizes")
+@pytest.mark.parametrize("S,E,k", [(20000, 8, 1), (4096, 64, 2), (9000, 3, 2), (16384, 1024, 1), (1024, 16, 8)])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_slots_large_match_reference(S, E, k, id_dtype, backend):
+    """Capacity slots over many tiles of routes: int32 and int64 ids, invalid ids, an expert
+    with most of the routes, and probs with exact score ties (scores on a coarse grid)."""
+    torch.manual_seed(S + E + k)
+    logits = torch.randn(S, E, device=DEV)
+    logits[: S // 3, 0] += 30  # expert 0 far over capacity
+    g = ref.topk_gating(logits, k)
+    ids = g.expert_ids.to(id_dtype)
+    ids[7] = -1
+    ids[S // 2, 0] = E  # an id outside [0, E) routes nowhere
+    scores = torch.round(g.scores * 16) / 16
+    for C in (ref.capacity(S, E, k, 1.0), ref.capacity(S, E, k, 0.25), 1):
+        for policy in ("position", "rts", "probs"):
+            got = ops.assign_slots(ids, scores, E, C, policy, seed=S, backend=backend)
+            want = ref.assign_slots(ids, scores, E, C, policy, seed=S)
+            assert torch.equal(got.slots, want.slots), (C, policy)
+            assert torch.equal(got.kept_counts, want.kept_counts), (C, policy)
+
+
 def test_rts_uniform(backend):
     freq = rts_keep_frequencies(lambda *a: ops.assign_slots(*a, backend=backend), 64, 16, 200, device=DEV)
     assert_uniform(freq, 16 / 64, 200)

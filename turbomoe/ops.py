@@ -19,6 +19,10 @@ from typing import Optional
 import torch
 
 from . import csrc, reference
+from .autograd.gather import gather_tokens as _gather_fn
+from .autograd.gating import topk_gating as _gating_fn
+from .autograd.sampling import second_expert as _second_expert_fn
+from .autograd.scatter import scatter_tokens as _scatter_fn
 from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots, capacity  # noqa: F401 (re-exported)
 
 BACKENDS = ("cuda", "triton", "reference")
@@ -77,9 +81,14 @@ def _check_index(name: str, t: torch.Tensor, shape=None):
 
 
 def _check_same_device(**tensors):
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors are on different devices: {devices}")
+    device = None
+    for t in tensors.values():
+        if t is not None:
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError("tensors are on different devices: "
+                                 f"{ {name: v.device for name, v in tensors.items() if v is not None} }")
 
 
 def topk_gating(logits_SE: torch.Tensor,
@@ -112,8 +121,7 @@ def topk_gating(logits_SE: torch.Tensor,
     backend = choose_backend(logits_SE, backend, E)
     if backend == "reference":
         return reference.topk_gating(logits_SE, k, score_func, renormalize, selection_bias_E)
-    from .autograd.gating import topk_gating as fused
-    return fused(logits_SE, k, score_func, renormalize, selection_bias_E, _impl(backend))
+    return _gating_fn(logits_SE, k, score_func, renormalize, selection_bias_E, _impl(backend))
 
 
 def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: Optional[torch.Tensor] = None,
@@ -143,8 +151,7 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
     _check_same_device(logits=logits_SE, expert_ids=first.expert_ids, rand=rand_SE)
     backend = choose_backend(logits_SE, backend, E)
     if backend == "cuda":
-        from .autograd.sampling import second_expert as fused
-        ids, scores, counts = fused(logits_SE, first.expert_ids, first.scores, first.counts, rand_SE, csrc)
+        ids, scores, counts = _second_expert_fn(logits_SE, first.expert_ids, first.scores, first.counts, rand_SE, csrc)
     else:
         ids, scores, counts = reference.second_expert(logits_SE, first.expert_ids, first.scores, first.counts,
                                                       rand_SE)
@@ -214,8 +221,7 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     backend = choose_backend(x_SM, backend)
     if backend == "reference":
         return reference.scatter_tokens(x_SM, table, num_rows)
-    from .autograd.scatter import scatter_tokens as fused
-    return fused(x_SM, table, num_rows, kept, cap, _impl(backend))
+    return _scatter_fn(x_SM, table, num_rows, kept, cap, _impl(backend))
 
 
 def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
@@ -233,5 +239,4 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
     backend = choose_backend(y_RM, backend)
     if backend == "reference":
         return reference.gather_tokens(y_RM, table, scores_SK)
-    from .autograd.gather import gather_tokens as fused
-    return fused(y_RM, table, scores_SK, kept, cap, _impl(backend))
+    return _gather_fn(y_RM, table, scores_SK, kept, cap, _impl(backend))

@@ -39,6 +39,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def as_contiguous(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """t in dtype and contiguous; t itself when it already is (the kernel launchers' hot path: a
+    no-op .to() still costs a dispatcher call)."""
+    if t is None or (t.dtype == dtype and t.is_contiguous()):
+        return t
+    return t.to(dtype).contiguous()
+
+
 def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 0) -> int:
     """DeepSpeed's expert capacity: ceil(S / E * capacity_factor * k), at least min_capacity."""
     if not capacity_factor > 0:

@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from ..reference import compute_dtype
+from ..reference import as_contiguous, compute_dtype
 
 
 class GatherTokens(torch.autograd.Function):
@@ -11,7 +11,7 @@ class GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RM, slots_SK, scores_SK, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], impl):
         """impl: the backend module (turbomoe.kernels or turbomoe.csrc)."""
-        y_RM, slots_SK, scores_SK = y_RM.contiguous(), slots_SK.to(torch.int32).contiguous(), scores_SK.contiguous()
+        y_RM, slots_SK, scores_SK = y_RM.contiguous(), as_contiguous(slots_SK, torch.int32), scores_SK.contiguous()
         out_SM = y_RM.new_empty(slots_SK.shape[0], y_RM.shape[1])
         impl.pull_rows(y_RM, slots_SK, out_SM, scores_SK)
         ctx.save_for_backward(y_RM, slots_SK, scores_SK, kept_counts_E)
@@ -27,7 +27,7 @@ class GatherTokens(torch.autograd.Function):
         grad_scores_SK = torch.empty_like(scores_SK, dtype=compute_dtype(y_RM.dtype))
         ctx.impl.push_rows(grad_out_SM.contiguous(), slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
                            scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK)
-        return grad_y_RM, None, grad_scores_SK.to(scores_SK.dtype), None, None, None
+        return grad_y_RM, None, as_contiguous(grad_scores_SK, scores_SK.dtype), None, None, None
 
 
 def gather_tokens(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl):

@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from ..reference import as_contiguous
+
 
 class ScatterTokens(torch.autograd.Function):
 
@@ -10,7 +12,7 @@ class ScatterTokens(torch.autograd.Function):
     def forward(ctx, x_SM, slots_SK, num_rows: int, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int],
                 impl):
         """impl: the backend module (turbomoe.kernels or turbomoe.csrc)."""
-        x_SM, slots_SK = x_SM.contiguous(), slots_SK.to(torch.int32).contiguous()
+        x_SM, slots_SK = x_SM.contiguous(), as_contiguous(slots_SK, torch.int32)
         buf_RM = x_SM.new_empty(num_rows, x_SM.shape[1])
         impl.push_rows(x_SM, slots_SK, buf_RM, kept_counts_E, capacity)
         ctx.save_for_backward(slots_SK)

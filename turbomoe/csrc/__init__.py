@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ..reference import Slots, aux_loss_coefficient, compute_dtype, hash32_int
+from ..reference import Slots, as_contiguous, aux_loss_coefficient, compute_dtype, hash32_int
 
 MAX_EXPERTS = 1024  # mirrors common.cuh, whose kernels check it too; read here without building them
 _SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu", "sampling.cu")
@@ -49,22 +49,17 @@ def available() -> bool:
 
 def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: bool, bias_E=None):
     """ids [S,k] int32, scores [S,k], counts [E] int32, ce [E], lse [S], aux and z (0-d)."""
-    E = logits_SE.shape[1]
-    if bias_E is not None:
-        bias_E = bias_E.to(compute_dtype(logits_SE.dtype)).contiguous()
-    ids, scores, counts, stats, lse = extension().gating_forward(
-        logits_SE.contiguous(), k, sigmoid, renormalize, bias_E, aux_loss_coefficient(E, k))
-    return ids, scores, counts, stats[:E], lse, stats[E], stats[E + 1]
+    ids, scores, counts, ce, aux, z, lse = extension().gating_forward(
+        logits_SE.contiguous(), k, sigmoid, renormalize, as_contiguous(bias_E, compute_dtype(logits_SE.dtype)),
+        aux_loss_coefficient(logits_SE.shape[1], k))
+    return ids, scores, counts, ce, lse, aux, z
 
 
 def gating_backward(logits_SE, ids, grad_scores, lse, ce_E, g_aux, g_z, sigmoid: bool, renormalize: bool):
     """grad_logits [S, E]; grad_scores, g_aux and g_z may be None. lse is recomputed, not read."""
     acc = compute_dtype(logits_SE.dtype)
-
-    def in_acc(t):
-        return None if t is None else t.to(acc).contiguous()
-    return extension().gating_backward(logits_SE.contiguous(), ids, in_acc(grad_scores), ce_E, in_acc(g_aux),
-                                       in_acc(g_z), sigmoid, renormalize,
+    return extension().gating_backward(logits_SE.contiguous(), ids, as_contiguous(grad_scores, acc), ce_E,
+                                       as_contiguous(g_aux, acc), as_contiguous(g_z, acc), sigmoid, renormalize,
                                        aux_loss_coefficient(logits_SE.shape[1], ids.shape[1]))
 
 
@@ -73,7 +68,7 @@ def assign_slots(expert_ids_SK: torch.Tensor, scores_SK: torch.Tensor, num_exper
     S, k = expert_ids_SK.shape
     by_score = capacity is not None and drop_policy == "probs"
     slots, kept = extension().assign_slots(
-        expert_ids_SK.contiguous(), scores_SK.to(torch.float32).contiguous() if by_score else None, num_experts,
+        expert_ids_SK.contiguous(), as_contiguous(scores_SK, torch.float32) if by_score else None, num_experts,
         -1 if capacity is None else capacity, _POLICIES[drop_policy], hash32_int(seed))
     return Slots(slots, kept, S * k if capacity is None else num_experts * capacity, capacity)
 
@@ -83,27 +78,24 @@ def push_rows(src_SM, slots_SK, out_RM, kept_counts_E=None, capacity=None, score
     """out[slots[s, j]] = (scores[s, j] *) src[s], rows no route reaches zeroed; with y given,
     dscores[s, j] = <src[s], y[slots[s, j]]> in fp32 (see turbomoe/kernels/rows.py)."""
     acc = compute_dtype(src_SM.dtype)
-    extension().push_rows(src_SM, slots_SK, out_RM,
-                          None if kept_counts_E is None else kept_counts_E.to(torch.int32).contiguous(),
-                          capacity or 0, None if scores_SK is None else scores_SK.to(acc).contiguous(),
-                          None if y_RM is None else y_RM.contiguous(), dscores_SK)
+    extension().push_rows(src_SM, slots_SK, out_RM, as_contiguous(kept_counts_E, torch.int32), capacity or 0,
+                          as_contiguous(scores_SK, acc), None if y_RM is None else y_RM.contiguous(), dscores_SK)
 
 
 def pull_rows(y_RM, slots_SK, out_SM, scores_SK=None):
     """out[s] = sum_j (scores[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
-    extension().pull_rows(y_RM, slots_SK, out_SM,
-                          None if scores_SK is None else scores_SK.to(compute_dtype(y_RM.dtype)).contiguous())
+    extension().pull_rows(y_RM, slots_SK, out_SM, as_contiguous(scores_SK, compute_dtype(y_RM.dtype)))
 
 
 def second_expert_forward(logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE):
     """ids [S, 2] int32 (first, sampled second), scores [S, 2], counts [E] int32 with the second
     choices added (see turbomoe.reference.second_expert)."""
-    return extension().second_expert_forward(logits_SE.contiguous(), first_ids_S1.to(torch.int32).contiguous(),
-                                             first_scores_S1.to(logits_SE.dtype).contiguous(), counts_E,
+    return extension().second_expert_forward(logits_SE.contiguous(), as_contiguous(first_ids_S1, torch.int32),
+                                             as_contiguous(first_scores_S1, logits_SE.dtype), counts_E,
                                              rand_SE.contiguous())
 
 
 def second_expert_backward(logits_SE, ids_S2, first_scores_S1, grad_scores_S2):
     """grad of logits [S, E] and of the first scores [S]."""
     return extension().second_expert_backward(logits_SE.contiguous(), ids_S2, first_scores_S1.contiguous(),
-                                              grad_scores_S2.to(logits_SE.dtype).contiguous())
+                                              as_contiguous(grad_scores_S2, logits_SE.dtype))

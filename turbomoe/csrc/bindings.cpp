@@ -22,7 +22,7 @@ std::vector<at::Tensor> second_expert_backward(const at::Tensor& logits, const a
 }  // namespace turbomoe
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gating_forward", &turbomoe::gating_forward, "logits -> ids, scores, counts, stats (ce, aux, z), lse");
+  m.def("gating_forward", &turbomoe::gating_forward, "logits -> ids, scores, counts, ce, aux, z, lse");
   m.def("gating_backward", &turbomoe::gating_backward, "grad of scores, aux and z -> grad of logits");
   m.def("assign_slots", &turbomoe::assign_slots, "expert ids -> slots, kept counts");
   m.def("push_rows", &turbomoe::push_rows, "out[slots[s, j]] = (score *) src[s]; optional dot products");

@@ -287,7 +287,7 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
   }
 }
 
-// Returns ids [S, k] int32, scores [S, k], counts [E] int32, stats [E + 2] (ce [E], aux, z), lse [S].
+// Returns ids [S, k] int32, scores [S, k], counts [E] int32, ce [E], aux and z (0-d), lse [S].
 std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool sigmoid, bool renorm,
                                        const c10::optional<at::Tensor>& bias, double coef) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
@@ -327,7 +327,7 @@ std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool
                                                        static_cast<acc_t>(coef), k <= 2);
     TURBOMOE_CHECK_LAUNCH();
   });
-  return {ids, scores, counts, stats, lse};
+  return {ids, scores, counts, stats.narrow(0, 0, E), stats.select(0, E), stats.select(0, E + 1), lse};
 }
 
 at::Tensor gating_backward(const at::Tensor& logits, const at::Tensor& ids, const c10::optional<at::Tensor>& grad_scores,

@@ -1,38 +1,29 @@
 // assign_slots in CUDA: expert ids [S, k] -> buffer rows [S, k] int32, kept counts [E] int32.
 //
-// The building block is a rank pass: for routes in a given order (token-major r = s*k + j, or
-// choice-major: every first choice before any second), the rank of each route among the routes
-// of its expert. Kernel 1 counts each block's routes per expert; kernel 2 adds the counts of the
-// blocks before it and ranks inside the block, a warp of 32 routes at a time with
-// __match_any_sync, then writes the rank or the final row. Integer only, so deterministic.
-// Priority policies (rts, probs) radix-sort (expert, priority) keys and keep the first C of each
-// expert, as the Triton kernels (turbomoe/kernels/slots.py) do, with the same keys.
+// Dropless: a rank pass over the routes r = s*k + j in token order. Kernel 1 counts each block's
+// routes per expert; kernel 2 adds the counts of the blocks before it and ranks inside the block,
+// a warp of 32 routes at a time with __match_any_sync; row = offset of the expert + rank.
+// Capacity (every drop policy): one kernel, a block per expert (capacity_slots_kernel below).
+// Integer counts only, so deterministic. The keep-order of each policy is the reference's, so
+// the rows equal those of the reference and of the Triton kernels (turbomoe/kernels/slots.py).
 #include <cub/cub.cuh>
 
 #include "common.cuh"
 
 namespace turbomoe {
 
-enum RankMode : int { SELECT = 0, CAPACITY = 1, DROPLESS = 2 };
-
 struct RankPass {
-  int64_t n, S;  // routes, tokens
-  int K, E, C;
-  bool choice_major;
+  int64_t n;  // routes
+  int E;
   int64_t chunk;  // routes per block, a multiple of BLOCK_THREADS
-  __device__ __forceinline__ int64_t route(int64_t i) const { return choice_major ? (i % S) * K + i / S : i; }
 };
 
-// The expert of the route at position i, or -1: past the end, an id outside [0, E), or (with a
-// selection rank) not among the first C.
+// The expert of route i, or -1: past the end or an id outside [0, E).
 template <typename id_t>
-__device__ __forceinline__ int expert_at(const id_t* __restrict__ ids, const int32_t* __restrict__ sel,
-                                         const RankPass& p, int64_t i, int64_t end) {
+__device__ __forceinline__ int expert_at(const id_t* __restrict__ ids, const RankPass& p, int64_t i, int64_t end) {
   if (i >= end) return -1;
-  const int64_t r = p.route(i);
-  const int64_t e = ids[r];
-  if (e < 0 || e >= p.E || (sel && sel[r] >= p.C)) return -1;
-  return static_cast<int>(e);
+  const int64_t e = ids[i];
+  return e < 0 || e >= p.E ? -1 : static_cast<int>(e);
 }
 
 // This warp's share of the block's routes: [begin, end).
@@ -44,13 +35,12 @@ __device__ __forceinline__ void warp_range(const RankPass& p, int64_t* begin, in
 
 // counts[e] += routes of expert e in this warp's range (counts in shared memory, one per warp).
 template <typename id_t>
-__device__ void warp_count(const id_t* __restrict__ ids, const int32_t* __restrict__ sel, const RankPass& p,
-                           int* counts) {
+__device__ void warp_count(const id_t* __restrict__ ids, const RankPass& p, int* counts) {
   const int lane = threadIdx.x % WARP;
   int64_t begin, end;
   warp_range(p, &begin, &end);
   for (int64_t i0 = begin; i0 < end; i0 += WARP) {
-    const int e = expert_at(ids, sel, p, i0 + lane, end);
+    const int e = expert_at(ids, p, i0 + lane, end);
     const unsigned peers = __match_any_sync(FULL_MASK, e);
     if (e >= 0 && lane == __ffs(peers) - 1) counts[e] += __popc(peers);
     __syncwarp();
@@ -59,12 +49,11 @@ __device__ void warp_count(const id_t* __restrict__ ids, const int32_t* __restri
 
 template <typename id_t>
 __global__ void __launch_bounds__(BLOCK_THREADS)
-rank_histogram_kernel(const id_t* __restrict__ ids, const int32_t* __restrict__ sel, int* __restrict__ hist,
-                      RankPass p) {
+rank_histogram_kernel(const id_t* __restrict__ ids, int* __restrict__ hist, RankPass p) {
   extern __shared__ int warp_counts[];  // [WARPS_PER_BLOCK, E]
   for (int c = threadIdx.x; c < WARPS_PER_BLOCK * p.E; c += BLOCK_THREADS) warp_counts[c] = 0;
   __syncthreads();
-  warp_count(ids, sel, p, warp_counts + (threadIdx.x / WARP) * p.E);
+  warp_count(ids, p, warp_counts + (threadIdx.x / WARP) * p.E);
   __syncthreads();
   for (int e = threadIdx.x; e < p.E; e += BLOCK_THREADS) {
     int total = 0;
@@ -96,28 +85,26 @@ __device__ void block_exclusive_scan(int* a, int n, int* thread_sums) {
   __syncthreads();
 }
 
+// out[r] = offset of r's expert + rank of r among its expert's routes; totals[e] = routes of e.
 template <typename id_t>
 __global__ void __launch_bounds__(BLOCK_THREADS)
-rank_kernel(const id_t* __restrict__ ids, const int32_t* __restrict__ sel, const int* __restrict__ hist,
-            int32_t* __restrict__ out, int32_t* __restrict__ totals, RankPass p, int nblocks, int mode) {
+rank_kernel(const id_t* __restrict__ ids, const int* __restrict__ hist, int32_t* __restrict__ out,
+            int32_t* __restrict__ totals, RankPass p, int nblocks) {
   extern __shared__ int smem[];
   int* warp_base = smem;                            // [WARPS_PER_BLOCK, E]: counts, then running ranks
-  int* offset = smem + WARPS_PER_BLOCK * p.E;       // [E]: dropless offsets of the experts
+  int* offset = smem + WARPS_PER_BLOCK * p.E;       // [E]: offsets of the experts
   int* thread_sums = offset + p.E;                  // [BLOCK_THREADS]
   for (int c = threadIdx.x; c < WARPS_PER_BLOCK * p.E; c += BLOCK_THREADS) warp_base[c] = 0;
   __syncthreads();
-  warp_count(ids, sel, p, warp_base + (threadIdx.x / WARP) * p.E);
+  warp_count(ids, p, warp_base + (threadIdx.x / WARP) * p.E);
   __syncthreads();
-  const bool need_totals = mode == DROPLESS || (totals && blockIdx.x == 0);
   for (int e = threadIdx.x; e < p.E; e += BLOCK_THREADS) {
     int before = 0;  // routes of expert e in earlier blocks
     for (int b = 0; b < blockIdx.x; ++b) before += hist[int64_t(b) * p.E + e];
-    if (need_totals) {
-      int total = before;
-      for (int b = blockIdx.x; b < nblocks; ++b) total += hist[int64_t(b) * p.E + e];
-      offset[e] = total;
-      if (totals && blockIdx.x == 0) totals[e] = total;
-    }
+    int total = before;
+    for (int b = blockIdx.x; b < nblocks; ++b) total += hist[int64_t(b) * p.E + e];
+    offset[e] = total;
+    if (blockIdx.x == 0) totals[e] = total;
     for (int w = 0; w < WARPS_PER_BLOCK; ++w) {  // each warp starts after the warps before it
       const int count = warp_base[w * p.E + e];
       warp_base[w * p.E + e] = before;
@@ -125,7 +112,7 @@ rank_kernel(const id_t* __restrict__ ids, const int32_t* __restrict__ sel, const
     }
   }
   __syncthreads();
-  if (mode == DROPLESS) block_exclusive_scan(offset, p.E, thread_sums);  // expert e owns rows from offset[e]
+  block_exclusive_scan(offset, p.E, thread_sums);  // expert e owns rows from offset[e]
 
   const int lane = threadIdx.x % WARP;
   int* running = warp_base + (threadIdx.x / WARP) * p.E;
@@ -133,19 +120,13 @@ rank_kernel(const id_t* __restrict__ ids, const int32_t* __restrict__ sel, const
   warp_range(p, &begin, &end);
   for (int64_t i0 = begin; i0 < end; i0 += WARP) {
     const int64_t i = i0 + lane;
-    const int e = expert_at(ids, sel, p, i, end);
+    const int e = expert_at(ids, p, i, end);
     const unsigned peers = __match_any_sync(FULL_MASK, e);
     const int rank = e >= 0 ? running[e] + __popc(peers & ((1u << lane) - 1u)) : 0;
     __syncwarp();
     if (e >= 0 && lane == __ffs(peers) - 1) running[e] += __popc(peers);
     __syncwarp();
-    if (i < end) {
-      int32_t v;
-      if (mode == SELECT) v = e >= 0 ? rank : p.C;            // kept iff < C
-      else if (mode == CAPACITY) v = e >= 0 ? e * p.C + rank : -1;  // expert e owns rows [e*C, (e+1)*C)
-      else v = e >= 0 ? offset[e] + rank : -1;
-      out[p.route(i)] = v;
-    }
+    if (i < end) out[i] = e >= 0 ? offset[e] + rank : -1;
   }
 }
 
@@ -157,94 +138,164 @@ __device__ __forceinline__ uint32_t hash32(uint32_t x) {  // lowbias32, as refer
   return x ^ (x >> 16);
 }
 
-// key = expert << 32 | priority (smaller first); routes with no expert sort after every expert.
-template <typename id_t>
-__global__ void priority_key_kernel(const id_t* __restrict__ ids, const float* __restrict__ scores,
-                                    uint64_t* __restrict__ keys, int32_t* __restrict__ routes, int64_t n, int E,
-                                    uint32_t seed_mix, bool by_score) {
-  const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r >= n) return;
-  int64_t e = ids[r];
-  e = (e >= 0 && e < E) ? e : E;
-  uint32_t prio;
-  if (by_score) {
-    // Order-preserving map of fp32 bits to uint32, inverted so that higher scores come first.
-    const uint32_t bits = __float_as_uint(scores[r]);
-    const uint32_t ordered = bits >= 0x80000000u ? 0xFFFFFFFFu - bits : (bits | 0x80000000u);
-    prio = 0xFFFFFFFFu - ordered;
-  } else {
-    prio = hash32(static_cast<uint32_t>(r) ^ seed_mix);
-  }
-  keys[r] = (static_cast<uint64_t>(e) << 32) | prio;
-  routes[r] = static_cast<int32_t>(r);
-}
+enum Policy : int { POSITION = 0, RTS = 1, PROBS = 2 };
 
-// Sorted keys group the routes by expert: position i is among its expert's first C exactly when
-// i < C or the key C places earlier belongs to another expert. sel = 0 kept, C dropped.
-__global__ void select_kernel(const uint64_t* __restrict__ keys, const int32_t* __restrict__ routes,
-                              int32_t* __restrict__ sel, int64_t n, int C) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const bool kept = i < C || (keys[i - C] >> 32) != (keys[i] >> 32);
-  sel[routes[i]] = kept ? 0 : C;
+// The keep-order of route r = s*K + j under a capacity policy: smaller is kept first, ties to the
+// lower r (the reference's stable sort). position: choice-major index; rts: a seeded bijective
+// hash of r; probs: the fp32 score's bits mapped to uint32 so that higher scores come first.
+struct Priority {
+  const float* scores;
+  int64_t S;
+  int K;
+  uint32_t seed_mix;
+  int policy;
+  int bits;  // priorities are < 2^bits
+  __device__ __forceinline__ uint32_t operator()(int64_t r) const {
+    if (policy == RTS) return hash32(static_cast<uint32_t>(r) ^ seed_mix);
+    if (policy == POSITION) return static_cast<uint32_t>((r % K) * S + r / K);
+    const uint32_t b = __float_as_uint(scores[r]);
+    const uint32_t ordered = b >= 0x80000000u ? 0xFFFFFFFFu - b : (b | 0x80000000u);
+    return 0xFFFFFFFFu - ordered;
+  }
+};
+
+constexpr int SELECT_THREADS = 1024;  // one block per expert, so the widest block
+constexpr int SELECT_ITEMS = 4;       // routes per thread per tile
+constexpr int DIGIT_BITS = 11;        // radix-select digit: 2048 counters in shared memory
+constexpr int DIGIT_BINS = 1 << DIGIT_BITS;
+constexpr int BINS_PER_THREAD = DIGIT_BINS / SELECT_THREADS;
+
+// Capacity slots in one launch, one block per expert e. A radix select over the priorities of e's
+// routes (one pass over the routes per 11-bit digit, counters in shared memory) finds T, the C-th
+// smallest, and keep_at_T, how many routes at exactly T are kept; then one ordered pass gives
+// each kept route its row e*C + (kept routes of e before it, in token order). Under-full experts
+// skip the select. Integer counts only: the same rows every run. Block 0 also marks routes with
+// no valid expert (-1). kept_counts[e] = kept routes of e.
+template <typename id_t>
+__global__ void __launch_bounds__(SELECT_THREADS)
+capacity_slots_kernel(const id_t* __restrict__ ids, Priority prio, int64_t n, int E, int C,
+                      int32_t* __restrict__ slots, int32_t* __restrict__ kept_counts) {
+  using Scan = cub::BlockScan<int, SELECT_THREADS>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int hist[DIGIT_BINS];
+  __shared__ int found_digit, found_rest;
+  const int e = blockIdx.x;
+  const int64_t tile = int64_t(SELECT_THREADS) * SELECT_ITEMS;
+
+  uint32_t threshold = 0;  // C = 0: nothing kept
+  int keep_at_threshold = 0;
+  if (C > 0) {
+    uint32_t prefix = 0;  // the digits of T found so far
+    int rest = C;         // T's rank (1-based) among the routes whose priority starts with prefix
+    int shift = prio.bits;
+    bool all_kept = false;
+    while (shift > 0 && !all_kept) {
+      const int prev_shift = shift;
+      shift = max(0, shift - DIGIT_BITS);
+      const uint32_t digit_mask = (1u << (prev_shift - shift)) - 1u;
+      for (int i = threadIdx.x; i < DIGIT_BINS; i += SELECT_THREADS) hist[i] = 0;
+      __syncthreads();
+      for (int64_t t0 = 0; t0 < n; t0 += tile) {
+#pragma unroll
+        for (int i = 0; i < SELECT_ITEMS; ++i) {
+          const int64_t r = t0 + int64_t(i) * SELECT_THREADS + threadIdx.x;
+          if (r < n && ids[r] == e) {
+            const uint32_t p = prio(r);
+            const bool match = prev_shift >= 32 || (p >> prev_shift) == prefix;
+            if (match) atomicAdd(&hist[(p >> shift) & digit_mask], 1);
+          }
+        }
+      }
+      __syncthreads();
+      int local[BINS_PER_THREAD], sum = 0;
+#pragma unroll
+      for (int j = 0; j < BINS_PER_THREAD; ++j) sum += local[j] = hist[threadIdx.x * BINS_PER_THREAD + j];
+      int before, total;
+      Scan(scan_storage).ExclusiveSum(sum, before, total);
+      if (prev_shift == prio.bits && total <= C) {
+        all_kept = true;  // the first pass counted every route of e: none dropped
+      } else if (before < rest && rest <= before + sum) {
+        int run = before;
+        for (int j = 0; j < BINS_PER_THREAD; ++j) {
+          if (run + local[j] >= rest) {
+            found_digit = threadIdx.x * BINS_PER_THREAD + j;
+            found_rest = rest - run;
+            break;
+          }
+          run += local[j];
+        }
+      }
+      __syncthreads();
+      if (!all_kept) {
+        prefix = (prefix << (prev_shift - shift)) | static_cast<uint32_t>(found_digit);
+        rest = found_rest;
+      }
+    }
+    threshold = all_kept ? 0xFFFFFFFFu : prefix;
+    keep_at_threshold = all_kept ? std::numeric_limits<int>::max() : rest;
+  }
+
+  // Ordered pass: kept = priority < T, or the first keep_at_threshold routes at T. Each thread
+  // takes SELECT_ITEMS consecutive routes; one scan counts both kinds (below T in the low 16 bits).
+  int run_below = 0, run_at = 0;  // over earlier tiles
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t r0 = t0 + int64_t(threadIdx.x) * SELECT_ITEMS;
+    int below = 0, at = 0;
+#pragma unroll
+    for (int i = 0; i < SELECT_ITEMS; ++i) {
+      const int64_t r = r0 + i;
+      if (r < n && ids[r] == e) {
+        const uint32_t p = prio(r);
+        below += p < threshold;
+        at += p == threshold;
+      }
+    }
+    int before, total;
+    Scan(scan_storage).ExclusiveSum(below | (at << 16), before, total);
+    int b = run_below + (before & 0xFFFF), a = run_at + (before >> 16);
+#pragma unroll
+    for (int i = 0; i < SELECT_ITEMS; ++i) {
+      const int64_t r = r0 + i;
+      if (r >= n) break;
+      const int64_t id = ids[r];
+      if (id == e) {
+        const uint32_t p = prio(r);
+        const bool kept = p < threshold || (p == threshold && a < keep_at_threshold);
+        slots[r] = kept ? e * C + b + min(a, keep_at_threshold) : -1;
+        b += p < threshold;
+        a += p == threshold;
+      } else if (e == 0 && (id < 0 || id >= E)) {
+        slots[r] = -1;
+      }
+    }
+    run_below += total & 0xFFFF;
+    run_at += total >> 16;
+    __syncthreads();  // the scan's storage is reused
+  }
+  if (threadIdx.x == 0) kept_counts[e] = run_below + min(run_at, keep_at_threshold);
 }
 
 namespace {
 
 template <typename id_t>
-at::Tensor rank_pass(const at::Tensor& ids, const int32_t* sel, int64_t S, int K, int E, int C, bool choice_major,
-                     int mode, at::Tensor* totals) {
+at::Tensor dropless_slots(const at::Tensor& ids, int64_t S, int K, int E, at::Tensor& totals) {
   const int64_t n = ids.numel();
   const int64_t nblocks0 = std::min<int64_t>(128, std::max<int64_t>(1, cdiv(n, 1024)));
   const int64_t chunk = cdiv(cdiv(n, nblocks0), BLOCK_THREADS) * BLOCK_THREADS;
   const int nblocks = std::max<int64_t>(1, cdiv(n, chunk));
-  const RankPass p{n, S, K, E, C, choice_major, chunk};
+  const RankPass p{n, E, chunk};
   const auto opts = ids.options().dtype(at::kInt);
   at::Tensor hist = at::empty({nblocks, E}, opts);
-  at::Tensor out = at::empty({n}, opts);
+  at::Tensor out = at::empty({S, K}, opts);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const id_t* id_ptr = ids.data_ptr<id_t>();
   rank_histogram_kernel<id_t><<<nblocks, BLOCK_THREADS, WARPS_PER_BLOCK * E * sizeof(int), stream>>>(
-      id_ptr, sel, hist.data_ptr<int>(), p);
+      id_ptr, hist.data_ptr<int>(), p);
   TURBOMOE_CHECK_LAUNCH();
   rank_kernel<id_t><<<nblocks, BLOCK_THREADS, ((WARPS_PER_BLOCK + 1) * E + BLOCK_THREADS) * sizeof(int), stream>>>(
-      id_ptr, sel, hist.data_ptr<int>(), out.data_ptr<int32_t>(), totals ? totals->data_ptr<int32_t>() : nullptr, p,
-      nblocks, mode);
+      id_ptr, hist.data_ptr<int>(), out.data_ptr<int32_t>(), totals.data_ptr<int32_t>(), p, nblocks);
   TURBOMOE_CHECK_LAUNCH();
   return out;
-}
-
-template <typename id_t>
-at::Tensor priority_selection(const at::Tensor& ids, const c10::optional<at::Tensor>& scores, int E, int C,
-                              bool by_score, uint32_t seed_mix) {
-  const int64_t n = ids.numel();
-  TORCH_CHECK(n < (int64_t(1) << 31), "assign_slots: too many routes for the CUDA backend");
-  const auto opts = ids.options();
-  at::Tensor keys = at::empty({n}, opts.dtype(at::kLong));
-  at::Tensor keys_sorted = at::empty({n}, opts.dtype(at::kLong));
-  at::Tensor routes = at::empty({n}, opts.dtype(at::kInt));
-  at::Tensor routes_sorted = at::empty({n}, opts.dtype(at::kInt));
-  at::Tensor sel = at::empty({n}, opts.dtype(at::kInt));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto* k_in = reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>());
-  auto* k_out = reinterpret_cast<uint64_t*>(keys_sorted.data_ptr<int64_t>());
-  priority_key_kernel<id_t><<<cdiv(n, 1024), 1024, 0, stream>>>(
-      ids.data_ptr<id_t>(), by_score ? scores->data_ptr<float>() : nullptr, k_in, routes.data_ptr<int32_t>(), n, E,
-      seed_mix, by_score);
-  TURBOMOE_CHECK_LAUNCH();
-  int expert_bits = 1;  // keys hold experts 0 .. E (E = no expert)
-  while ((int64_t(1) << expert_bits) <= E) ++expert_bits;
-  size_t temp_bytes = 0;
-  cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, k_in, k_out, routes.data_ptr<int32_t>(),
-                                  routes_sorted.data_ptr<int32_t>(), n, 0, 32 + expert_bits, stream);
-  at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, opts.dtype(at::kByte));
-  cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, k_in, k_out, routes.data_ptr<int32_t>(),
-                                  routes_sorted.data_ptr<int32_t>(), n, 0, 32 + expert_bits, stream);
-  TURBOMOE_CHECK_LAUNCH();
-  select_kernel<<<cdiv(n, 1024), 1024, 0, stream>>>(k_out, routes_sorted.data_ptr<int32_t>(), sel.data_ptr<int32_t>(),
-                                                    n, C);
-  TURBOMOE_CHECK_LAUNCH();
-  return sel;
 }
 
 }  // namespace
@@ -255,30 +306,39 @@ std::vector<at::Tensor> assign_slots(const at::Tensor& ids, const c10::optional<
                                      int64_t capacity, int64_t policy, int64_t seed_mix) {
   TORCH_CHECK(ids.is_cuda() && ids.dim() == 2 && ids.is_contiguous(), "expert_ids: contiguous CUDA [S, k]");
   TORCH_CHECK(E >= 1 && E <= MAX_EXPERTS, "assign_slots: E must be in [1, ", MAX_EXPERTS, "] on the CUDA backend");
+  TORCH_CHECK(policy >= POSITION && policy <= PROBS, "assign_slots: unknown policy ", policy);
+  TORCH_CHECK(ids.numel() < (int64_t(1) << 31), "assign_slots: too many routes for the CUDA backend");
   const c10::cuda::CUDAGuard guard(ids.device());
-  const int64_t S = ids.size(0);
+  const int64_t S = ids.size(0), n = ids.numel();
   const int K = ids.size(1);
-  at::Tensor totals = at::empty({E}, ids.options().dtype(at::kInt));  // written by the last rank pass
-  if (ids.numel() == 0) return {at::empty({S, K}, ids.options().dtype(at::kInt)), totals.zero_()};
-  const int C = static_cast<int>(std::max<int64_t>(capacity, 0));
+  const auto opts = ids.options().dtype(at::kInt);
+  at::Tensor totals = at::empty({E}, opts);
+  if (n == 0) return {at::empty({S, K}, opts), totals.zero_()};
   at::Tensor slots;
   AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "turbomoe_assign_slots", [&] {
     if (capacity < 0) {
-      slots = rank_pass<index_t>(ids, nullptr, S, K, E, 0, false, DROPLESS, &totals);
+      slots = dropless_slots<index_t>(ids, S, K, E, totals);
       return;
     }
-    at::Tensor sel;
-    if (policy == 0) {  // first choices of every token before any second choice
-      sel = rank_pass<index_t>(ids, nullptr, S, K, E, C, true, SELECT, nullptr);
-    } else {
-      TORCH_CHECK(policy != 2 || (scores.has_value() && scores->scalar_type() == at::kFloat &&
-                                  scores->is_contiguous() && scores->numel() == ids.numel()),
-                  "the probs policy needs contiguous fp32 scores [S, k]");
-      sel = priority_selection<index_t>(ids, scores, E, C, policy == 2, static_cast<uint32_t>(seed_mix));
+    TORCH_CHECK(capacity <= std::numeric_limits<int>::max() / MAX_EXPERTS, "assign_slots: capacity too large");
+    const bool by_score = policy == PROBS;
+    TORCH_CHECK(!by_score || (scores.has_value() && scores->scalar_type() == at::kFloat && scores->is_contiguous() &&
+                              scores->numel() == n),
+                "the probs policy needs contiguous fp32 scores [S, k]");
+    int bits = 32;
+    if (policy == POSITION) {  // priorities < n
+      bits = 1;
+      while ((int64_t(1) << bits) < n) ++bits;
     }
-    slots = rank_pass<index_t>(ids, sel.data_ptr<int32_t>(), S, K, E, C, false, CAPACITY, &totals);
+    const Priority prio{by_score ? scores->data_ptr<float>() : nullptr, S, K, static_cast<uint32_t>(seed_mix),
+                        static_cast<int>(policy), bits};
+    slots = at::empty({S, K}, opts);
+    capacity_slots_kernel<index_t><<<E, SELECT_THREADS, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        ids.data_ptr<index_t>(), prio, n, E, static_cast<int>(capacity), slots.data_ptr<int32_t>(),
+        totals.data_ptr<int32_t>());
+    TURBOMOE_CHECK_LAUNCH();
   });
-  return {slots.view({S, K}), totals};
+  return {slots, totals};
 }
 
 }  // namespace turbomoe
