@@ -1,7 +1,7 @@
 """Where the host time of a step goes: issue time per step, GPU time per step, and a cProfile table.
 
     python scripts/profile_host.py gating  [--S 4096 --E 8 --k 1 --M 2048]
-    python scripts/profile_host.py deepspeed [--S 8192 --E 8 --k 1 --M 2048 --F 5632]
+    python scripts/profile_host.py deepspeed [--S 8192 --E 8 --k 1 --M 2048 --F 5632] [--identity-experts]
     python scripts/profile_host.py layer   [--S 8192 --E 64 --k 2 --M 2048 --F 5632]
     python scripts/profile_host.py launch  (the cost of one Triton launch, one torch op, one Function)
 
@@ -160,6 +160,8 @@ def main():
     p.add_argument("--M", type=int, default=2048)
     p.add_argument("--F", type=int, default=5632)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--identity-experts", action="store_true",
+                   help="deepspeed: the non-expert part alone (experts replaced by the identity)")
     a = p.parse_args()
     torch.manual_seed(0)
     if a.what == "launch":
@@ -175,13 +177,17 @@ def main():
         x = torch.randn(S, a.M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         step = fwd_bwd(turbomoe_path(None), logits, x, a.k, torch.randn_like(x))
     elif a.what == "deepspeed":
-        from bench_deepspeed import layer_step
+        from bench_deepspeed import identity_experts, layer_step
         from turbomoe.integrations import deepspeed as tds
         S = a.S or 8192
         with torch.device("cuda"):
             layer = tds.MoE(a.M, tds.SwiGLUExpert(a.M, a.F), a.E, k=a.k, capacity_factor=1.25).to(torch.bfloat16)
         x = torch.randn(S, a.M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         step = layer_step(layer, x, torch.randn_like(x))
+        if a.identity_experts:
+            with identity_experts(layer):
+                report(f"deepspeed, identity experts, S={S} E={a.E} k={a.k} M={a.M}", step, a.top)
+            return
     else:
         from bench_layer import DEV, DTYPE, build, train_step
         S = a.S or 8192
