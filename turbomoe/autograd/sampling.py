@@ -1,6 +1,8 @@
 """autograd.Function for second_expert (top-2 second-expert sampling), hand-written backward."""
 import torch
 
+from ..reference import as_contiguous
+
 
 class SecondExpert(torch.autograd.Function):
 
@@ -19,7 +21,7 @@ class SecondExpert(torch.autograd.Function):
         logits_SE, ids_S2, first_scores_S1 = ctx.saved_tensors
         # p2 = p1 * exp(l2 - l1): d l2 = g2 * p2, d l1 = -g2 * p2, d p1 = g1 + g2 * exp(l2 - l1).
         g_logits, g_first = ctx.impl.second_expert_backward(logits_SE, ids_S2, first_scores_S1, g_scores_S2)
-        return g_logits, None, g_first.view_as(first_scores_S1).to(first_scores_S1.dtype), None, None, None
+        return g_logits, None, as_contiguous(g_first.view_as(first_scores_S1), first_scores_S1.dtype), None, None, None
 
 
 def second_expert(logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE, impl):

@@ -50,6 +50,11 @@ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 #define TURBOMOE_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
 
+// The launchers' shape check of a 2-D operand: on the GPU, two dims, contiguous.
+inline void check_2d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), name, ": contiguous CUDA 2-D tensor");
+}
+
 // Columns of a row each lane of a warp holds (a power of two, at most 32: E <= MAX_EXPERTS).
 inline int columns_per_lane(int E) {
   int cpl = 1;

@@ -290,7 +290,7 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
 // Returns ids [S, k] int32, scores [S, k], counts [E] int32, ce [E], aux and z (0-d), lse [S].
 std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool sigmoid, bool renorm,
                                        const c10::optional<at::Tensor>& bias, double coef) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
+  check_2d(logits, "logits");
   const int S = logits.size(0), E = logits.size(1);
   TORCH_CHECK(E >= 1 && E <= MAX_EXPERTS && k >= 1 && k <= std::min(E, MAX_K), "gating: bad E or k");
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -333,7 +333,7 @@ std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool
 at::Tensor gating_backward(const at::Tensor& logits, const at::Tensor& ids, const c10::optional<at::Tensor>& grad_scores,
                            const at::Tensor& ce, const c10::optional<at::Tensor>& g_aux,
                            const c10::optional<at::Tensor>& g_z, bool sigmoid, bool renorm, double coef) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
+  check_2d(logits, "logits");
   const int S = logits.size(0), E = logits.size(1), k = ids.size(1);
   TORCH_CHECK(E <= MAX_EXPERTS && k <= MAX_K && ids.scalar_type() == at::kInt && ids.is_contiguous(), "gating bwd");
   const c10::cuda::CUDAGuard guard(logits.device());

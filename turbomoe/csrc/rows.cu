@@ -137,8 +137,8 @@ void dispatch_vec(int64_t M, std::initializer_list<const at::Tensor*> tensors, F
   else f(std::integral_constant<int, 1>());
 }
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), name, ": contiguous CUDA 2-D tensor");
+void check_slots(const at::Tensor& slots) {
+  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous() && slots.size(1) <= MAX_K, "slots: int32 [S, k]");
 }
 
 }  // namespace
@@ -146,9 +146,9 @@ void check_rows(const at::Tensor& t, const char* name) {
 void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& kept,
                int64_t capacity, const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& y,
                const c10::optional<at::Tensor>& dscores) {
-  check_rows(src, "src");
-  check_rows(out, "out");
-  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous() && slots.size(1) <= MAX_K, "slots: int32 [S, k]");
+  check_2d(src, "src");
+  check_2d(out, "out");
+  check_slots(slots);
   const c10::cuda::CUDAGuard guard(src.device());
   const int64_t S = src.size(0), M = src.size(1), R = out.size(0);
   const int K = slots.size(1);
@@ -183,9 +183,9 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
 }
 
 void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& scores) {
-  check_rows(y, "y");
-  check_rows(out, "out");
-  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous() && slots.size(1) <= MAX_K, "slots: int32 [S, k]");
+  check_2d(y, "y");
+  check_2d(out, "out");
+  check_slots(slots);
   const c10::cuda::CUDAGuard guard(y.device());
   const int64_t S = out.size(0), M = out.size(1), R = y.size(0);
   const int K = slots.size(1);

@@ -78,7 +78,7 @@ __global__ void second_expert_bwd_kernel(const scalar_t* __restrict__ logits, co
 std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at::Tensor& first,
                                               const at::Tensor& first_score, const at::Tensor& counts_first,
                                               const at::Tensor& rand) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
+  check_2d(logits, "logits");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble, "logits: fp32 or fp64");
   TORCH_CHECK(logits.size(1) <= MAX_EXPERTS, "second expert: E must be at most ", MAX_EXPERTS);
   TORCH_CHECK(first.scalar_type() == at::kInt && first.is_contiguous() && first.numel() == logits.size(0),
@@ -113,7 +113,7 @@ std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at
 // Returns grad_logits [S, E] (two entries per routed row) and grad of the first scores [S].
 std::vector<at::Tensor> second_expert_backward(const at::Tensor& logits, const at::Tensor& ids,
                                                const at::Tensor& first_score, const at::Tensor& grad_scores) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(), "logits: contiguous CUDA [S, E]");
+  check_2d(logits, "logits");
   TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.dim() == 2 && ids.size(1) == 2 &&
                   ids.size(0) == logits.size(0), "ids: contiguous int32 [S, 2]");
   TORCH_CHECK(grad_scores.scalar_type() == logits.scalar_type() && grad_scores.is_contiguous() &&

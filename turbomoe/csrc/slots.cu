@@ -191,6 +191,7 @@ capacity_slots_kernel(const id_t* __restrict__ ids, Priority prio, int64_t n, in
     bool all_kept = false;
     while (shift > 0 && !all_kept) {
       const int prev_shift = shift;
+      const bool first_pass = prev_shift == prio.bits;  // counts every route of e
       shift = max(0, shift - DIGIT_BITS);
       const uint32_t digit_mask = (1u << (prev_shift - shift)) - 1u;
       for (int i = threadIdx.x; i < DIGIT_BINS; i += SELECT_THREADS) hist[i] = 0;
@@ -201,8 +202,7 @@ capacity_slots_kernel(const id_t* __restrict__ ids, Priority prio, int64_t n, in
           const int64_t r = t0 + int64_t(i) * SELECT_THREADS + threadIdx.x;
           if (r < n && ids[r] == e) {
             const uint32_t p = prio(r);
-            const bool match = prev_shift >= 32 || (p >> prev_shift) == prefix;
-            if (match) atomicAdd(&hist[(p >> shift) & digit_mask], 1);
+            if (first_pass || (p >> prev_shift) == prefix) atomicAdd(&hist[(p >> shift) & digit_mask], 1);
           }
         }
       }
@@ -212,8 +212,8 @@ capacity_slots_kernel(const id_t* __restrict__ ids, Priority prio, int64_t n, in
       for (int j = 0; j < BINS_PER_THREAD; ++j) sum += local[j] = hist[threadIdx.x * BINS_PER_THREAD + j];
       int before, total;
       Scan(scan_storage).ExclusiveSum(sum, before, total);
-      if (prev_shift == prio.bits && total <= C) {
-        all_kept = true;  // the first pass counted every route of e: none dropped
+      if (first_pass && total <= C) {
+        all_kept = true;  // none dropped
       } else if (before < rest && rest <= before + sum) {
         int run = before;
         for (int j = 0; j < BINS_PER_THREAD; ++j) {
@@ -240,33 +240,29 @@ capacity_slots_kernel(const id_t* __restrict__ ids, Priority prio, int64_t n, in
   int run_below = 0, run_at = 0;  // over earlier tiles
   for (int64_t t0 = 0; t0 < n; t0 += tile) {
     const int64_t r0 = t0 + int64_t(threadIdx.x) * SELECT_ITEMS;
+    bool mine[SELECT_ITEMS];  // route r0 + i goes to e
+    uint32_t pr[SELECT_ITEMS];
     int below = 0, at = 0;
 #pragma unroll
     for (int i = 0; i < SELECT_ITEMS; ++i) {
       const int64_t r = r0 + i;
-      if (r < n && ids[r] == e) {
-        const uint32_t p = prio(r);
-        below += p < threshold;
-        at += p == threshold;
-      }
+      const int64_t id = r < n ? static_cast<int64_t>(ids[r]) : -1;
+      mine[i] = id == e;
+      pr[i] = mine[i] ? prio(r) : 0;
+      below += mine[i] && pr[i] < threshold;
+      at += mine[i] && pr[i] == threshold;
+      if (e == 0 && r < n && (id < 0 || id >= E)) slots[r] = -1;  // block 0 marks routes with no expert
     }
     int before, total;
     Scan(scan_storage).ExclusiveSum(below | (at << 16), before, total);
     int b = run_below + (before & 0xFFFF), a = run_at + (before >> 16);
 #pragma unroll
     for (int i = 0; i < SELECT_ITEMS; ++i) {
-      const int64_t r = r0 + i;
-      if (r >= n) break;
-      const int64_t id = ids[r];
-      if (id == e) {
-        const uint32_t p = prio(r);
-        const bool kept = p < threshold || (p == threshold && a < keep_at_threshold);
-        slots[r] = kept ? e * C + b + min(a, keep_at_threshold) : -1;
-        b += p < threshold;
-        a += p == threshold;
-      } else if (e == 0 && (id < 0 || id >= E)) {
-        slots[r] = -1;
-      }
+      if (!mine[i]) continue;
+      const bool kept = pr[i] < threshold || (pr[i] == threshold && a < keep_at_threshold);
+      slots[r0 + i] = kept ? e * C + b + min(a, keep_at_threshold) : -1;
+      b += pr[i] < threshold;
+      a += pr[i] == threshold;
     }
     run_below += total & 0xFFFF;
     run_at += total >> 16;
@@ -304,7 +300,7 @@ at::Tensor dropless_slots(const at::Tensor& ids, int64_t S, int K, int E, at::Te
 // kept counts [E] int32.
 std::vector<at::Tensor> assign_slots(const at::Tensor& ids, const c10::optional<at::Tensor>& scores, int64_t E,
                                      int64_t capacity, int64_t policy, int64_t seed_mix) {
-  TORCH_CHECK(ids.is_cuda() && ids.dim() == 2 && ids.is_contiguous(), "expert_ids: contiguous CUDA [S, k]");
+  check_2d(ids, "expert_ids");
   TORCH_CHECK(E >= 1 && E <= MAX_EXPERTS, "assign_slots: E must be in [1, ", MAX_EXPERTS, "] on the CUDA backend");
   TORCH_CHECK(policy >= POSITION && policy <= PROBS, "assign_slots: unknown policy ", policy);
   TORCH_CHECK(ids.numel() < (int64_t(1) << 31), "assign_slots: too many routes for the CUDA backend");
