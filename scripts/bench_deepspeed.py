@@ -5,9 +5,10 @@
 SwiGLU experts, capacity factor 1.25, DeepSpeed's other defaults (top-1 RTS, top-2 second-expert
 sampling). For each (E, k): the whole layer, the experts alone on the layer's [E, C, M] buffer
 (stock: one expert after another; turbomoe: its grouped-GEMM path), and their difference, the
-non-expert time (gate, dispatch, combine); and that time directly ("direct"): the layer with its
-experts replaced by the identity. The difference of two medians is noisy (stock's experts alone
-are E host-bound small steps); the direct time is not. Goals: turbomoe's non-expert time <= 1/4 of
+non-expert time (gate, dispatch, combine), timed in pairs: layer and experts alternate step by
+step and the median is taken over each pair's difference, so host drift cancels (stock's experts
+alone are E host-bound small steps). Also the non-expert part alone ("direct"): the layer with
+its experts replaced by the identity, where nothing hides its host time. Goals: turbomoe's non-expert time <= 1/4 of
 stock's and its layer time <= 0.8x stock's. Every time is taken queued (the table: steps back to back, as in
 training) and synced (each step from an idle GPU, where the CPU time of a step's small ops shows);
 scripts/timing.py says how. Prints both tables and writes the rows as JSON with --json.
@@ -17,7 +18,7 @@ import contextlib
 import json
 
 import torch
-from timing import reset_grads, step_times_ms
+from timing import paired_times_ms, reset_grads, step_times_ms
 from torch import nn
 
 from turbomoe import ops
@@ -77,8 +78,7 @@ def bench_config(args, E, k):
     torch.manual_seed(0)
     with torch.device(dev):  # initialise on the GPU: E = 64 experts are 2.2 B parameters
         stock = tds.StockMoE(expert=tds.SwiGLUExpert(M, args.ffn), **kw).to(dt)
-    timed(row, "stock_layer", layer_step(stock, x, grad), args)
-    timed(row, "stock_experts", experts_step(stock, None, buf, buf_grad), args)
+    timed_pair(row, "stock", layer_step(stock, x, grad), experts_step(stock, None, buf, buf_grad), args)
     with identity_experts(stock):
         timed(row, "stock_direct_nonexpert", layer_step(stock, x, grad), args)
     with torch.no_grad():
@@ -93,8 +93,7 @@ def bench_config(args, E, k):
     turbo.load_state_dict(state)
     del state
     assert turbo.deepspeed_moe.expert_fast_path == "swiglu"
-    timed(row, "turbo_layer", layer_step(turbo, x, grad), args)
-    timed(row, "turbo_experts", experts_step(turbo, "swiglu", buf, buf_grad), args)
+    timed_pair(row, "turbo", layer_step(turbo, x, grad), experts_step(turbo, "swiglu", buf, buf_grad), args)
     with identity_experts(turbo):
         timed(row, "turbo_direct_nonexpert", layer_step(turbo, x, grad), args)
     with torch.no_grad():
@@ -106,8 +105,6 @@ def bench_config(args, E, k):
     torch.cuda.empty_cache()
 
     for t in ("", "synced_"):
-        for impl in ("stock", "turbo"):
-            row[f"{impl}_nonexpert_{t}ms"] = row[f"{impl}_layer_{t}ms"] - row[f"{impl}_experts_{t}ms"]
         row[f"nonexpert_{t}ratio"] = row[f"turbo_nonexpert_{t}ms"] / row[f"stock_nonexpert_{t}ms"]
         row[f"direct_nonexpert_{t}ratio"] = row[f"turbo_direct_nonexpert_{t}ms"] / row[f"stock_direct_nonexpert_{t}ms"]
         row[f"layer_{t}ratio"] = row[f"turbo_layer_{t}ms"] / row[f"stock_layer_{t}ms"]
@@ -117,6 +114,14 @@ def bench_config(args, E, k):
 def timed(row, name, step, args):
     """row[name_ms] (queued) and row[name_synced_ms]."""
     row[f"{name}_ms"], row[f"{name}_synced_ms"] = step_times_ms(step, args.warmup, args.iters)
+
+
+def timed_pair(row, impl, layer, experts, args):
+    """row[impl_{layer,experts,nonexpert}_ms] and their _synced_ms: layer and experts steps alternated,
+    nonexpert the median of layer - experts within each pair."""
+    t = paired_times_ms(layer, experts, args.warmup, args.iters)
+    for part, key in (("layer", "a"), ("experts", "b"), ("nonexpert", "a_minus_b")):
+        row[f"{impl}_{part}_ms"], row[f"{impl}_{part}_synced_ms"] = t[key]
 
 
 def print_table(rows, t=""):

@@ -10,52 +10,72 @@ Two ways to time a step, both CUDA-event medians after warm-up:
 """
 import statistics
 import time
-from typing import Tuple
+from typing import Dict, List, Tuple
 
 import torch
+
+
+def _times_ms(fns, iters: int, synced: bool) -> List[List[float]]:
+    """Per-call times of each of fns, ms: iters rounds, each calling fns in order. CUDA events;
+    synced: the GPU drained before each call and the call waited for, else calls back to back.
+    Without CUDA, wall-clock times (a smoke run only)."""
+    if not torch.cuda.is_available():
+        times = [[] for _ in fns]
+        for _ in range(iters):
+            for fn, ts in zip(fns, times):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(1e3 * (time.perf_counter() - t0))
+        return times
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+              for _ in range(iters)]
+    torch.cuda.synchronize()
+    for round_events in events:
+        for fn, (start, end) in zip(fns, round_events):
+            if synced:
+                torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            if synced:
+                end.synchronize()
+    torch.cuda.synchronize()
+    return [[start.elapsed_time(end) for start, end in (r[i] for r in events)] for i in range(len(fns))]
 
 
 def cuda_time_ms(fn, warmup: int = 10, iters: int = 40) -> float:
     """Queued median of fn(), ms."""
     for _ in range(warmup):
         fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    torch.cuda.synchronize()
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    return statistics.median(_times_ms([fn], iters, synced=False)[0])
 
 
 def synced_time_ms(fn, iters: int = 40) -> float:
     """Synced median of fn(), ms (call after a warm-up)."""
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(_times_ms([fn], iters, synced=True)[0])
 
 
 def step_times_ms(fn, warmup: int = 3, iters: int = 20) -> Tuple[float, float]:
-    """(queued, synced) medians of fn(), ms. Without CUDA both are the wall-clock median (a smoke
-    run only)."""
-    if not torch.cuda.is_available():
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times), statistics.median(times)
-    return cuda_time_ms(fn, warmup, iters), synced_time_ms(fn, iters)
+    """(queued, synced) medians of fn(), ms."""
+    for _ in range(warmup):
+        fn()
+    return tuple(statistics.median(_times_ms([fn], iters, synced)[0]) for synced in (False, True))
+
+
+def paired_times_ms(fn_a, fn_b, warmup: int = 3, iters: int = 20) -> Dict[str, Tuple[float, float]]:
+    """(queued, synced) medians of fn_a ("a"), of fn_b ("b") and of t(a) - t(b) within each round
+    ("a_minus_b"), ms, a and b alternated call by call. A difference of two separate medians moves
+    with whatever drifts between them (host load, clocks: enough to turn it negative where a is
+    mostly b); differences within a round cancel the drift."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    medians = {"a": [], "b": [], "a_minus_b": []}
+    for synced in (False, True):
+        ta, tb = _times_ms([fn_a, fn_b], iters, synced)
+        for key, ts in (("a", ta), ("b", tb), ("a_minus_b", [x - y for x, y in zip(ta, tb)])):
+            medians[key].append(statistics.median(ts))
+    return {key: tuple(v) for key, v in medians.items()}
 
 
 def reset_grads(tensors):

@@ -10,12 +10,13 @@ HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64; NaN anywhere fails every tolerance."""
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """||a - b|| / max(||b||, floor) in float64; NaN anywhere fails every tolerance. floor: the
+    scale of b where b may be zero up to rounding (an analytically zero gradient)."""
     a, b = a.double(), b.double()
     if torch.isnan(a).any() or torch.isnan(b).any():
         return float("inf")
-    denom = b.norm().item()
+    denom = max(b.norm().item(), floor)
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 

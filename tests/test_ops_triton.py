@@ -133,8 +133,9 @@ def test_slots_match_reference(S, E, k, cap, kind, backend):
 @pytest.mark.parametrize("M", [8, 96, 1024])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("S", [1, 7, 128, 1000])
-@pytest.mark.parametrize("cap", ["dropless", "tight"])
-def test_scatter_gather_match_reference(S, k, M, dtype, cap, backend):
+@pytest.mark.parametrize("cap,renorm", [("dropless", False), ("tight", False), ("tight", True)])
+def test_scatter_gather_match_reference(S, k, M, dtype, cap, renorm, backend):
+    """renorm: gather weighs by the kept scores renormalised (DeepSpeed's top-k combine)."""
     interpreter_limit(S * k * M)
     E = 8
     ids, scores = routing(S, E, k)
@@ -150,8 +151,8 @@ def test_scatter_gather_match_reference(S, k, M, dtype, cap, backend):
     y = torch.randn(s.num_rows, M, device=DEV).to(dtype)
     ya, yb = y.clone().requires_grad_(), y.double().requires_grad_()
     sa, sb = scores.clone().requires_grad_(), scores.double().requires_grad_()
-    out_a = ops.gather_tokens(ya, s, sa, backend=backend)
-    out_b = ref.gather_tokens(yb, s.slots, sb)
+    out_a = ops.gather_tokens(ya, s, sa, renormalize=renorm, backend=backend)
+    out_b = ref.gather_tokens(yb, s.slots, sb, renormalize=renorm)
     assert out_a.dtype == dtype and rel_err(out_a, out_b) < TOL[dtype]
     g_out = torch.randn(S, M, device=DEV).to(dtype)
     g_buf = torch.randn(s.num_rows, M, device=DEV).to(dtype)
@@ -160,7 +161,9 @@ def test_scatter_gather_match_reference(S, k, M, dtype, cap, backend):
     buf_a.backward(g_buf)
     buf_b.backward(g_buf.double())
     assert rel_err(ya.grad, yb.grad) < TOL[dtype]
-    assert rel_err(sa.grad, sb.grad) < TOL[dtype]
+    # Renormalised, a token with one kept route has weight 1 whatever its score: a zero gradient
+    # that the fp64 reference rounds to ~1e-16. Scores' gradients are O(1) otherwise.
+    assert rel_err(sa.grad, sb.grad, floor=1.0 if renorm else 0.0) < TOL[dtype]
     assert rel_err(xa.grad, xb.grad) < TOL[dtype]
     dropped_rows = torch.ones(s.num_rows, dtype=torch.bool, device=DEV)
     dropped_rows[s.slots[s.slots >= 0].long()] = False
@@ -183,8 +186,33 @@ def test_gradcheck_autograd_functions(backend):
         assert torch.autograd.gradcheck(lambda t: ScatterTokens.apply(t, s.slots, s.num_rows, kept, cap, impl), (x, ))
     y = torch.randn(s.num_rows, 5, device=DEV, dtype=torch.float64, requires_grad=True)
     sc = scores.double().requires_grad_()
-    for kept, cap in ((s.kept_counts, s.capacity), (None, None)):
-        assert torch.autograd.gradcheck(lambda a, b: GatherTokens.apply(a, s.slots, b, kept, cap, impl), (y, sc))
+    assert (s.slots < 0).any()  # 12 routes into 4 * 2 rows: drops
+    for kept, cap, renorm in ((s.kept_counts, s.capacity, False), (None, None, False), (s.kept_counts, s.capacity, True)):
+        assert torch.autograd.gradcheck(
+            lambda a, b: GatherTokens.apply(a, s.slots, b, kept, cap, impl, renorm), (y, sc))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gather_renormalize_tiny_and_dropped(dtype, backend):
+    """Renormalised weights where a token's kept scores sum below eps (the sum is clamped: weights
+    p / eps, no cross terms) or nothing is kept (no weight, no gradient): values and gradients
+    equal the reference's autograd."""
+    eps = torch.finfo(dtype).eps
+    slots = torch.tensor([[0, 1], [2, -1], [-1, -1], [3, 4], [5, 6]], dtype=torch.int32, device=DEV)
+    scores = torch.tensor([[0.7, 0.2], [0.3, 0.5], [0.4, 0.6], [eps / 8, eps / 4], [0.5, 0.5]], dtype=dtype,
+                          device=DEV)
+    y = torch.randn(7, 16, device=DEV, dtype=dtype)
+    g = torch.randn(5, 16, device=DEV, dtype=dtype)
+    ya, sa = y.clone().requires_grad_(), scores.clone().requires_grad_()
+    yb, sb = y.double().requires_grad_(), scores.double().requires_grad_()
+    out_a = ops.gather_tokens(ya, slots, sa, renormalize=True, backend=backend)
+    # The reference in the same dtype, so that its eps clamps the same token.
+    out_b = ref.gather_tokens(yb.to(dtype), slots, sb.to(dtype), renormalize=True)
+    out_a.backward(g)
+    out_b.backward(g)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert rel_err(out_a, out_b) < tol and rel_err(ya.grad, yb.grad) < tol and rel_err(sa.grad, sb.grad) < tol
+    assert (out_a[2] == 0).all() and (sa.grad[2] == 0).all() and sa.grad[1, 1] == 0
 
 
 def moe_step(logits, x, k, C, backend, seed=0):

@@ -224,12 +224,17 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     return _scatter_fn(x_SM, table, num_rows, kept, cap, _impl(backend))
 
 
-def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
+def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor, renormalize: bool = False,
                   backend: Optional[str] = None) -> torch.Tensor:
-    """out [S, M] = sum over kept routes of scores[s, j] * y[slots[s, j]], fp32 accumulation.
+    """out [S, M] = sum over kept routes of w[s, j] * y[slots[s, j]], fp32 accumulation.
 
     slots: the Slots from assign_slots, or a bare [S, k] int tensor (y's rows are the buffer).
+    w = scores; with renormalize, each token's kept scores over their sum (DeepSpeed's top-k
+    combine after capacity, reference.renormalize_kept), formed inside the kernels, so the
+    gradient reaches the raw scores with no extra ops.
     """
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
     _check_float("y", y_RM, 2)
     _check_float("scores", scores_SK, 2)
     table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
@@ -238,5 +243,5 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor,
     _check_same_device(y=y_RM, scores=scores_SK)  # slots were checked against y
     backend = choose_backend(y_RM, backend)
     if backend == "reference":
-        return reference.gather_tokens(y_RM, table, scores_SK)
-    return _gather_fn(y_RM, table, scores_SK, kept, cap, _impl(backend))
+        return reference.gather_tokens(y_RM, table, scores_SK, renormalize)
+    return _gather_fn(y_RM, table, scores_SK, kept, cap, _impl(backend), renormalize)

@@ -242,10 +242,23 @@ def scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int) ->
     return buf.index_copy(0, flat[keep], x_SM[src])
 
 
-def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor) -> torch.Tensor:
-    """out[s] = sum over kept routes j of scores[s, j] * y[slots[s, j]], accumulated in fp32."""
+def renormalize_kept(scores_SK: torch.Tensor, slots_SK: torch.Tensor) -> torch.Tensor:
+    """Each token's scores over the sum of its kept ones (slot >= 0), dropped routes 0; the sum is
+    clamped below at the dtype's eps, so a token with no kept route weighs nothing. DeepSpeed's
+    top-k combine weights after capacity."""
+    kept = torch.where(slots_SK >= 0, scores_SK, 0.0)
+    return kept / kept.sum(dim=1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps)
+
+
+def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor,
+                  renormalize: bool = False) -> torch.Tensor:
+    """out[s] = sum over kept routes j of w[s, j] * y[slots[s, j]], accumulated in fp32, with
+    w = scores, or renormalize_kept(scores, slots) when renormalize."""
     acc = compute_dtype(y_RM.dtype)
     keep = (slots_SK >= 0)
+    w_SK = scores_SK.to(acc)
+    if renormalize:
+        w_SK = renormalize_kept(w_SK, slots_SK)
     rows = y_RM.to(acc)[slots_SK.long().clamp_min(0)]  # [S, k, M]
-    weighted = torch.where(keep[..., None], rows * scores_SK.to(acc)[..., None], 0.0)
+    weighted = torch.where(keep[..., None], rows * w_SK[..., None], 0.0)
     return weighted.sum(dim=1).to(y_RM.dtype)

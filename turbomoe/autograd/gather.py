@@ -1,4 +1,4 @@
-"""autograd.Function for gather_tokens: out [S, M] = sum_j score * y[slot], hand-written backward."""
+"""autograd.Function for gather_tokens: out [S, M] = sum_j w * y[slot], hand-written backward."""
 from typing import Optional
 
 import torch
@@ -9,26 +9,28 @@ from ..reference import as_contiguous, compute_dtype
 class GatherTokens(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, y_RM, slots_SK, scores_SK, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], impl):
-        """impl: the backend module (turbomoe.kernels or turbomoe.csrc)."""
+    def forward(ctx, y_RM, slots_SK, scores_SK, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], impl,
+                renormalize: bool = False):
+        """impl: the backend module (turbomoe.kernels or turbomoe.csrc). w = scores, or with
+        renormalize the kept scores over their sum (formed inside the kernels, both ways)."""
         y_RM, slots_SK, scores_SK = y_RM.contiguous(), as_contiguous(slots_SK, torch.int32), scores_SK.contiguous()
         out_SM = y_RM.new_empty(slots_SK.shape[0], y_RM.shape[1])
-        impl.pull_rows(y_RM, slots_SK, out_SM, scores_SK)
+        impl.pull_rows(y_RM, slots_SK, out_SM, scores_SK, renormalize=renormalize)
         ctx.save_for_backward(y_RM, slots_SK, scores_SK, kept_counts_E)
-        ctx.capacity, ctx.impl = capacity, impl
+        ctx.capacity, ctx.impl, ctx.renormalize = capacity, impl, renormalize
         return out_SM
 
     @staticmethod
     def backward(ctx, grad_out_SM):
         y_RM, slots_SK, scores_SK, kept_counts_E = ctx.saved_tensors
-        # grad_y[slot] = score * grad_out (one writer per row, empty rows zero);
-        # grad_score = <grad_out, y[slot]> in fp32.
+        # grad_y[slot] = w * grad_out (one writer per row, empty rows zero); grad_score from
+        # <grad_out, y[slot]> in fp32 (through the renormalisation where asked).
         grad_y_RM = torch.empty_like(y_RM)
         grad_scores_SK = torch.empty_like(scores_SK, dtype=compute_dtype(y_RM.dtype))
         ctx.impl.push_rows(grad_out_SM.contiguous(), slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
-                           scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK)
-        return grad_y_RM, None, as_contiguous(grad_scores_SK, scores_SK.dtype), None, None, None
+                           scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK, renormalize=ctx.renormalize)
+        return grad_y_RM, None, as_contiguous(grad_scores_SK, scores_SK.dtype), None, None, None, None
 
 
-def gather_tokens(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl):
-    return GatherTokens.apply(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl)
+def gather_tokens(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl, renormalize=False):
+    return GatherTokens.apply(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl, renormalize)

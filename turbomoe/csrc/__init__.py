@@ -74,17 +74,18 @@ def assign_slots(expert_ids_SK: torch.Tensor, scores_SK: torch.Tensor, num_exper
 
 
 def push_rows(src_SM, slots_SK, out_RM, kept_counts_E=None, capacity=None, scores_SK=None, y_RM=None,
-              dscores_SK=None):
-    """out[slots[s, j]] = (scores[s, j] *) src[s], rows no route reaches zeroed; with y given,
-    dscores[s, j] = <src[s], y[slots[s, j]]> in fp32 (see turbomoe/kernels/rows.py)."""
+              dscores_SK=None, renormalize=False):
+    """out[slots[s, j]] = (w[s, j] *) src[s], rows no route reaches zeroed; with y given,
+    dscores[s, j] = dL/dscores[s, j] from <src[s], y[slots[s, j]]> in fp32 (see turbomoe/kernels/rows.py)."""
     acc = compute_dtype(src_SM.dtype)
     extension().push_rows(src_SM, slots_SK, out_RM, as_contiguous(kept_counts_E, torch.int32), capacity or 0,
-                          as_contiguous(scores_SK, acc), None if y_RM is None else y_RM.contiguous(), dscores_SK)
+                          as_contiguous(scores_SK, acc), None if y_RM is None else y_RM.contiguous(), dscores_SK,
+                          renormalize)
 
 
-def pull_rows(y_RM, slots_SK, out_SM, scores_SK=None):
-    """out[s] = sum_j (scores[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
-    extension().pull_rows(y_RM, slots_SK, out_SM, as_contiguous(scores_SK, compute_dtype(y_RM.dtype)))
+def pull_rows(y_RM, slots_SK, out_SM, scores_SK=None, renormalize=False):
+    """out[s] = sum_j (w[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
+    extension().pull_rows(y_RM, slots_SK, out_SM, as_contiguous(scores_SK, compute_dtype(y_RM.dtype)), renormalize)
 
 
 def second_expert_forward(logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE):

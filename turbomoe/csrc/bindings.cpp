@@ -12,8 +12,9 @@ std::vector<at::Tensor> assign_slots(const at::Tensor& ids, const c10::optional<
                                      int64_t capacity, int64_t policy, int64_t seed_mix);
 void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& kept,
                int64_t capacity, const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& y,
-               const c10::optional<at::Tensor>& dscores);
-void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& scores);
+               const c10::optional<at::Tensor>& dscores, bool renorm);
+void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& scores,
+               bool renorm);
 std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at::Tensor& first,
                                               const at::Tensor& first_score, const at::Tensor& counts_first,
                                               const at::Tensor& rand);
@@ -25,8 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gating_forward", &turbomoe::gating_forward, "logits -> ids, scores, counts, ce, aux, z, lse");
   m.def("gating_backward", &turbomoe::gating_backward, "grad of scores, aux and z -> grad of logits");
   m.def("assign_slots", &turbomoe::assign_slots, "expert ids -> slots, kept counts");
-  m.def("push_rows", &turbomoe::push_rows, "out[slots[s, j]] = (score *) src[s]; optional dot products");
-  m.def("pull_rows", &turbomoe::pull_rows, "out[s] = sum_j (score *) y[slots[s, j]]");
+  m.def("push_rows", &turbomoe::push_rows, "out[slots[s, j]] = (weight *) src[s]; optional dot products");
+  m.def("pull_rows", &turbomoe::pull_rows, "out[s] = sum_j (weight *) y[slots[s, j]]");
   m.def("second_expert_forward", &turbomoe::second_expert_forward, "Gumbel-max second expert of top-2 gating");
   m.def("second_expert_backward", &turbomoe::second_expert_backward, "grad of its scores -> grad of logits");
 }

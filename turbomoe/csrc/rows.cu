@@ -4,18 +4,23 @@
 //              and gather backward (where it also forms grad_score = <src[s], y[row]> in fp32)
 //   pull_rows  token s sums (score *) y[slots[s, j]] over j in fp32: gather forward, scatter backward
 // A warp owns a token and moves its row in 16-byte vectors. Buffer rows no route reaches are
-// zeroed by extra blocks of the push kernel, found from the kept counts.
+// zeroed by extra blocks of the push kernel, found from the kept counts. With RENORM the weights
+// are the kept scores over their sum (reference.renormalize_kept), formed per token in registers,
+// and gather's backward turns the dot products into gradients of the raw scores.
 #include "common.cuh"
 
 namespace turbomoe {
 
 constexpr int ZERO_ROWS_PER_WARP = 8;
 
-// This warp's token's k slots (-1 where no valid row) and scores.
-template <typename acc_t, bool HAS_SCORES>
-__device__ __forceinline__ void load_routes(const int32_t* __restrict__ slots, const acc_t* __restrict__ scores,
-                                            int64_t s, int K, int64_t R, int64_t (&slot)[MAX_K],
-                                            acc_t (&score)[MAX_K]) {
+// This warp's token's k slots (-1 where no valid row) and weights: the scores, or with RENORM the
+// kept scores over max(their sum, eps). Returns that denominator (1 without RENORM); *clamped says
+// whether eps replaced the sum, where the weights no longer depend on each other.
+template <typename acc_t, bool HAS_SCORES, bool RENORM>
+__device__ __forceinline__ acc_t load_routes(const int32_t* __restrict__ slots, const acc_t* __restrict__ scores,
+                                             int64_t s, int K, int64_t R, int64_t (&slot)[MAX_K],
+                                             acc_t (&score)[MAX_K], bool* clamped = nullptr) {
+  acc_t sum = 0;
 #pragma unroll
   for (int j = 0; j < MAX_K; ++j) {
     slot[j] = -1;
@@ -24,11 +29,19 @@ __device__ __forceinline__ void load_routes(const int32_t* __restrict__ slots, c
       const int64_t v = slots[s * K + j];
       slot[j] = (v >= 0 && v < R) ? v : -1;
       if (HAS_SCORES) score[j] = scores[s * K + j];
+      if (RENORM && slot[j] >= 0) sum += score[j];
     }
   }
+  if (!RENORM) return acc_t(1);
+  const acc_t eps = std::numeric_limits<acc_t>::epsilon();
+  if (clamped) *clamped = !(sum >= eps);
+  const acc_t denom = sum >= eps ? sum : eps;
+#pragma unroll
+  for (int j = 0; j < MAX_K; ++j) score[j] = slot[j] >= 0 ? score[j] / denom : acc_t(0);
+  return denom;
 }
 
-template <typename scalar_t, typename acc_t, int VEC, bool HAS_SCORES, bool DOT>
+template <typename scalar_t, typename acc_t, int VEC, bool HAS_SCORES, bool DOT, bool RENORM>
 __global__ void __launch_bounds__(BLOCK_THREADS)
 push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ slots, const acc_t* __restrict__ scores,
                  const scalar_t* __restrict__ y, const int32_t* __restrict__ kept, scalar_t* __restrict__ out,
@@ -41,7 +54,8 @@ push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ s
     if (s >= S) return;
     int64_t slot[MAX_K];
     acc_t score[MAX_K], dot[MAX_K];
-    load_routes<acc_t, HAS_SCORES>(slots, scores, s, K, R, slot, score);
+    bool clamped = false;
+    const acc_t denom = load_routes<acc_t, HAS_SCORES, RENORM>(slots, scores, s, K, R, slot, score, &clamped);
 #pragma unroll
     for (int j = 0; j < MAX_K; ++j) dot[j] = 0;
     const V* src_row = reinterpret_cast<const V*>(src + s * M);
@@ -64,11 +78,20 @@ push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ s
       }
     }
     if (DOT) {
+      // d_j = <grad_out, y_j>; with RENORM, w_j = p_j / D over the kept routes, so
+      // dL/dp_j = (d_j - sum_i w_i d_i) / D, or d_j / eps where eps replaced D.
+      acc_t wd = 0;
 #pragma unroll
       for (int j = 0; j < MAX_K; ++j) {
         if (j < K) {
-          const acc_t d = warp_sum(dot[j]);
-          if (lane == 0) dscores[s * K + j] = d;
+          dot[j] = warp_sum(dot[j]);
+          if (RENORM) wd += score[j] * dot[j];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < MAX_K; ++j) {
+        if (j < K && lane == 0) {
+          dscores[s * K + j] = !RENORM ? dot[j] : slot[j] < 0 ? acc_t(0) : (dot[j] - (clamped ? acc_t(0) : wd)) / denom;
         }
       }
     }
@@ -93,7 +116,7 @@ push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ s
   }
 }
 
-template <typename scalar_t, typename acc_t, int VEC, bool HAS_SCORES>
+template <typename scalar_t, typename acc_t, int VEC, bool HAS_SCORES, bool RENORM>
 __global__ void __launch_bounds__(BLOCK_THREADS)
 pull_rows_kernel(const scalar_t* __restrict__ y, const int32_t* __restrict__ slots, const acc_t* __restrict__ scores,
                  scalar_t* __restrict__ out, int64_t S, int64_t M, int64_t R, int K) {
@@ -103,7 +126,7 @@ pull_rows_kernel(const scalar_t* __restrict__ y, const int32_t* __restrict__ slo
   if (s >= S) return;
   int64_t slot[MAX_K];
   acc_t score[MAX_K];
-  load_routes<acc_t, HAS_SCORES>(slots, scores, s, K, R, slot, score);
+  load_routes<acc_t, HAS_SCORES, RENORM>(slots, scores, s, K, R, slot, score);
   V* out_row = reinterpret_cast<V*>(out + s * M);
   for (int64_t v = lane; v < M / VEC; v += WARP) {
     acc_t acc[VEC];
@@ -145,7 +168,7 @@ void check_slots(const at::Tensor& slots) {
 
 void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& kept,
                int64_t capacity, const c10::optional<at::Tensor>& scores, const c10::optional<at::Tensor>& y,
-               const c10::optional<at::Tensor>& dscores) {
+               const c10::optional<at::Tensor>& dscores, bool renorm) {
   check_2d(src, "src");
   check_2d(out, "out");
   check_slots(slots);
@@ -174,15 +197,19 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
             src.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(), sc, y_ptr, kept_ptr, out.data_ptr<scalar_t>(), ds, S,
             M, R, K, token_blocks, static_cast<int>(capacity), E);
       };
-      if (y_ptr) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true>);
-      else if (sc) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false>);
-      else launch(push_rows_kernel<scalar_t, acc_t, VEC, false, false>);
+      // Renormalised weights only where gather uses them: its backward (y given).
+      TORCH_CHECK(!renorm || y_ptr, "push_rows: renorm needs y (gather's backward)");
+      if (y_ptr && renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, true>);
+      else if (y_ptr) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, false>);
+      else if (sc) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, false>);
+      else launch(push_rows_kernel<scalar_t, acc_t, VEC, false, false, false>);
     });
     TURBOMOE_CHECK_LAUNCH();
   });
 }
 
-void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& scores) {
+void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, const c10::optional<at::Tensor>& scores,
+               bool renorm) {
   check_2d(y, "y");
   check_2d(out, "out");
   check_slots(slots);
@@ -200,8 +227,10 @@ void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, co
         kernel<<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(y.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(),
                                                                        sc, out.data_ptr<scalar_t>(), S, M, R, K);
       };
-      if (sc) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true>);
-      else launch(pull_rows_kernel<scalar_t, acc_t, VEC, false>);
+      TORCH_CHECK(!renorm || sc, "pull_rows: renorm needs scores");
+      if (sc && renorm) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true, true>);
+      else if (sc) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true, false>);
+      else launch(pull_rows_kernel<scalar_t, acc_t, VEC, false, false>);
     });
     TURBOMOE_CHECK_LAUNCH();
   });

@@ -31,7 +31,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from .. import ops
 from .deepspeed_experts import (RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind, grouped_mlp,
                                 pack_expert_params, run_experts)
-from .deepspeed_gating import drop_policy, expert_capacity, renormalize_kept, route, router_logits
+from .deepspeed_gating import drop_policy, expert_capacity, route, router_logits
 
 __all__ = ["MoE", "TurboMOELayer", "SwiGLUExpert", "patch", "unpatch", "is_patched"]
 
@@ -81,18 +81,19 @@ class TurboMOELayer(MOELayer):
                            and bwc_tensor_model_parallel_world_size(groups.mpu) == 1
                            and fast_path_applies(self.experts, self.expert_fast_path, x_SM.dtype))
             with _timed(self.gate, TOPK_GATE_TIMER, "gate_time"):
-                s, weights_SK = self._route_and_assign(x_SM, used_token, rows_layout)
+                s, scores_SK = self._route_and_assign(x_SM, used_token, rows_layout)
             buf_RM = ops.scatter_tokens(x_SM, s)
             if rows_layout:
                 y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
                                    RowGroups(s.kept_counts, s.num_rows))
             else:
                 y_RM = self._exchange_and_run_experts(buf_RM.view(E, s.capacity, M)).reshape(E * s.capacity, M)
-            out_SM = ops.gather_tokens(y_RM, s, weights_SK)
+            # Stock's combine weights: for k >= 2 the kept routes' scores renormalised to sum 1.
+            out_SM = ops.gather_tokens(y_RM, s, scores_SK, renormalize=self.norm_topk_prob)
         return out_SM.reshape(hidden_states.shape)
 
     def _route_and_assign(self, x_SM: torch.Tensor, used_token: Optional[torch.Tensor], rows_layout: bool):
-        """Sets l_aux and exp_counts; returns the slots and the combine weights [S, k]."""
+        """Sets l_aux and exp_counts; returns the slots and the routes' scores [S, k]."""
         gate = self.gate
         routes = route(gate, router_logits(gate, x_SM), used_token)
         self.l_aux = routes.l_aux
@@ -111,7 +112,7 @@ class TurboMOELayer(MOELayer):
         s = ops.assign_slots(ids_SK, scores_SK, routes.counts.shape[0], capacity=C, drop_policy=policy, seed=seed)
         if choice_major:
             s = s._replace(slots=s.slots.view(gate.k, -1).t().contiguous())
-        return s, renormalize_kept(routes.scores, s.slots) if self.norm_topk_prob else routes.scores
+        return s, routes.scores
 
     def _exchange_and_run_experts(self, buf_ECM: torch.Tensor) -> torch.Tensor:
         """[E, C, M] on every rank -> each rank's experts on their rows from all ranks -> [E, C, M].

@@ -17,6 +17,7 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops
+from ..autograd.router import fp32_logits
 
 
 class Routes(NamedTuple):
@@ -46,11 +47,11 @@ def _score_of_other_expert(first_scores_S1, logits_SE, first_S1, other_S1):
 
 
 def router_logits(gate: TopKGate, x_SM: torch.Tensor) -> torch.Tensor:
-    """logits [S, E] in fp32, with stock's input jitter in training (noisy_gate_policy='Jitter')."""
-    x = x_SM.float()
+    """logits [S, E] in fp32 as stock's (an fp32 GEMM of x and the router weight), with its input
+    jitter in training (noisy_gate_policy='Jitter')."""
     if gate.noisy_gate_policy == "Jitter" and gate.training:
-        x = multiplicative_jitter(x, device=x.device)
-    return F.linear(x, gate.wg.weight.float())
+        return F.linear(multiplicative_jitter(x_SM.float(), device=x_SM.device), gate.wg.weight.float())
+    return fp32_logits(x_SM, gate.wg.weight)
 
 
 def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.Tensor] = None) -> Routes:
@@ -126,12 +127,3 @@ def expert_capacity(gate: TopKGate, num_tokens: int, counts_E: torch.Tensor, ep_
         cap = (cap + tp - 1) // tp * tp
     return int(cap)
 
-
-def renormalize_kept(scores_SK: torch.Tensor, slots_SK: torch.Tensor) -> torch.Tensor:
-    """Stock's combine weights for k >= 2: the scores of the kept routes, renormalised to sum 1.
-
-    Top-1 uses the raw probability (gather_tokens already skips a dropped route).
-    """
-    kept = scores_SK * (slots_SK >= 0)
-    denom = kept.sum(dim=1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps)
-    return kept / denom

@@ -7,7 +7,9 @@ Two kernels serve the four directions, so each row of output has exactly one wri
              gather forward, and scatter backward (unit scores)
 Buffer rows that no route reaches are zeroed by extra programs of the push kernel. Which rows those
 are follows from the kept counts (capacity C: rows e*C + p with p >= kept[e]; dropless: rows past
-the sum of kept), or, for bare slots, from row_routes, the inverse of slots.
+the sum of kept), or, for bare slots, from row_routes, the inverse of slots. With RENORM the weights
+are the kept scores over their sum (reference.renormalize_kept), formed per token, and gather's
+backward turns the dot products into gradients of the raw scores.
 """
 from typing import Optional
 
@@ -51,13 +53,47 @@ def _empty_rows(rows, R, row_routes_ptr, kept_ptr, C, E, LAYOUT: tl.constexpr, B
     return empty
 
 
+@triton.jit
+def _div(a, b, DIV_RN: tl.constexpr):
+    """a / b, IEEE-rounded with DIV_RN (fp32, where Triton's / is approximate; fp64's is exact)."""
+    if DIV_RN:
+        return tl.math.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def _renormalized(slots_ptr, scores_ptr, toks, tmask, R, K: tl.constexpr, KP: tl.constexpr, EPS: tl.constexpr,
+                  ACC: tl.constexpr, DIV_RN: tl.constexpr):
+    """Weights [BLOCK_T, KP] = kept scores over max(their sum, EPS), the kept mask, the denominator
+    and whether EPS replaced the sum (then the weights no longer depend on each other)."""
+    kcol = tl.arange(0, KP)
+    idx = toks[:, None] * K + kcol[None, :]
+    slot = tl.load(slots_ptr + idx, mask=tmask[:, None] & (kcol < K)[None, :], other=-1)
+    kept = (slot >= 0) & (slot < R)
+    p = tl.load(scores_ptr + idx, mask=kept, other=0.0).to(ACC)
+    total = tl.sum(p, axis=1)
+    clamped = ~(total >= EPS)
+    denom = tl.where(clamped, EPS, total)
+    # IEEE division: a lone kept route weighs exactly 1, so its score's gradient is exactly 0, as in
+    # the CUDA kernels and the reference.
+    return _div(p, denom[:, None], DIV_RN), kept, denom, clamped
+
+
+@triton.jit
+def _column(t, kcol, j):
+    """Column j of t [BLOCK_T, KP]."""
+    return tl.sum(tl.where(kcol[None, :] == j, t, 0.0), axis=1)
+
+
 # M stays specialised: its divisibility lets rows move in 16-byte vectors.
 @triton.jit(do_not_specialize=["S", "R", "n_token_blocks", "C", "E"])
 def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kept_ptr, out_ptr, dscores_ptr,
                       S, M, R, n_token_blocks, C, E,
                       K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr, LAYOUT: tl.constexpr,
-                      HAS_SCORES: tl.constexpr, DOT: tl.constexpr, ACC: tl.constexpr):
+                      HAS_SCORES: tl.constexpr, DOT: tl.constexpr, RENORM: tl.constexpr, EPS: tl.constexpr,
+                      ACC: tl.constexpr, DIV_RN: tl.constexpr):
     pid = tl.program_id(0)
     cols0 = tl.arange(0, BLOCK_M)
     if pid < n_token_blocks:
@@ -65,6 +101,8 @@ def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kep
         tmask = toks < S
         kcol = tl.arange(0, KP)
         dots = tl.zeros([BLOCK_T, KP], ACC)
+        if RENORM:
+            w, kept, denom, clamped = _renormalized(slots_ptr, scores_ptr, toks, tmask, R, K, KP, EPS, ACC, DIV_RN)
         for m0 in range(0, M, BLOCK_M):
             cols = m0 + cols0
             cmask = cols < M
@@ -75,7 +113,10 @@ def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kep
                 ok = (tmask & (slot >= 0) & (slot < R))[:, None] & cmask[None, :]
                 row = slot.to(tl.int64)[:, None] * M + cols[None, :]
                 if HAS_SCORES:
-                    score = tl.load(scores_ptr + toks * K + j, mask=tmask, other=0.0).to(ACC)
+                    if RENORM:
+                        score = _column(w, kcol, j)
+                    else:
+                        score = tl.load(scores_ptr + toks * K + j, mask=tmask, other=0.0).to(ACC)
                     tl.store(out_ptr + row, (v.to(ACC) * score[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
                 else:
                     tl.store(out_ptr + row, v.to(out_ptr.dtype.element_ty), mask=ok)
@@ -84,6 +125,9 @@ def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kep
                     d = tl.sum(v.to(ACC) * y, axis=1)
                     dots = tl.where(kcol[None, :] == j, dots + d[:, None], dots)
         if DOT:
+            if RENORM:  # dL/dp_j = (d_j - sum_i w_i d_i) / D, or d_j / EPS where EPS replaced D
+                wd = tl.where(clamped, 0.0, tl.sum(w * dots, axis=1))
+                dots = tl.where(kept, _div(dots - wd[:, None], denom[:, None], DIV_RN), 0.0)
             tl.store(dscores_ptr + toks[:, None] * K + kcol[None, :], dots,
                      mask=tmask[:, None] & (kcol < K)[None, :])
     else:
@@ -100,10 +144,14 @@ def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kep
 
 @triton.jit(do_not_specialize=["S", "R"])
 def _pull_rows_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, S, M, R,
-                      K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
-                      HAS_SCORES: tl.constexpr, ACC: tl.constexpr):
+                      K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+                      HAS_SCORES: tl.constexpr, RENORM: tl.constexpr, EPS: tl.constexpr, ACC: tl.constexpr,
+                      DIV_RN: tl.constexpr):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = toks < S
+    kcol = tl.arange(0, KP)
+    if RENORM:
+        w, kept, denom, clamped = _renormalized(slots_ptr, scores_ptr, toks, tmask, R, K, KP, EPS, ACC, DIV_RN)
     for m0 in range(0, M, BLOCK_M):
         cols = m0 + tl.arange(0, BLOCK_M)
         cmask = cols < M
@@ -113,11 +161,20 @@ def _pull_rows_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, S, M, R,
             ok = (tmask & (slot >= 0) & (slot < R))[:, None] & cmask[None, :]
             y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * M + cols[None, :], mask=ok, other=0.0).to(ACC)
             if HAS_SCORES:
-                score = tl.load(scores_ptr + toks * K + j, mask=tmask, other=0.0).to(ACC)
+                if RENORM:
+                    score = _column(w, kcol, j)
+                else:
+                    score = tl.load(scores_ptr + toks * K + j, mask=tmask, other=0.0).to(ACC)
                 y = y * score[:, None]
             acc += y
         tl.store(out_ptr + toks[:, None].to(tl.int64) * M + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tmask[:, None] & cmask[None, :])
+
+
+def _renorm_args(dtype: torch.dtype) -> dict:
+    """The accumulation dtype, its eps, and whether its division needs div_rn (fp32)."""
+    acc = acc_dtype(dtype)
+    return dict(EPS=torch.finfo(acc).eps, ACC=tl_dtype(acc), DIV_RN=acc == torch.float32)
 
 
 def row_tile(M: int, element_size: int):
@@ -130,10 +187,13 @@ def row_tile(M: int, element_size: int):
 def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor,
               kept_counts_E: Optional[torch.Tensor] = None, capacity: Optional[int] = None,
               scores_SK: Optional[torch.Tensor] = None, y_RM: Optional[torch.Tensor] = None,
-              dscores_SK: Optional[torch.Tensor] = None):
-    """out[slots[s, j]] = (scores[s, j] *) src[s], and rows no route reaches zeroed; with y given,
-    dscores[s, j] = <src[s], y[slots[s, j]]> in fp32. The empty rows follow from kept_counts and
-    capacity (None: dropless) when given, else from slots alone."""
+              dscores_SK: Optional[torch.Tensor] = None, renormalize: bool = False):
+    """out[slots[s, j]] = (w[s, j] *) src[s], and rows no route reaches zeroed; with y given,
+    dscores[s, j] = dL/dscores[s, j] from <src[s], y[slots[s, j]]> in fp32. w = scores, or with
+    renormalize (gather's backward only) reference.renormalize_kept(scores, slots). The empty rows
+    follow from kept_counts and capacity (None: dropless) when given, else from slots alone."""
+    if renormalize and y_RM is None:
+        raise ValueError("push_rows: renormalize needs y (gather's backward)")
     S, M = src_SM.shape
     K = slots_SK.shape[1]
     R = out_RM.shape[0]
@@ -154,13 +214,16 @@ def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor
                             dscores_SK if dscores_SK is not None else src_SM,
                             S, M, R, n_token_blocks, capacity or 0, E, K=K, KP=next_pow2(K), BLOCK_T=block_t,
                             BLOCK_M=block_m, BLOCK_Z=block_z, BLOCK_E=next_pow2(E), LAYOUT=layout,
-                            HAS_SCORES=scores_SK is not None, DOT=y_RM is not None,
-                            ACC=tl_dtype(acc_dtype(src_SM.dtype)), num_warps=warps)
+                            HAS_SCORES=scores_SK is not None, DOT=y_RM is not None, RENORM=renormalize,
+                            **_renorm_args(src_SM.dtype), num_warps=warps)
 
 
 def pull_rows(y_RM: torch.Tensor, slots_SK: torch.Tensor, out_SM: torch.Tensor,
-              scores_SK: Optional[torch.Tensor] = None):
-    """out[s] = sum_j (scores[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64)."""
+              scores_SK: Optional[torch.Tensor] = None, renormalize: bool = False):
+    """out[s] = sum_j (w[s, j] *) y[slots[s, j]], accumulated in fp32 (fp64 for fp64); w = scores,
+    or with renormalize reference.renormalize_kept(scores, slots)."""
+    if renormalize and scores_SK is None:
+        raise ValueError("pull_rows: renormalize needs scores")
     S, M = out_SM.shape
     K = slots_SK.shape[1]
     block_t, block_m, warps = row_tile(M, y_RM.element_size())
@@ -168,5 +231,5 @@ def pull_rows(y_RM: torch.Tensor, slots_SK: torch.Tensor, out_SM: torch.Tensor,
         return
     _pull_rows_kernel[(triton.cdiv(S, block_t), )](
         y_RM, slots_SK, scores_SK if scores_SK is not None else y_RM, out_SM, S, M, y_RM.shape[0],
-        K=K, BLOCK_T=block_t, BLOCK_M=block_m, HAS_SCORES=scores_SK is not None,
-        ACC=tl_dtype(acc_dtype(y_RM.dtype)), num_warps=warps)
+        K=K, KP=next_pow2(K), BLOCK_T=block_t, BLOCK_M=block_m, HAS_SCORES=scores_SK is not None,
+        RENORM=renormalize, **_renorm_args(y_RM.dtype), num_warps=warps)

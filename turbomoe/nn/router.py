@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..autograd.router import fp32_logits
 from ..reference import GatingOutput
 
 
@@ -16,8 +17,8 @@ class TopKRouter(nn.Module):
     expert_bias=True adds a buffer `expert_bias` [E] (fp32) that steers the choice but not the score
     (auxiliary-loss-free balancing); move it toward balance with `update_expert_bias`.
     Logits are computed in router_dtype, by default the input's dtype (Megatron-core's default; the
-    gating math is fp32 either way); router_dtype=torch.float32 computes them in fp32 (a cast of x
-    and an fp32 GEMM more, each way).
+    gating math is fp32 either way); router_dtype=torch.float32 computes them with fp32 products and
+    sums (autograd.router.fp32_logits: no fp32 copy of x kept for backward).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, k: int, score_func: str = "softmax",
@@ -46,7 +47,10 @@ class TopKRouter(nn.Module):
     def forward(self, x_SM: torch.Tensor) -> Tuple[GatingOutput, torch.Tensor]:
         """x [S, M] -> (GatingOutput: expert_ids [S, k], scores [S, k] fp32, counts [E], ...; loss)."""
         dtype = self.router_dtype or x_SM.dtype
-        logits_SE = F.linear(x_SM.to(dtype), self.weight.to(dtype))
+        if dtype == torch.float32:
+            logits_SE = fp32_logits(x_SM, self.weight)
+        else:
+            logits_SE = F.linear(x_SM.to(dtype), self.weight.to(dtype))
         g = ops.topk_gating(logits_SE, self.k, self.score_func, self.renormalize, self.expert_bias,
                             backend=self.backend)
         loss = self.aux_loss_coef * g.aux_loss

@@ -1,0 +1,49 @@
+"""fp32 router logits from 16-bit tokens (turbomoe.autograd.router) against F.linear on fp32 copies,
+the computation DeepSpeed's gate spells out."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import needs_cuda, rel_err
+from turbomoe.autograd.router import fp32_logits
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                           (torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("S,M,E", [(1, 8, 1), (37, 96, 8), (1000, 256, 64)])
+def test_matches_fp32_linear(S, M, E, dtype, w_dtype, device):
+    torch.manual_seed(S + M + E)
+    x = torch.randn(S, M, device=device).to(dtype)
+    w = (torch.randn(E, M, device=device) * M ** -0.5).to(w_dtype)
+    g = torch.randn(S, E, device=device)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xb, wb = x.double().requires_grad_(), w.double().requires_grad_()
+    out = fp32_logits(xa, wa)
+    ref = F.linear(xb, wb)  # fp64 of the same values: 16-bit products are exact in fp32
+    assert out.dtype == torch.float32 and rel_err(out, ref) < 1e-6
+    out.backward(g)
+    ref.backward(g.double())
+    assert xa.grad.dtype == dtype and wa.grad.dtype == w_dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # gradients are rounded to the parameters' dtype
+    assert rel_err(xa.grad, xb.grad) < tol and rel_err(wa.grad, wb.grad) < (1e-6 if w_dtype == torch.float32 else 1e-2)
+    # The gradients are F.linear's on fp32 copies, rounded once to the input dtypes.
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    F.linear(xc.float(), wc.float()).backward(g)
+    assert rel_err(xa.grad, xc.grad) < 1e-5 and rel_err(wa.grad, wc.grad) < 1e-5
+
+
+def test_gradcheck():
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    # fp32 logits: gradcheck in fp64 needs the fp64 path, so check against the fp32 tolerance.
+    assert torch.autograd.gradcheck(lambda a, b: fp32_logits(a, b).double(), (x, w), eps=1e-3, atol=1e-3, rtol=1e-3)
+
+
+def test_cpu_equals_f_linear_bits():
+    x = torch.randn(64, 32).bfloat16()
+    w = torch.randn(4, 32).bfloat16()
+    assert torch.equal(fp32_logits(x, w), torch.mm(x.float(), w.float().t()))
