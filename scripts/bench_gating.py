@@ -7,7 +7,9 @@ and the router GEMM is left out, for both. DeepSpeed's path is its own code, cal
 MOELayer.forward calls it (sparse routes, ep_size = 1). Also prints achieved GB/s of scatter and
 gather (forward and backward) beside a device-to-device copy bandwidth measured here.
 turbomoe is timed on both kernel backends: "cuda" (turbomoe/csrc, the default where it builds)
-and "triton"; eagerly (steps issued back to back) and replayed from a CUDA graph.
+and "triton"; eagerly (steps issued back to back) and replayed from a CUDA graph. All of a
+config's paths are timed in the same rounds, one step of each in turn (timing.interleaved_medians_ms):
+at S = 4096 the eager steps are host-bound, and the host's speed drifts between runs.
 
     python scripts/bench_gating.py [--quick] [--json out.json]
 """
@@ -15,7 +17,7 @@ import argparse
 import json
 
 import torch
-from timing import copy_bandwidth_gbs, cuda_time_ms
+from timing import copy_bandwidth_gbs, cuda_time_ms, interleaved_medians_ms
 
 import turbomoe
 from turbomoe import ops
@@ -124,11 +126,13 @@ def main():
         logits = torch.randn(S, E, device="cuda", requires_grad=True)
         x = torch.randn(S, M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad_out = torch.randn(S, M, device="cuda", dtype=torch.bfloat16)
-        row = {"S": S, "E": E, "k": k, "M": M,
-               "deepspeed_ms": cuda_time_ms(fwd_bwd(deepspeed_path, logits, x, k, grad_out))}
-        for b in backends:
-            row[f"{b}_ms"] = cuda_time_ms(fwd_bwd(turbomoe_path(b), logits, x, k, grad_out))
-        row["graph_ms"] = cuda_time_ms(cuda_graph(fwd_bwd(turbomoe_path(backends[0]), logits, x, k, grad_out)))
+        steps = [fwd_bwd(deepspeed_path, logits, x, k, grad_out)]
+        steps += [fwd_bwd(turbomoe_path(b), logits, x, k, grad_out) for b in backends]
+        steps.append(cuda_graph(fwd_bwd(turbomoe_path(backends[0]), logits, x, k, grad_out)))
+        times = interleaved_medians_ms(steps)
+        row = {"S": S, "E": E, "k": k, "M": M, "deepspeed_ms": times[0], "graph_ms": times[-1]}
+        for b, ms in zip(backends, times[1:]):
+            row[f"{b}_ms"] = ms
         for key in [f"{b}_ms" for b in backends] + ["graph_ms"]:
             row[key.replace("_ms", "_speedup")] = row["deepspeed_ms"] / row[key]
         results["configs"].append(row)

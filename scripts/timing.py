@@ -15,32 +15,36 @@ from typing import Dict, List, Tuple
 import torch
 
 
-def _times_ms(fns, iters: int, synced: bool) -> List[List[float]]:
-    """Per-call times of each of fns, ms: iters rounds, each calling fns in order. CUDA events;
-    synced: the GPU drained before each call and the call waited for, else calls back to back.
-    Without CUDA, wall-clock times (a smoke run only)."""
+def _times_ms(fns, iters: int, synced: bool, block: int = 1) -> List[List[float]]:
+    """Per-call times of each of fns, ms: rounds of `block` calls of each fn in turn, until each
+    has iters calls. CUDA events; synced: the GPU drained before each call and the call waited
+    for, else calls back to back. Without CUDA, wall-clock times (a smoke run only)."""
+    rounds = -(-iters // block)
     if not torch.cuda.is_available():
         times = [[] for _ in fns]
-        for _ in range(iters):
+        for _ in range(rounds):
             for fn, ts in zip(fns, times):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(1e3 * (time.perf_counter() - t0))
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(1e3 * (time.perf_counter() - t0))
         return times
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
-              for _ in range(iters)]
+    events = [[] for _ in fns]
     torch.cuda.synchronize()
-    for round_events in events:
-        for fn, (start, end) in zip(fns, round_events):
-            if synced:
-                torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            if synced:
-                end.synchronize()
+    for _ in range(rounds):
+        for fn, evs in zip(fns, events):
+            for _ in range(block):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if synced:
+                    torch.cuda.synchronize()
+                start.record()
+                fn()
+                end.record()
+                if synced:
+                    end.synchronize()
+                evs.append((start, end))
     torch.cuda.synchronize()
-    return [[start.elapsed_time(end) for start, end in (r[i] for r in events)] for i in range(len(fns))]
+    return [[start.elapsed_time(end) for start, end in evs] for evs in events]
 
 
 def cuda_time_ms(fn, warmup: int = 10, iters: int = 40) -> float:
@@ -60,6 +64,18 @@ def step_times_ms(fn, warmup: int = 3, iters: int = 20) -> Tuple[float, float]:
     for _ in range(warmup):
         fn()
     return tuple(statistics.median(_times_ms([fn], iters, synced)[0]) for synced in (False, True))
+
+
+def interleaved_medians_ms(fns, warmup: int = 10, iters: int = 40, block: int = 10) -> List[float]:
+    """Queued medians of each of fns, ms, timed in turns of `block` calls back to back: where the
+    host sets the pace (eager steps of small ops), its speed drifts by up to 2x between runs on a
+    shared machine, and a ratio of two times taken minutes apart inherits that drift; taken in the
+    same rounds, it does not. Blocks keep each fn's calls queued behind one another, as in training
+    (a call that syncs the host would otherwise start the next fn's call on an idle GPU)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    return [statistics.median(ts) for ts in _times_ms(fns, iters, synced=False, block=block)]
 
 
 def paired_times_ms(fn_a, fn_b, warmup: int = 3, iters: int = 20) -> Dict[str, Tuple[float, float]]:

@@ -77,22 +77,29 @@ push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ s
         }
       }
     }
-    if (DOT) {
-      // d_j = <grad_out, y_j>; with RENORM, w_j = p_j / D over the kept routes, so
-      // dL/dp_j = (d_j - sum_i w_i d_i) / D, or d_j / eps where eps replaced D.
+    if constexpr (DOT && !RENORM) {  // d_j = <grad_out, y_j>, reduced and stored one j at a time
+#pragma unroll
+      for (int j = 0; j < MAX_K; ++j) {
+        if (j < K) {
+          const acc_t d = warp_sum(dot[j]);
+          if (lane == 0) dscores[s * K + j] = d;
+        }
+      }
+    } else if constexpr (DOT) {
+      // w_j = p_j / D over the kept routes, so dL/dp_j = (d_j - sum_i w_i d_i) / D, or d_j / eps
+      // where eps replaced D. (Kept apart from the plain case: holding every d_j costs registers,
+      // and 94 instead of 80 per thread cut plain gather's backward from 77% to 70% of copy.)
       acc_t wd = 0;
 #pragma unroll
       for (int j = 0; j < MAX_K; ++j) {
         if (j < K) {
           dot[j] = warp_sum(dot[j]);
-          if (RENORM) wd += score[j] * dot[j];
+          wd += score[j] * dot[j];
         }
       }
 #pragma unroll
       for (int j = 0; j < MAX_K; ++j) {
-        if (j < K && lane == 0) {
-          dscores[s * K + j] = !RENORM ? dot[j] : slot[j] < 0 ? acc_t(0) : (dot[j] - (clamped ? acc_t(0) : wd)) / denom;
-        }
+        if (j < K && lane == 0) dscores[s * K + j] = slot[j] < 0 ? acc_t(0) : (dot[j] - (clamped ? acc_t(0) : wd)) / denom;
       }
     }
     return;
