@@ -117,6 +117,25 @@ def gumbel_noise(rand_SE: torch.Tensor) -> torch.Tensor:
     return -(-u.log()).log()
 
 
+def count_routes(ids_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """counts [E] int32 of the routed entries of ids (-1 skipped); scatter_add, so no host sync."""
+    ids = ids_SK.reshape(-1).long()
+    routed = (ids >= 0).to(torch.int32)
+    return torch.zeros(num_experts, dtype=torch.int32, device=ids.device).scatter_add_(0, ids.clamp_min(0), routed)
+
+
+def score_of_other_expert(first_scores_S1: torch.Tensor, logits_SE: torch.Tensor, first_S1: torch.Tensor,
+                          other_S1: torch.Tensor) -> torch.Tensor:
+    """softmax(logits)[other] = p_first * exp(l_other - l_first) [S, 1], differentiable in logits
+    and p_first, without the softmax; 0 where other is -1. l_other <= l_first when first is the
+    argmax, so the exp cannot overflow; rows that route nowhere may hold inf, and their inf - inf
+    stays out of exp and its gradient."""
+    first, other = first_S1.long(), other_S1.long()
+    routed = other >= 0
+    diff = torch.where(routed, logits_SE.gather(1, other.clamp_min(0)) - logits_SE.gather(1, first.clamp_min(0)), 0.0)
+    return torch.where(routed, first_scores_S1 * torch.exp(diff), 0.0)
+
+
 def second_expert(logits_SE: torch.Tensor, first_ids_S1: torch.Tensor, first_scores_S1: torch.Tensor,
                   counts_E: torch.Tensor, rand_SE: torch.Tensor):
     """Top-2 gating's sampled second expert (DeepSpeed's top2_2nd_expert_sampling): the argmax of
@@ -131,14 +150,9 @@ def second_expert(logits_SE: torch.Tensor, first_ids_S1: torch.Tensor, first_sco
     noisy = logits_SE.detach() + gumbel_noise(rand_SE).to(logits_SE.dtype)
     noisy = noisy.scatter(1, first.clamp_min(0), float("-inf"))
     second = torch.where(first >= 0, noisy.argmax(1, keepdim=True), first)
-    routed = second >= 0
-    # Rows that route nowhere may hold inf: keep their inf - inf out of exp and its gradient.
-    diff = torch.where(routed, logits_SE.gather(1, second.clamp_min(0)) - logits_SE.gather(1, first.clamp_min(0)), 0.0)
-    p2 = torch.where(routed, first_scores_S1 * torch.exp(diff), 0.0)
-    counts = counts_E.long() + torch.zeros_like(counts_E, dtype=torch.int64).scatter_add_(
-        0, second.clamp_min(0).view(-1), routed.long().view(-1))
-    return (torch.cat([first, second], 1).to(torch.int32), torch.cat([first_scores_S1, p2], 1),
-            counts.to(torch.int32))
+    p2 = score_of_other_expert(first_scores_S1, logits_SE, first, second)
+    counts = counts_E.to(torch.int32) + count_routes(second, logits_SE.shape[1])
+    return torch.cat([first, second], 1).to(torch.int32), torch.cat([first_scores_S1, p2], 1), counts
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -9,7 +9,6 @@ makes per (token, expert) -- the Gumbel noise of top-2 sampling and of RSample -
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from deepspeed import comm as dist
 from deepspeed.comm import pg_utils
 from deepspeed.moe.sharded_moe import TopKGate, gumbel_rsample, multiplicative_jitter
@@ -18,6 +17,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops
 from ..autograd.router import fp32_logits
+from ..reference import count_routes, score_of_other_expert
 
 
 class Routes(NamedTuple):
@@ -27,30 +27,11 @@ class Routes(NamedTuple):
     l_aux: torch.Tensor  # scalar, stock's load-balancing loss
 
 
-def _count_routes(ids_SK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """counts [E] int32 of the routed entries of ids (-1 skipped); scatter_add, so no host sync."""
-    ids = ids_SK.reshape(-1).long()
-    routed = (ids >= 0).to(torch.int32)
-    return torch.zeros(num_experts, dtype=torch.int32, device=ids.device).scatter_add_(0, ids.clamp_min(0), routed)
-
-
-def _score_of_other_expert(first_scores_S1, logits_SE, first_S1, other_S1):
-    """softmax(logits)[other] = softmax(logits)[first] * exp(l_other - l_first), differentiable
-    (RSample's noisy choice; top-2's sampled second expert has its own op).
-
-    The first-choice probability comes from turbomoe's gating op, so the softmax is never
-    materialised; l_other <= l_first (first is the argmax), so the exp cannot overflow.
-    """
-    l_first = logits_SE.gather(1, first_S1.long().clamp_min(0))
-    l_other = logits_SE.gather(1, other_S1.long().clamp_min(0))
-    return first_scores_S1 * torch.exp(l_other - l_first)
-
-
 def router_logits(gate: TopKGate, x_SM: torch.Tensor) -> torch.Tensor:
     """logits [S, E] in fp32 as stock's (an fp32 GEMM of x and the router weight), with its input
     jitter in training (noisy_gate_policy='Jitter')."""
     if gate.noisy_gate_policy == "Jitter" and gate.training:
-        return F.linear(multiplicative_jitter(x_SM.float(), device=x_SM.device), gate.wg.weight.float())
+        x_SM = multiplicative_jitter(x_SM.float(), device=x_SM.device)
     return fp32_logits(x_SM, gate.wg.weight)
 
 
@@ -80,14 +61,14 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
     ids, scores, counts, l_aux = g.expert_ids, g.scores, g.counts, g.aux_loss
     if rsample:
         chosen = torch.where(ids >= 0, noisy_SE.argmax(1, keepdim=True).to(ids.dtype), ids)
-        scores = _score_of_other_expert(scores, logits_SE, ids, chosen)
+        scores = score_of_other_expert(scores, logits_SE, ids, chosen)
         ids = chosen
     if masked:
         if used_token_S.numel() != S:
             raise ValueError(f"used_token must hold one entry per token ({S}), got shape {tuple(used_token_S.shape)}")
         ids = torch.where(used_token_S.reshape(S, 1) != 0, ids, torch.full_like(ids, -1))
     if rsample or masked:
-        counts = _count_routes(ids, E)
+        counts = count_routes(ids, E)
         # Stock's l_aux averages the router probability over all S tokens but counts the noisy or
         # masked routes, which the op's l_aux (its own choices) cannot express: rebuild it here.
         me_E = torch.softmax(logits_SE, dim=1).mean(0)
