@@ -7,6 +7,8 @@ EXTRAS = {
     "train": ["deepspeed==0.19.8", "pyyaml", "tqdm", "wandb"],
     "export": ["safetensors"],
     "bench": ["matplotlib"],
+    # CUTLASS's C++ headers for the Hopper grouped GEMM (built on first use; torch._grouped_mm without).
+    "cuda": ["nvidia-cutlass==4.2.0.0"],
 }
 # Everything the test suite touches: the integrations, the recipes and Megatron's indexed datasets.
 EXTRAS["dev"] = sorted({"pytest", "numpy", *EXTRAS["train"], *EXTRAS["megatron"], *EXTRAS["export"]})

@@ -140,8 +140,9 @@ def build(name, cfg):
     S, M, F_, E, k = cfg
     if name == "dense floor":
         return DenseSwiGLU(M, F_), S * k
-    if name.startswith("turbomoe"):  # variants: "turbomoe triton-gmm", "turbomoe fp32-router"
-        layer = MoELayer(M, F_, E, k, gmm_backend="triton" if "triton-gmm" in name else None)
+    if name.startswith("turbomoe"):  # variants: "turbomoe triton-gmm", "turbomoe torch-gmm", "turbomoe fp32-router"
+        gmm = next((b for b in ("triton", "torch") if f"{b}-gmm" in name), None)
+        layer = MoELayer(M, F_, E, k, gmm_backend=gmm)
         if "fp32-router" in name:
             layer.router.router_dtype = torch.float32
         return layer, S
@@ -264,7 +265,7 @@ def bench_gemms(cfg, iters):
     w2 = torch.randn(E, F_, M, device=DEV, dtype=DTYPE)
     flops = 2 * R * M * 3 * F_  # one pass over both matrices
     res = {}
-    for backend in ("torch", "triton"):
+    for backend in ("cutlass", "torch", "triton"):
         try:
             t_fwd = triton.testing.do_bench(lambda: (mm_forward(x, w1, counts, backend),
                                                      mm_forward(a, w2, counts, backend)), return_mode="median")
@@ -363,7 +364,7 @@ def main():
         for r in results:
             g = r["gemms"]
             line = str(tuple(r["cfg"])).ljust(30)
-            for b in ("torch", "triton"):
+            for b in ("cutlass", "torch", "triton"):
                 v = g[b]
                 line += (f" {b}: {v['fwd']:.2f}/{v['dx']:.2f}/{v['dw']:.2f} ({'/'.join('%.0f' % t for t in v['tflops'])})"
                          if "fwd" in v else f" {b}: n/a")

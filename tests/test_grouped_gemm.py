@@ -1,4 +1,6 @@
 """Grouped GEMM (turbomoe.autograd.grouped_gemm) against per-group matmuls in fp64."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -87,31 +89,42 @@ def test_bad_input():
         grouped_mm(x, w, counts, backend="cublas")
     with pytest.raises(ValueError, match="torch grouped GEMM backend"):
         grouped_mm(x, w, counts, backend="torch")
+    with pytest.raises(ValueError, match="cutlass grouped GEMM backend"):
+        grouped_mm(x, w, counts, backend="cutlass")
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+def skip_unless_runs(backend, dtype=torch.bfloat16):
+    """Skips where a backend does not apply. The cutlass backend is not skipped for a failed build:
+    on an sm90 GPU with the headers installed, a build error fails the test."""
+    if backend == "torch" and (dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
+                               or torch.cuda.get_device_capability() < (9, 0)):
+        pytest.skip("torch._grouped_mm runs bf16 on sm90+ only")
+    if backend == "cutlass" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability() != (9, 0)
+                                 or importlib.util.find_spec("cutlass_library") is None):
+        pytest.skip("the CUTLASS grouped GEMM runs bf16 on sm90 and needs the nvidia-cutlass headers")
+
+
+@pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5), 0), (777, 136, 200, 5, (0,), 9),
-                                   (64, 64, 64, 64, (), 0)])
+                                   (64, 64, 64, 64, (), 0), (4099, 264, 520, 6, (2,), 3)])
 @pytest.mark.parametrize("transposed_w", [False, True])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu(backend, dtype, shape, transposed_w):
     R, K, N, G, zero_groups, tail = shape
-    if backend == "torch" and (dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
-                               or torch.cuda.get_device_capability() < (9, 0)):
-        pytest.skip("torch._grouped_mm runs bf16 on sm90+ only")
+    skip_unless_runs(backend, dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     check(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, tol, transposed_w)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graph_new_counts(backend):
     """Forward + backward captured once, replayed with new counts: no host sync, counts read on device."""
-    if backend == "torch" and not hasattr(torch, "_grouped_mm"):
-        pytest.skip("no torch._grouped_mm")
+    if backend != "triton":
+        skip_unless_runs(backend)
     R, K, N, G = 512, 128, 256, 6
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(R, K, generator=gen).cuda().bfloat16().requires_grad_()

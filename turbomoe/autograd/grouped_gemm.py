@@ -8,11 +8,16 @@ sum(counts) are unspecified in y and get no gradient (callers never read them). 
 CUDA: the launches do not depend on counts' values, so the call is CUDA-graph capturable.
 
 Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] = x_g^T @ dy_g):
+  cutlass    turbomoe.csrc.grouped_mm (CUTLASS's sm90 kernel, 128 x 256 tiles, no cluster) for y
+             and dx, torch._grouped_mm for dw: bf16 on sm90, K and N multiples of 8, w contiguous
+             (or its transpose), the nvidia-cutlass headers. At 256 rows per expert it took 11-26%
+             less time than torch._grouped_mm on y and dx; on dw no CUTLASS tile tried beat torch's
+             by more than 3% (notes/bench_layer.md)
   torch      torch._grouped_mm (CUTLASS on Hopper): bf16 on sm90+, K and N multiples of 8
   triton     turbomoe.kernels.grouped_gemm: a persistent Triton grouped GEMM; any float dtype
   reference  a loop over groups in plain PyTorch: the CPU path and the test oracle (host sync)
-The default on CUDA is "torch" where it applies, else "triton"; on the CPU "reference". Force one
-with backend= or TURBOMOE_GMM_BACKEND.
+The default on CUDA is the first of cutlass, torch, triton that applies; on the CPU "reference".
+Force one with backend= or TURBOMOE_GMM_BACKEND.
 """
 import functools
 import os
@@ -20,7 +25,9 @@ from typing import Optional
 
 import torch
 
-GMM_BACKENDS = ("torch", "triton", "reference")
+from .. import csrc
+
+GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,10 +35,24 @@ def _is_sm90_plus(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def _device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def _torch_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and _is_sm90_plus(x.device.index if x.device.index is not None else torch.cuda.current_device())
-            and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
+            and _is_sm90_plus(_device_index(x)) and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
+
+
+def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The sm90a kernel: Hopper only; w [G, K, N] contiguous or the transpose of a contiguous
+    [G, N, K]; 16-byte aligned operands for TMA."""
+    if not (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0):
+        return False
+    G, K, N = w.shape
+    layout_ok = w.stride() in ((K * N, N, 1), (K * N, 1, K))
+    return (layout_ok and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(_device_index(x)) == (9, 0) and csrc.gmm_available())
 
 
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -39,9 +60,15 @@ def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] 
     if backend is None:
         if not x.is_cuda:
             return "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+        if _cutlass_gmm_applies(x, w):
+            return "cutlass"
         return "torch" if _torch_gmm_applies(x, w) else "triton"
     if backend not in GMM_BACKENDS:
         raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {GMM_BACKENDS}")
+    if backend == "cutlass" and not _cutlass_gmm_applies(x, w):
+        raise ValueError("the cutlass grouped GEMM backend needs bf16 CUDA tensors on sm90 (Hopper), K and N "
+                         "multiples of 8, w contiguous or the transpose of a contiguous tensor, 16-byte aligned "
+                         "operands, and the nvidia-cutlass headers with nvcc to build it")
     if backend == "torch" and not _torch_gmm_applies(x, w):
         raise ValueError("the torch grouped GEMM backend needs torch._grouped_mm, bf16 CUDA tensors on "
                          "sm90+, and K, N multiples of 8")
@@ -77,8 +104,11 @@ def _reference_wgrad(x_RK, dy_RN, counts_G):
 def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, backend: str,
                offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [R, N], no autograd. w may be a transposed view: the input gradient calls this on w^T."""
-    if backend == "torch":
-        return torch._grouped_mm(x_RK, w_GKN, offs=row_offsets(counts_G) if offs_G is None else offs_G)
+    if backend in ("torch", "cutlass"):
+        offs_G = row_offsets(counts_G) if offs_G is None else offs_G
+        if backend == "cutlass" and x_RK.data_ptr() % 16 == 0:  # TMA; a misaligned gradient view goes to torch
+            return csrc.grouped_mm(x_RK, w_GKN, offs_G)
+        return torch._grouped_mm(x_RK, w_GKN, offs=offs_G)
     if backend == "triton":
         from ..kernels.grouped_gemm import grouped_mm as triton_mm
         return triton_mm(x_RK, w_GKN, counts_G)
@@ -87,8 +117,9 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
 
 def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str,
              offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups."""
-    if backend == "torch":
+    """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
+    takes torch's kernel here: no CUTLASS tile tried beat it on the weight gradient."""
+    if backend in ("torch", "cutlass"):
         return torch._grouped_mm(x_RK.t(), dy_RN, offs=row_offsets(counts_G) if offs_G is None else offs_G)
     if backend == "triton":
         from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
@@ -100,7 +131,7 @@ class GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend):
-        if backend == "torch" and offs_G is None:
+        if backend in ("torch", "cutlass") and offs_G is None:
             offs_G = row_offsets(counts_G)
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
         ctx.backend = backend
@@ -172,5 +203,7 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     check_grouped_mm_args(x_RK, w_GKN, counts_G)
     backend = choose_gmm_backend(x_RK, w_GKN, backend)
     if backend == "torch" and x_RK.stride(1) != 1:
+        x_RK = x_RK.contiguous()
+    elif backend == "cutlass":
         x_RK = x_RK.contiguous()
     return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend)

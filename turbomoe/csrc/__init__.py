@@ -10,8 +10,12 @@ the gating path of a training step is host-bound at practical batch sizes.
 The build (about a minute of nvcc, once per torch and CUDA version; cached by torch in
 TORCH_EXTENSIONS_DIR) needs nvcc and ninja. Limits: E <= MAX_EXPERTS (the Triton backend serves
 larger E), k <= 8.
+
+Also here, as a module of its own: grouped_mm, the experts' grouped GEMM on Hopper from CUTLASS's
+sm90 kernel templates (grouped_gemm.cuh; the headers come from the nvidia-cutlass wheel).
 """
 import functools
+import importlib.util
 import os
 import warnings
 
@@ -21,30 +25,67 @@ from ..reference import Slots, as_contiguous, aux_loss_coefficient, compute_dtyp
 
 MAX_EXPERTS = 1024  # mirrors common.cuh, whose kernels check it too; read here without building them
 _SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu", "sampling.cu")
+_GMM_SOURCES = ("grouped_gemm_bindings.cpp", "grouped_gemm_nn.cu", "grouped_gemm_nt.cu")
 _POLICIES = {"position": 0, "rts": 1, "probs": 2}
+
+
+def _load(name: str, sources, cuda_flags=(), include_dirs=()):
+    from torch.utils.cpp_extension import load
+    here = os.path.dirname(os.path.abspath(__file__))
+    return load(name=name, sources=[os.path.join(here, s) for s in sources], extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3", "-lineinfo", *cuda_flags], extra_include_paths=list(include_dirs),
+                verbose=os.environ.get("TURBOMOE_BUILD_VERBOSE") == "1")
+
+
+def _builds(build, what: str, fallback: str) -> bool:
+    try:
+        build()
+        return True
+    except Exception as e:  # noqa: BLE001 (no nvcc, ninja or headers: the fallback serves instead)
+        warnings.warn(f"turbomoe: {what} could not be built, using {fallback} ({type(e).__name__}: {e})")
+        return False
 
 
 @functools.lru_cache(maxsize=None)
 def extension():
     """The compiled module, built on the first call; raises if it cannot be built."""
-    from torch.utils.cpp_extension import load
-    here = os.path.dirname(os.path.abspath(__file__))
-    return load(name="turbomoe_cuda", sources=[os.path.join(here, s) for s in _SOURCES],
-                extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-lineinfo"],
-                verbose=os.environ.get("TURBOMOE_BUILD_VERBOSE") == "1")
+    return _load("turbomoe_cuda", _SOURCES)
 
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the CUDA backend can run here: a GPU, and the extension builds (once)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        extension()
-        return True
-    except Exception as e:  # noqa: BLE001 (no nvcc or ninja: Triton serves every op instead)
-        warnings.warn(f"turbomoe: the CUDA backend could not be built, using Triton ({type(e).__name__}: {e})")
-        return False
+    return torch.cuda.is_available() and _builds(extension, "the CUDA backend", "Triton")
+
+
+def cutlass_include_dirs():
+    """CUTLASS's C++ headers, from the nvidia-cutlass wheel (found without importing its Python)."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the CUTLASS grouped GEMM needs CUTLASS's headers: pip install nvidia-cutlass "
+                          "(turbomoe's [cuda] extra)")
+    source = os.path.join(list(spec.submodule_search_locations)[0], "source")
+    return [os.path.join(source, "include"), os.path.join(source, "tools", "util", "include")]
+
+
+@functools.lru_cache(maxsize=None)
+def gmm_extension():
+    """The CUTLASS grouped GEMM (grouped_gemm.cuh), a module of its own: a few minutes of nvcc, and
+    it needs CUTLASS's headers. sm_90a only: wgmma and TMA have no portable target."""
+    return _load("turbomoe_gmm", _GMM_SOURCES, include_dirs=cutlass_include_dirs(),
+                 cuda_flags=["-gencode=arch=compute_90a,code=sm_90a", "-DNDEBUG", "--expt-relaxed-constexpr"])
+
+
+@functools.lru_cache(maxsize=None)
+def gmm_available() -> bool:
+    """Whether the CUTLASS grouped GEMM builds here (once); the caller checks for an sm90 device."""
+    return torch.cuda.is_available() and _builds(gmm_extension, "the CUTLASS grouped GEMM", "torch._grouped_mm")
+
+
+def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """y [R, N], y[rows_g] = x[rows_g] @ w[g]: bf16, x contiguous, w contiguous or a transposed
+    view of a contiguous [G, N, K], offs_G the inclusive int32 row offsets."""
+    return gmm_extension().grouped_mm(x_RK, w_GKN, offs_G)
 
 
 def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: bool, bias_E=None):

@@ -1,0 +1,38 @@
+// Python binding of the CUTLASS grouped GEMM (a separate extension from the gating kernels: it needs
+// CUTLASS's headers and sm90a; turbomoe/csrc/__init__.py builds it). The checks here keep every bad
+// input a Python error; the Python front (turbomoe/autograd/grouped_gemm.py) routes only bf16 on sm90.
+#include <torch/extension.h>
+
+namespace turbomoe {
+void grouped_mm_nn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y);
+void grouped_mm_nt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y);
+
+// y [R, N] with y[rows_g] = x[rows_g] @ w[g]; rows past offs[G-1] unspecified.
+at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
+  TORCH_CHECK(x.is_cuda() && w.device() == x.device() && offs.device() == x.device(),
+              "grouped_mm: x, w and offs must be on one CUDA device");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "grouped_mm: x and w must be bf16");
+  TORCH_CHECK(offs.scalar_type() == at::kInt && offs.dim() == 1 && offs.is_contiguous(),
+              "grouped_mm: offs must be a contiguous int32 [G]");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(0) == offs.size(0) && w.size(1) == x.size(1),
+              "grouped_mm: x must be [R, K], w [G, K, N] and offs [G]");
+  const int64_t R = x.size(0), K = x.size(1), G = w.size(0), N = w.size(2);
+  TORCH_CHECK(K % 8 == 0 && N % 8 == 0, "grouped_mm: K and N must be multiples of 8 (16-byte rows for TMA)");
+  TORCH_CHECK(x.is_contiguous(), "grouped_mm: x must be contiguous");
+  const bool n_major = w.stride(2) == 1 && w.stride(1) == N && w.stride(0) == K * N;
+  const bool k_major = w.stride(1) == 1 && w.stride(2) == K && w.stride(0) == K * N;
+  TORCH_CHECK(n_major || k_major, "grouped_mm: w must be contiguous [G, K, N] or the transpose of a contiguous [G, N, K]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+              "grouped_mm: x and w must be 16-byte aligned");
+  at::Tensor y = at::empty({R, N}, x.options());
+  if (R == 0 || N == 0 || G == 0) return y;
+  if (K == 0) return y.zero_();  // CUTLASS leaves the accumulators of a K = 0 problem unset
+  TORCH_CHECK(R < (int64_t(1) << 31) && G < (int64_t(1) << 31), "grouped_mm: R and G must fit in int32");
+  (n_major ? grouped_mm_nn : grouped_mm_nt)(x, w, offs, y);
+  return y;
+}
+}  // namespace turbomoe
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("grouped_mm", &turbomoe::grouped_mm, "y[rows_g] = x[rows_g] @ w[g] over expert-contiguous rows (CUTLASS, sm90)");
+}
