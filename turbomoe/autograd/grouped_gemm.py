@@ -31,8 +31,8 @@ GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 
 
 @functools.lru_cache(maxsize=None)
-def _is_sm90_plus(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _capability(device_index: int) -> tuple:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _device_index(t: torch.Tensor) -> int:
@@ -41,7 +41,7 @@ def _device_index(t: torch.Tensor) -> int:
 
 def _torch_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and _is_sm90_plus(_device_index(x)) and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
+            and _capability(_device_index(x)) >= (9, 0) and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
 
 
 def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -52,7 +52,7 @@ def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     G, K, N = w.shape
     layout_ok = w.stride() in ((K * N, N, 1), (K * N, 1, K))
     return (layout_ok and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(_device_index(x)) == (9, 0) and csrc.gmm_available())
+            and _capability(_device_index(x)) == (9, 0) and csrc.gmm_available())
 
 
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
