@@ -1,8 +1,9 @@
 #!/bin/bash
 # The MoE layer's GPU session, in one call of the device machine (run from the repository root):
 #   [TESTS=tests/test_nn_layer.py] bash scripts/gpu_layer.sh [bench args...]
-# installs the carried wheels (.whl: DeepSpeed and its pure-Python deps, CUTLASS's headers), puts ScatterMoE's source
-# (.peers, ignored) on the path, runs the GPU tests of the grouped GEMM and the layer, then the
+# installs the carried wheels (.whl: DeepSpeed and its pure-Python deps from ../shared/gpu-wheels.sh;
+# CUTLASS's headers from `pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl`), puts ScatterMoE's
+# source (.peers, ignored) on the path, runs the GPU tests of the grouped GEMM and the layer, then the
 # benchmark; logs, JSON and the plot go to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1

@@ -118,6 +118,39 @@ def test_gpu(backend, dtype, shape, transposed_w):
     check(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, tol, transposed_w)
 
 
+def check_counts_past_rows(device, backend, dtype, tol):
+    """Counts summing past R (no host check is possible without a sync) truncate the last groups,
+    as slicing does in the reference; nothing past row R is read or written."""
+    gen = torch.Generator().manual_seed(5)
+    R, K, N, G = 300, 64, 80, 4
+    counts = torch.tensor([120, 0, 150, 90], dtype=torch.int32)  # sums to 360 > R
+    x = torch.randn(R, K, generator=gen).to(device, dtype).requires_grad_()
+    w = torch.randn(G, K, N, generator=gen).to(device, dtype).requires_grad_()
+    dy = torch.randn(R, N, generator=gen).to(device, dtype)
+    y = grouped_mm(x, w, counts.to(device), backend=backend)
+    y.backward(dy)
+    kept = torch.tensor([120, 0, 150, 30], dtype=torch.int32)
+    xr = x.detach().double().cpu().requires_grad_()
+    wr = w.detach().double().cpu().requires_grad_()
+    yr = per_group(xr, wr, kept)
+    yr.backward(dy.double().cpu())
+    assert rel_err(y, yr.detach()) < tol
+    assert rel_err(x.grad, xr.grad) < tol
+    assert rel_err(w.grad, wr.grad) < tol
+
+
+def test_counts_past_rows_reference():
+    check_counts_past_rows("cpu", "reference", torch.float64, 1e-12)
+
+
+@pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_counts_past_rows(backend):
+    skip_unless_runs(backend)
+    check_counts_past_rows("cuda", backend, torch.bfloat16, 1e-2)
+
+
 @pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

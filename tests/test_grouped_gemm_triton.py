@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from test_grouped_gemm import check
+from test_grouped_gemm import check, check_counts_past_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 set before triton kernels are defined")
@@ -18,3 +18,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 def test_triton_interpreter_fp32(zero_groups, tail, transposed_w):
     # 5 groups of 16-row tiles over 4 programs: tiles of several groups interleave across programs.
     check(70, 24, 40, 5, torch.float32, "cpu", "triton", zero_groups, tail, tol=1e-5, transposed_w=transposed_w)
+
+
+def test_triton_interpreter_counts_past_rows():
+    check_counts_past_rows("cpu", "triton", torch.float32, 1e-5)

@@ -4,7 +4,9 @@
 
 x_RK [R, K]: rows sorted by group; group g owns rows offset_g .. offset_g + counts[g] with
 offset_g = sum(counts[:g]). w_GKN [G, K, N]. counts_G [G] int32 on x's device. Rows past
-sum(counts) are unspecified in y and get no gradient (callers never read them). No host sync on
+sum(counts) are unspecified in y and get no gradient (callers never read them). Counts that sum past
+R cannot be checked without a host sync: every backend truncates the last groups at row R (offsets
+computed here are clamped to R; offs_G passed in must be valid). No host sync on
 CUDA: the launches do not depend on counts' values, so the call is CUDA-graph capturable.
 
 Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] = x_g^T @ dy_g):
@@ -78,9 +80,12 @@ def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] 
     return backend
 
 
-def row_offsets(counts_G: torch.Tensor) -> torch.Tensor:
-    """Inclusive int32 row offsets [G] (torch._grouped_mm's `offs`): compute once, pass to every GEMM."""
-    return torch.cumsum(counts_G, 0, dtype=torch.int32)
+def row_offsets(counts_G: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
+    """Inclusive int32 row offsets [G] (torch._grouped_mm's `offs`): compute once, pass to every GEMM.
+    With num_rows, clamped to it (one launch more), so no kernel reads or writes past row R however
+    the counts sum."""
+    offs_G = torch.cumsum(counts_G, 0, dtype=torch.int32)
+    return offs_G if num_rows is None else offs_G.clamp_(max=num_rows)
 
 
 def _reference_mm(x_RK, w_GKN, counts_G):
@@ -105,7 +110,7 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
                offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [R, N], no autograd. w may be a transposed view: the input gradient calls this on w^T."""
     if backend in ("torch", "cutlass"):
-        offs_G = row_offsets(counts_G) if offs_G is None else offs_G
+        offs_G = row_offsets(counts_G, x_RK.shape[0]) if offs_G is None else offs_G
         if backend == "cutlass" and x_RK.data_ptr() % 16 == 0:  # TMA; a misaligned gradient view goes to torch
             return csrc.grouped_mm(x_RK, w_GKN, offs_G)
         return torch._grouped_mm(x_RK, w_GKN, offs=offs_G)
@@ -120,7 +125,8 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
     takes torch's kernel here: no CUTLASS tile tried beat it on the weight gradient."""
     if backend in ("torch", "cutlass"):
-        return torch._grouped_mm(x_RK.t(), dy_RN, offs=row_offsets(counts_G) if offs_G is None else offs_G)
+        offs_G = row_offsets(counts_G, x_RK.shape[0]) if offs_G is None else offs_G
+        return torch._grouped_mm(x_RK.t(), dy_RN, offs=offs_G)
     if backend == "triton":
         from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
         return triton_wgrad(x_RK, dy_RN, counts_G)
@@ -132,7 +138,7 @@ class GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend):
         if backend in ("torch", "cutlass") and offs_G is None:
-            offs_G = row_offsets(counts_G)
+            offs_G = row_offsets(counts_G, x_RK.shape[0])
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
         ctx.backend = backend
         return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)

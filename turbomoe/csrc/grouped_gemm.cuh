@@ -59,14 +59,17 @@ struct Gemm {
 
 // One thread per group: its shape (rows, N, K), operand pointers and packed strides. Templated on
 // the stride types themselves, not on Gemm: nvcc's host stub cannot spell Gemm's nested aliases.
+// Offsets are clamped to [0, R]: counts that sum past R (a caller's error the host cannot see
+// without a sync) truncate the last groups, as the reference's slicing does, instead of writing
+// out of bounds.
 template <class Shape3, class StrideA, class StrideB, class StrideD>
-__global__ void prepare_groups(const int* __restrict__ offs, int num_groups, int K, int N, const Elt* x, const Elt* w,
-                               Elt* y, Shape3* shapes, const Elt** ptr_x, const Elt** ptr_w, Elt** ptr_y,
+__global__ void prepare_groups(const int* __restrict__ offs, int num_groups, int R, int K, int N, const Elt* x,
+                               const Elt* w, Elt* y, Shape3* shapes, const Elt** ptr_x, const Elt** ptr_w, Elt** ptr_y,
                                StrideA* stride_x, StrideB* stride_w, StrideD* stride_y) {
   int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= num_groups) return;
-  int64_t start = g ? offs[g - 1] : 0;
-  int rows = offs[g] - static_cast<int>(start);
+  const int64_t start = g ? min(max(offs[g - 1], 0), R) : 0;
+  const int rows = max(min(max(offs[g], 0), R) - static_cast<int>(start), 0);
   shapes[g] = {rows, N, K};
   ptr_x[g] = x + start * K;
   ptr_w[g] = w + static_cast<int64_t>(g) * K * N;
@@ -116,7 +119,7 @@ void grouped_mm_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   auto* stride_w = static_cast<typename G::StrideB*>(slot[5]);
   auto* stride_y = static_cast<typename G::StrideD*>(slot[6]);
   prepare_groups<<<(num_groups + 127) / 128, 128, 0, stream>>>(
-      offs.data_ptr<int>(), num_groups, K, N, reinterpret_cast<const Elt*>(x.data_ptr()),
+      offs.data_ptr<int>(), num_groups, static_cast<int>(x.size(0)), K, N, reinterpret_cast<const Elt*>(x.data_ptr()),
       reinterpret_cast<const Elt*>(w.data_ptr()), reinterpret_cast<Elt*>(y.data_ptr()), shapes, ptr_x, ptr_w, ptr_y,
       stride_x, stride_w, stride_y);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -2,7 +2,8 @@
 
 Rows of x are grouped: group g owns rows offset_g .. offset_g + counts[g], offset_g the exclusive
 prefix sum of counts. Nothing here reads counts on the host, so the launches are CUDA-graph safe.
-Rows past sum(counts) are neither read nor written.
+Rows past sum(counts) are neither read nor written; counts that sum past R truncate the last groups
+(no row past R is touched).
 
   grouped_mm        y[rows_g] = x[rows_g] @ w[g]       x [R, K], w [G, K, N] (any strides) -> [R, N]
                     (the input gradient is the same kernel on w transposed: dx = dy @ w[g]^T)
@@ -89,7 +90,7 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, counts_ptr, R, N, K, G,
                 b_ptrs += BLOCK_K * stride_wk
             rows = (row_start + rows_in).to(tl.int64)
             y_ptrs = y_ptr + rows[:, None] * stride_yr + cols[None, :] * stride_yn
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows_in < m)[:, None] & (cols < N)[None, :])
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=((rows_in < m) & (rows < R))[:, None] & col_ok[None, :])
         tile_start += g_tiles
         row_start += m
         w_g_ptr += stride_wg
@@ -98,7 +99,7 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, counts_ptr, R, N, K, G,
 @triton.autotune(configs=_INTERPRET_CONFIG if _interpreting() else _WGRAD_CONFIGS, key=["N", "K", "G"],
                  prune_configs_by={"early_config_prune": _prune_by_dtype})
 @triton.jit
-def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, N, K, G,
+def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, R, N, K, G,
                              stride_xr, stride_xk, stride_dyr, stride_dyn, stride_wg, stride_wk, stride_wn,
                              PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -120,7 +121,7 @@ def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, N, K, G,
     for r in range(0, m, BLOCK_M):
         rows_in = r + tl.arange(0, BLOCK_M)
         rows = (row_start + rows_in).to(tl.int64)
-        ok = rows_in < m  # rows of other groups must not leak into this sum
+        ok = (rows_in < m) & (rows < R)  # rows of other groups must not leak into this sum; none past R
         a = tl.load(x_ptr + rows[None, :] * stride_xr + ks[:, None] * stride_xk, mask=k_ok[:, None] & ok[None, :],
                     other=0.0)
         b = tl.load(dy_ptr + rows[:, None] * stride_dyr + cols[None, :] * stride_dyn, mask=ok[:, None] & col_ok[None, :],
@@ -162,7 +163,7 @@ def grouped_mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Te
     def grid(meta):
         return (triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]), G)
 
-    _grouped_mm_wgrad_kernel[grid](x_RK, dy_RN, dw, counts_G, N, K, G,
+    _grouped_mm_wgrad_kernel[grid](x_RK, dy_RN, dw, counts_G, R, N, K, G,
                                    x_RK.stride(0), x_RK.stride(1), dy_RN.stride(0), dy_RN.stride(1), *dw.stride(),
                                    PRECISION=_input_precision(x_RK.dtype))
     return dw
