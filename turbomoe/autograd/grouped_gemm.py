@@ -123,7 +123,7 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
 def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str,
              offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
-    takes torch's kernel here: no CUTLASS tile tried beat it on the weight gradient."""
+    takes torch's kernel here: no CUTLASS tile tried beat it by more than 3% on the weight gradient."""
     if backend in ("torch", "cutlass"):
         offs_G = row_offsets(counts_G, x_RK.shape[0]) if offs_G is None else offs_G
         return torch._grouped_mm(x_RK.t(), dy_RN, offs=offs_G)
