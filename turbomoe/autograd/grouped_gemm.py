@@ -208,8 +208,6 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     """
     check_grouped_mm_args(x_RK, w_GKN, counts_G)
     backend = choose_gmm_backend(x_RK, w_GKN, backend)
-    if backend == "torch" and x_RK.stride(1) != 1:
-        x_RK = x_RK.contiguous()
-    elif backend == "cutlass":
+    if backend == "cutlass" or (backend == "torch" and x_RK.stride(1) != 1):  # cutlass: row-major x
         x_RK = x_RK.contiguous()
     return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend)

@@ -70,8 +70,8 @@ def cutlass_include_dirs():
 
 @functools.lru_cache(maxsize=None)
 def gmm_extension():
-    """The CUTLASS grouped GEMM (grouped_gemm.cuh), a module of its own: a few minutes of nvcc, and
-    it needs CUTLASS's headers. sm_90a only: wgmma and TMA have no portable target."""
+    """The CUTLASS grouped GEMM (grouped_gemm.cuh), a module of its own: about 90 s of nvcc on 16
+    cores, and it needs CUTLASS's headers. sm_90a only: wgmma and TMA have no portable target."""
     return _load("turbomoe_gmm", _GMM_SOURCES, include_dirs=cutlass_include_dirs(),
                  cuda_flags=["-gencode=arch=compute_90a,code=sm_90a", "-DNDEBUG", "--expt-relaxed-constexpr"])
 
