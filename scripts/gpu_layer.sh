@@ -3,8 +3,8 @@
 #   [TESTS=tests/test_nn_layer.py] bash scripts/gpu_layer.sh [bench args...]
 # installs the carried wheels (.whl: DeepSpeed and its pure-Python deps from ../shared/gpu-wheels.sh;
 # CUTLASS's headers from `pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl`), puts ScatterMoE's
-# source (.peers, ignored) on the path, runs the GPU tests of the grouped GEMM and the layer, then the
-# benchmark; logs, JSON and the plot go to $OUT.
+# source (.peers, ignored) on the path, runs the GPU tests of the grouped GEMM, SwiGLU and the
+# layer, then the benchmark; logs, JSON and the plot go to $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/turbomoe_out}
@@ -24,7 +24,7 @@ date -u
 python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available())" &
 python3 -c "from turbomoe import csrc; print('CUTLASS grouped GEMM built:', csrc.gmm_available())"
 wait
-TESTS=${TESTS:-"tests/test_nn_layer.py tests/test_grouped_gemm.py"}
+TESTS=${TESTS:-"tests/test_nn_layer.py tests/test_grouped_gemm.py tests/test_swiglu.py"}
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs $TESTS \
   2>&1 | tee "$OUT/pytest.log" | grep -v "^SKIPPED.*torch._grouped_mm runs bf16" | tail -25
 date -u
