@@ -47,9 +47,10 @@ def _torch_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """The sm90a kernel: Hopper only; w [G, K, N] contiguous or the transpose of a contiguous
-    [G, N, K]; 16-byte aligned operands for TMA."""
-    if not (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0):
+    """The sm90a kernel: where torch's applies (its kernel takes the weight gradient), on Hopper
+    only; w bf16, [G, K, N] contiguous or the transpose of a contiguous [G, N, K]; 16-byte aligned
+    operands for TMA."""
+    if not (_torch_gmm_applies(x, w) and w.dtype == torch.bfloat16):
         return False
     G, K, N = w.shape
     layout_ok = w.stride() in ((K * N, N, 1), (K * N, 1, K))
@@ -68,8 +69,8 @@ def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] 
     if backend not in GMM_BACKENDS:
         raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {GMM_BACKENDS}")
     if backend == "cutlass" and not _cutlass_gmm_applies(x, w):
-        raise ValueError("the cutlass grouped GEMM backend needs bf16 CUDA tensors on sm90 (Hopper), K and N "
-                         "multiples of 8, w contiguous or the transpose of a contiguous tensor, 16-byte aligned "
+        raise ValueError("the cutlass grouped GEMM backend needs torch._grouped_mm, bf16 CUDA tensors on sm90 "
+                         "(Hopper), K and N multiples of 8, w contiguous or the transpose of a contiguous tensor, 16-byte aligned "
                          "operands, and the nvidia-cutlass headers with nvcc to build it")
     if backend == "torch" and not _torch_gmm_applies(x, w):
         raise ValueError("the torch grouped GEMM backend needs torch._grouped_mm, bf16 CUDA tensors on "
@@ -86,6 +87,11 @@ def row_offsets(counts_G: torch.Tensor, num_rows: Optional[int] = None) -> torch
     the counts sum."""
     offs_G = torch.cumsum(counts_G, 0, dtype=torch.int32)
     return offs_G if num_rows is None else offs_G.clamp_(max=num_rows)
+
+
+def _offsets(counts_G: torch.Tensor, num_rows: int, offs_G: Optional[torch.Tensor]) -> torch.Tensor:
+    """The caller's offsets, else row_offsets clamped to the rows there are."""
+    return row_offsets(counts_G, num_rows) if offs_G is None else offs_G
 
 
 def _reference_mm(x_RK, w_GKN, counts_G):
@@ -110,7 +116,7 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
                offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [R, N], no autograd. w may be a transposed view: the input gradient calls this on w^T."""
     if backend in ("torch", "cutlass"):
-        offs_G = row_offsets(counts_G, x_RK.shape[0]) if offs_G is None else offs_G
+        offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         if backend == "cutlass" and x_RK.data_ptr() % 16 == 0:  # TMA; a misaligned gradient view goes to torch
             return csrc.grouped_mm(x_RK, w_GKN, offs_G)
         return torch._grouped_mm(x_RK, w_GKN, offs=offs_G)
@@ -125,7 +131,7 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
     takes torch's kernel here: no CUTLASS tile tried beat it by more than 3% on the weight gradient."""
     if backend in ("torch", "cutlass"):
-        offs_G = row_offsets(counts_G, x_RK.shape[0]) if offs_G is None else offs_G
+        offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         return torch._grouped_mm(x_RK.t(), dy_RN, offs=offs_G)
     if backend == "triton":
         from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
@@ -137,8 +143,8 @@ class GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend):
-        if backend in ("torch", "cutlass") and offs_G is None:
-            offs_G = row_offsets(counts_G, x_RK.shape[0])
+        if backend in ("torch", "cutlass"):
+            offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
         ctx.backend = backend
         return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)

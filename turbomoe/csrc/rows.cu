@@ -179,6 +179,8 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
   check_2d(src, "src");
   check_2d(out, "out");
   check_slots(slots);
+  // Renormalised weights only where gather uses them: its backward (y given).
+  TORCH_CHECK(!renorm || y.has_value(), "push_rows: renorm needs y (gather's backward)");
   const c10::cuda::CUDAGuard guard(src.device());
   const int64_t S = src.size(0), M = src.size(1), R = out.size(0);
   const int K = slots.size(1);
@@ -204,8 +206,6 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
             src.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(), sc, y_ptr, kept_ptr, out.data_ptr<scalar_t>(), ds, S,
             M, R, K, token_blocks, static_cast<int>(capacity), E);
       };
-      // Renormalised weights only where gather uses them: its backward (y given).
-      TORCH_CHECK(!renorm || y_ptr, "push_rows: renorm needs y (gather's backward)");
       if (y_ptr && renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, true>);
       else if (y_ptr) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, false>);
       else if (sc) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, false>);
@@ -220,6 +220,7 @@ void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, co
   check_2d(y, "y");
   check_2d(out, "out");
   check_slots(slots);
+  TORCH_CHECK(!renorm || scores.has_value(), "pull_rows: renorm needs scores");
   const c10::cuda::CUDAGuard guard(y.device());
   const int64_t S = out.size(0), M = out.size(1), R = y.size(0);
   const int K = slots.size(1);
@@ -234,7 +235,6 @@ void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, co
         kernel<<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(y.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(),
                                                                        sc, out.data_ptr<scalar_t>(), S, M, R, K);
       };
-      TORCH_CHECK(!renorm || sc, "pull_rows: renorm needs scores");
       if (sc && renorm) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true, true>);
       else if (sc) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true, false>);
       else launch(pull_rows_kernel<scalar_t, acc_t, VEC, false, false>);
