@@ -11,19 +11,27 @@ and "triton"; eagerly (steps issued back to back) and replayed from a CUDA graph
 config's paths are timed in the same rounds, one step of each in turn (timing.interleaved_medians_ms):
 at S = 4096 the eager steps are host-bound, and the host's speed drifts between runs.
 
+"In a model": each step is issued behind a model's other GPU work (an 8192^3 bf16 GEMM, about
+1.4 ms on an H100), and the GEMM's own time is subtracted. There a path's host time hides behind
+the queued GPU work unless the path waits on the GPU: turbomoe's never does; DeepSpeed's reads the
+capacity on the host, so its host time stays exposed. The host's thread wake-up latency is printed
+too: two wake-ups (to autograd's device thread and back) are part of every eager step.
+
     python scripts/bench_gating.py [--quick] [--json out.json]
 """
 import argparse
+import functools
 import json
 
 import torch
-from timing import copy_bandwidth_gbs, cuda_time_ms, interleaved_medians_ms
+from timing import copy_bandwidth_gbs, cuda_time_ms, interleaved_medians_ms, thread_wakeup_us
 
 import turbomoe
 from turbomoe import ops
 
 CONFIGS = [(S, E, k, M) for S in (4096, 16384) for E in (8, 64) for k in (1, 2) for M in (2048, 4096)]
 CAPACITY_FACTOR, MIN_CAPACITY = 1.0, 4
+MODEL_GEMM = 8192  # the "in a model" steps run behind an n^3 bf16 GEMM
 
 
 def deepspeed_path(logits, x, k):
@@ -82,6 +90,14 @@ def cuda_graph(step):
     return graph.replay
 
 
+def behind(work, step):
+    """step issued right after work, as a layer's gating follows the model's other kernels."""
+    def both():
+        work()
+        step()
+    return both
+
+
 def row_bandwidths(S, E, k, M, copy_gbs, backend):
     """Achieved GB/s of the row kernels (scatter and gather, forward and backward) at one config,
     launched directly so autograd's own overhead stays out. Bytes = each input read once, each
@@ -121,33 +137,42 @@ def main():
     copy_gbs = copy_bandwidth_gbs()
     backends = ["cuda", "triton"] if ops.csrc.available() else ["triton"]
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GB/s": copy_gbs,
-               "backends": backends, "configs": []}
+               "thread_wakeup_us": thread_wakeup_us(), "backends": backends, "configs": []}
+    a = torch.randn(MODEL_GEMM, MODEL_GEMM, device="cuda", dtype=torch.bfloat16)
+    model_work = functools.partial(torch.mm, a, a)
     for S, E, k, M in CONFIGS[:2] if args.quick else CONFIGS:
         logits = torch.randn(S, E, device="cuda", requires_grad=True)
         x = torch.randn(S, M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad_out = torch.randn(S, M, device="cuda", dtype=torch.bfloat16)
-        steps = [fwd_bwd(deepspeed_path, logits, x, k, grad_out)]
-        steps += [fwd_bwd(turbomoe_path(b), logits, x, k, grad_out) for b in backends]
-        steps.append(cuda_graph(fwd_bwd(turbomoe_path(backends[0]), logits, x, k, grad_out)))
-        times = interleaved_medians_ms(steps)
-        row = {"S": S, "E": E, "k": k, "M": M, "deepspeed_ms": times[0], "graph_ms": times[-1]}
+        ds = fwd_bwd(deepspeed_path, logits, x, k, grad_out)
+        eager = [fwd_bwd(turbomoe_path(b), logits, x, k, grad_out) for b in backends]
+        graphed = cuda_graph(fwd_bwd(turbomoe_path(backends[0]), logits, x, k, grad_out))
+        times = interleaved_medians_ms([ds, *eager, graphed, model_work, behind(model_work, ds),
+                                        behind(model_work, eager[0])])
+        row = {"S": S, "E": E, "k": k, "M": M, "deepspeed_ms": times[0], "graph_ms": times[len(backends) + 1],
+               "model_gemm_ms": times[-3], "deepspeed_in_model_ms": times[-2] - times[-3],
+               "in_model_ms": times[-1] - times[-3]}
         for b, ms in zip(backends, times[1:]):
             row[f"{b}_ms"] = ms
         for key in [f"{b}_ms" for b in backends] + ["graph_ms"]:
             row[key.replace("_ms", "_speedup")] = row["deepspeed_ms"] / row[key]
+        row["in_model_speedup"] = row["deepspeed_in_model_ms"] / row["in_model_ms"]
         results["configs"].append(row)
     results["rows_S16384_E64_k2_M4096"] = {b: row_bandwidths(16384, 64, 2, 4096, copy_gbs, b) for b in backends}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     print(f"\n{results['device']}, torch {results['torch']}, bf16 tokens, fp32 logits, capacity factor "
-          f"{CAPACITY_FACTOR}, forward + backward; copy bandwidth {copy_gbs:.0f} GB/s")
+          f"{CAPACITY_FACTOR}, forward + backward; copy bandwidth {copy_gbs:.0f} GB/s; host thread wake-up "
+          f"{results['thread_wakeup_us']:.0f} us")
     heads = [f"{b} eager" for b in backends] + [f"{backends[0]} graphed"]
     print(f"{'S':>6} {'E':>3} {'k':>2} {'M':>5} | {'DeepSpeed':>9} | " + " | ".join(f"{h:>17}" for h in heads)
-          + "   (ms, speedup)")
+          + f" || in a model: {'DeepSpeed':>9} | {backends[0] + ' eager':>17}   (ms, speedup)")
     for c in results["configs"]:
         cells = [f"{c[key + '_ms']:>8.3f} {c[key + '_speedup']:>7.1f}x" for key in backends + ["graph"]]
-        print(f"{c['S']:>6} {c['E']:>3} {c['k']:>2} {c['M']:>5} | {c['deepspeed_ms']:>9.3f} | " + " | ".join(cells))
+        print(f"{c['S']:>6} {c['E']:>3} {c['k']:>2} {c['M']:>5} | {c['deepspeed_ms']:>9.3f} | " + " | ".join(cells)
+              + f" || {'':>11} {c['deepspeed_in_model_ms']:>9.3f} | {c['in_model_ms']:>8.3f} "
+              f"{c['in_model_speedup']:>7.1f}x")
     for b, rows in results["rows_S16384_E64_k2_M4096"].items():
         print(f"row kernels ({b}) at S=16384 E=64 k=2 M=4096:")
         for name, r in rows.items():

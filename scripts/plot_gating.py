@@ -1,5 +1,6 @@
 """Plots bench_gating.py's JSON: time of the gating path (forward + backward) per config for
-DeepSpeed, turbomoe eager on each kernel backend, and turbomoe replayed from a CUDA graph.
+DeepSpeed, turbomoe eager on each kernel backend, turbomoe replayed from a CUDA graph, and turbomoe
+issued behind a model's other GPU work.
 
     python scripts/plot_gating.py notes/bench_gating.json docs/bench_gating.png
 """
@@ -16,8 +17,9 @@ def main(src: str, dst: str):
     res = json.load(open(src))
     cfgs = res["configs"]
     labels = [f"S={c['S']}\nE={c['E']} k={c['k']}\nM={c['M']}" for c in cfgs]
+    first = res["backends"][0]
     series = ([("DeepSpeed 0.19", "deepspeed_ms")] + [(f"turbomoe, {b}", f"{b}_ms") for b in res["backends"]]
-              + [(f"turbomoe, {res['backends'][0]}, CUDA graph", "graph_ms")])
+              + [(f"turbomoe, {first}, CUDA graph", "graph_ms"), (f"turbomoe, {first}, in a model", "in_model_ms")])
     fig, ax = plt.subplots(figsize=(14, 4.5))
     width = 0.8 / len(series)
     for i, (name, key) in enumerate(series):

@@ -9,6 +9,7 @@ Two ways to time a step, both CUDA-event medians after warm-up:
           before and between its kernels where the GPU runs out of work
 """
 import statistics
+import threading
 import time
 from typing import Dict, List, Tuple
 
@@ -106,5 +107,24 @@ def copy_bandwidth_gbs() -> float:
     src = torch.randn(512 * 1024 * 1024, device="cuda")
     dst = torch.empty_like(src)
     ms = cuda_time_ms(lambda: dst.copy_(src), 3, 10)
-    del src, dst
     return 2 * 512 * 1024 * 1024 * 4 / ms / 1e6
+
+
+def thread_wakeup_us(slept_us: float = 200.0, n: int = 50) -> float:
+    """Median time, us, from signalling a thread that has waited slept_us to its running again
+    (Python threads, so the GIL hand-over is in it). An eager backward of CUDA tensors pays two such
+    hand-offs, to autograd's device thread and back. It differs between virtual machines of the same
+    kind, and it is a large part of the eager time of small steps."""
+    lat = []
+    for _ in range(n):
+        go, woke = threading.Event(), []
+        t = threading.Thread(target=lambda: (go.wait(), woke.append(time.perf_counter())))
+        t.start()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < slept_us * 1e-6:  # spin, so the waiter has surely gone to sleep
+            pass
+        t_set = time.perf_counter()
+        go.set()
+        t.join()
+        lat.append(1e6 * (woke[0] - t_set))
+    return statistics.median(lat)

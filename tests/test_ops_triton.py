@@ -244,6 +244,40 @@ def test_edge_cases_finite(case, dtype, backend):
             assert kept.numel() <= E * cap
 
 
+@pytest.mark.parametrize("policy", ["rts", "position", "probs", "dropless"])
+def test_arbitrary_logit_bits(policy, backend):
+    """Logits of every scale from subnormal to 2**50 (z-loss, the mean squared log-sum-exp, stays
+    inside fp32), both signs, zeros, and NaN / +-Inf entries: no fault and nothing non-finite;
+    rows holding NaN or Inf route nowhere, give zero and take no gradient; the other rows route to
+    k distinct experts, each kept route in its own row of its expert's range."""
+    S, E, k, M = 300, 16, 2, 32
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.ldexp(torch.rand(S, E, generator=gen) * 2 - 1, torch.randint(-160, 51, (S, E), generator=gen))
+    logits[torch.rand(S, E, generator=gen) < 0.05] = 0.0
+    odd = torch.randint(0, S * E, (12, ), generator=gen)
+    logits.view(-1)[odd] = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(4)
+    logits = logits.to(DEV).requires_grad_()
+    x = torch.randn(S, M, device=DEV, requires_grad=True)
+    C = None if policy == "dropless" else 24
+    g = ops.topk_gating(logits, k, renormalize=True, backend=backend)
+    s = ops.assign_slots(g.expert_ids, g.scores, E, C, "position" if C is None else policy, 3, backend=backend)
+    out = ops.gather_tokens(ops.scatter_tokens(x, s, backend=backend), s, g.scores, backend=backend)
+    (out.square().sum() + g.aux_loss + g.z_loss).backward()
+    bad = ~torch.isfinite(logits.detach()).all(dim=1)
+    assert bad.sum() >= 8
+    ids, slots = g.expert_ids.long(), s.slots.long()
+    assert (ids[bad] == -1).all() and (g.scores[bad] == 0).all() and (slots[bad] == -1).all()
+    assert (out[bad] == 0).all() and (logits.grad[bad] == 0).all()
+    good = ids[~bad]
+    assert ((good >= 0) & (good < E)).all() and (good.sort(dim=1).values.diff(dim=1) > 0).all()
+    kept = slots >= 0
+    assert slots[kept].unique().numel() == int(kept.sum()) and (slots < s.num_rows).all()
+    if C is not None:
+        assert (slots[kept] // C == ids[kept]).all()
+    for t in (g.scores, g.aux_loss, g.z_loss, out, logits.grad, x.grad):
+        assert torch.isfinite(t).all()
+
+
 def test_deterministic_bits(backend):
     logits = make_logits(300, 16, torch.bfloat16)
     x = torch.randn(300, 96, device=DEV).to(torch.bfloat16)
