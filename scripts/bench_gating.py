@@ -147,12 +147,11 @@ def main():
         ds = fwd_bwd(deepspeed_path, logits, x, k, grad_out)
         eager = [fwd_bwd(turbomoe_path(b), logits, x, k, grad_out) for b in backends]
         graphed = cuda_graph(fwd_bwd(turbomoe_path(backends[0]), logits, x, k, grad_out))
-        times = interleaved_medians_ms([ds, *eager, graphed, model_work, behind(model_work, ds),
-                                        behind(model_work, eager[0])])
-        row = {"S": S, "E": E, "k": k, "M": M, "deepspeed_ms": times[0], "graph_ms": times[len(backends) + 1],
-               "model_gemm_ms": times[-3], "deepspeed_in_model_ms": times[-2] - times[-3],
-               "in_model_ms": times[-1] - times[-3]}
-        for b, ms in zip(backends, times[1:]):
+        t_ds, *t_eager, t_graph, t_gemm, t_ds_behind, t_behind = interleaved_medians_ms(
+            [ds, *eager, graphed, model_work, behind(model_work, ds), behind(model_work, eager[0])])
+        row = {"S": S, "E": E, "k": k, "M": M, "deepspeed_ms": t_ds, "graph_ms": t_graph, "model_gemm_ms": t_gemm,
+               "deepspeed_in_model_ms": t_ds_behind - t_gemm, "in_model_ms": t_behind - t_gemm}
+        for b, ms in zip(backends, t_eager):
             row[f"{b}_ms"] = ms
         for key in [f"{b}_ms" for b in backends] + ["graph_ms"]:
             row[key.replace("_ms", "_speedup")] = row["deepspeed_ms"] / row[key]
