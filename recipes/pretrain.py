@@ -9,6 +9,7 @@ groups of moe.ep_size ranks. The batch of a step is a function of (seed, step), 
 draw of a step is seeded by it, so --resume continues exactly where a checkpoint left off.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -110,7 +111,9 @@ def build_engine(cfg, rank: int, ds_config: dict):
     param_groups = split_params_into_different_moe_groups_for_optimizer([
         {"params": decay, "weight_decay": cfg.train.weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}])
-    optimizer = torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps)
+    # fused: one kernel per group and step instead of a dozen element-wise passes over the fp32 state.
+    optimizer = torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=cfg.train.eps,
+                                  fused=cfg.train.fused_adamw or None)
     t = cfg.train
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731 (built on DeepSpeed's wrapped optimizer)
         opt, lambda step: lr_factor(step, t.warmup_steps, t.steps, t.min_lr_ratio))
@@ -127,6 +130,66 @@ def check_token_ids(batch, vocab_size: int):
     if int(batch.max()) >= vocab_size:
         raise ValueError(f"token id {int(batch.max())} in the data is >= model.vocab_size {vocab_size}; "
                          f"set model.vocab_size to the tokenizer's")
+
+
+def to_device(batch_np, device):
+    """A host batch on the device without a host sync: a pageable copy would wait for the GPU's queue."""
+    batch = torch.from_numpy(batch_np)
+    if device.type != "cuda":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
+def train_step(engine, batches, aux_loss_coef: float, phase=lambda name: contextlib.nullcontext()):
+    """One optimizer step over the micro-batches (DeepSpeed steps at the last). Returns the step's
+    statistics on the device, summed over micro-batches: [loss, aux loss, routes per expert of each
+    MoE layer]. phase(name) wraps each part (forward, backward, step) for the profiler."""
+    stats = None
+    for batch in batches:
+        with phase("forward"):
+            out = engine(batch[:, :-1], batch[:, 1:])
+        with phase("backward"):
+            engine.backward(out.loss + aux_loss_coef * out.aux_loss)
+        with phase("step"):
+            engine.step()
+        micro = torch.cat([torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()]),
+                           out.expert_counts.detach().flatten().float()])
+        stats = micro if stats is None else stats + micro
+    return stats
+
+
+class PendingStats:
+    """The statistics of the steps not yet logged, kept on the device: the log reads them in one
+    all_reduce and one copy every log.every steps instead of syncing with the GPU every step."""
+
+    def __init__(self, num_moe_layers: int, num_experts: int):
+        self.shape = (num_moe_layers, num_experts)
+        self.steps, self.lrs, self.rows, self.grad_norms = [], [], [], []
+
+    def add(self, step: int, lr: float, stats, grad_norm):
+        self.steps.append(step)
+        self.lrs.append(lr)
+        self.rows.append(stats)
+        # DeepSpeed keeps the norm as a device tensor (ZeRO) or a float; None before the first step.
+        self.grad_norms.append(grad_norm if torch.is_tensor(grad_norm) else torch.tensor(float(grad_norm or 0.0)))
+
+    def read(self, grad_accum: int, world: int):
+        """The pending steps' train records (loss and aux averaged over micro-batches and ranks,
+        expert load over all ranks), oldest first; empties the buffer."""
+        stats = torch.stack(self.rows)
+        stats[:, :2] /= grad_accum
+        dist.all_reduce(stats)
+        norms = torch.stack([g.to(stats.device, torch.float32).reshape(()) for g in self.grad_norms])
+        rows = torch.cat([stats, norms[:, None]], dim=1).tolist()  # the one host sync of the interval
+        records = []
+        for step, lr, row in zip(self.steps, self.lrs, rows):
+            counts = torch.tensor(row[2:-1]).view(self.shape)  # routes per expert over all ranks
+            load_per_layer = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)).tolist()
+            records.append({"type": "train", "step": step, "loss": row[0] / world, "aux_loss": row[1] / world,
+                            "lr": lr, "grad_norm": row[-1], "expert_load": max(load_per_layer),
+                            "expert_load_per_layer": load_per_layer})
+        self.steps, self.lrs, self.rows, self.grad_norms = [], [], [], []
+        return records
 
 
 def evaluate(engine, batches, device) -> float:
@@ -175,7 +238,7 @@ def train(cfg, args, resume, samples):
                 f"({cfg.model.num_parameters(active=True) / 1e6:.1f}M active), moe_impl={model.moe_impl}, "
                 f"{world} ranks, ep_size={cfg.moe.ep_size}, zero={t.zero_stage}, {'bf16' if bf16 else 'fp32'}")
 
-    valid = [torch.from_numpy(b).to(device) for b in
+    valid = [to_device(b, device) for b in
              samples.valid_batches(rank, world, t.micro_batch_size, cfg.eval.batches)]
     tokens_per_step = t.micro_batch_size * t.grad_accum * world * cfg.data.seq_len
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
@@ -190,46 +253,49 @@ def train(cfg, args, resume, samples):
         valid_losses.append(evaluate(engine, valid, device))
         log.write({"type": "valid", "step": 0, "valid_loss": valid_losses[-1]})
 
+    pending = PendingStats(len(cfg.model.moe_layers()), cfg.model.num_experts)
+    interval_start = time.perf_counter()
+
+    def flush():
+        """One read of the device for every step since the last: their records, losses and times."""
+        nonlocal interval_start, train_loss
+        if not pending.steps:
+            return
+        dt = (time.perf_counter() - interval_start) / len(pending.steps)
+        for record in pending.read(t.grad_accum, world):
+            record.update(tokens=record["step"] * tokens_per_step, step_time_s=dt, tokens_per_s=tokens_per_step / dt,
+                          mfu=tokens_per_step / dt * flops_per_token / (world * peak) if peak else None)
+            log.train_step(record)
+            step_times.append(dt)
+            train_loss = record["loss"]
+        interval_start = time.perf_counter()
+
     for step in range(start_step, last_step):
         torch.manual_seed(t.seed * 1_000_003 + step)  # any random draw of this step (e.g. RTS) is a function of it
-        t0 = time.perf_counter()
         lr = engine.get_lr()[0]
-        sums = torch.zeros(2, device=device)  # loss, aux loss
-        counts = torch.zeros(len(cfg.model.moe_layers()), cfg.model.num_experts, device=device)
-        for micro_step in range(t.grad_accum):
-            batch = torch.from_numpy(samples.train_batch(step, micro_step, t.grad_accum, rank, world,
-                                                         t.micro_batch_size)).to(device)
-            if check_vocab:
+        batches = [to_device(samples.train_batch(step, micro_step, t.grad_accum, rank, world, t.micro_batch_size),
+                             device) for micro_step in range(t.grad_accum)]
+        if check_vocab:
+            for batch in batches:
                 check_token_ids(batch, cfg.model.vocab_size)
-            out = engine(batch[:, :-1], batch[:, 1:])
-            engine.backward(out.loss + cfg.moe.aux_loss_coef * out.aux_loss)
-            engine.step()
-            sums += torch.stack([out.loss.detach().float(), out.aux_loss.detach().float()])
-            counts += out.expert_counts.float()
-        stats = torch.cat([sums / t.grad_accum, counts.flatten()])
-        dist.all_reduce(stats)
-        loss, aux = (stats[:2] / world).tolist()
-        counts = stats[2:].view_as(counts)  # routes per expert over all ranks
-        load_per_layer = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)).tolist()
-        dt = time.perf_counter() - t0
+        stats = train_step(engine, batches, cfg.moe.aux_loss_coef)
         done = step + 1
-        record = {"type": "train", "step": done, "loss": loss, "aux_loss": aux, "lr": lr,
-                  "grad_norm": float(engine.get_global_grad_norm() or 0.0), "expert_load": max(load_per_layer),
-                  "expert_load_per_layer": load_per_layer, "tokens": done * tokens_per_step,
-                  "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                  "mfu": tokens_per_step / dt * flops_per_token / (world * peak) if peak else None}
-        log.train_step(record)
-        step_times.append(dt)
-        train_loss = loss
-        if done % cfg.eval.every == 0 or done == t.steps:
+        pending.add(done, lr, stats, engine.get_global_grad_norm())
+        evaluate_now = done % cfg.eval.every == 0 or done == t.steps
+        checkpoint_now = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step
+        if done % cfg.log.every == 0 or evaluate_now or checkpoint_now:
+            flush()
+        if evaluate_now:
             valid_losses.append(evaluate(engine, valid, device))
             log.write({"type": "valid", "step": done, "valid_loss": valid_losses[-1]})
             log.message(f"step {done}: valid loss {valid_losses[-1]:.4f}")
-        if (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == last_step:
+        if checkpoint_now:
             checkpointing.save(engine, cfg.checkpoint.dir, done, cfg.checkpoint.keep,
                                {"world_size": world, "config": cfg.to_dict()})
             log.write({"type": "checkpoint", "step": done,
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})
+        if evaluate_now or checkpoint_now:  # their time is not a training step's
+            interval_start = time.perf_counter()
     # Throughput over the steps after the first few (start-up: allocator, kernel autotuning).
     steady = step_times[min(len(step_times) - 1, max(1, len(step_times) // 10)):]
     tokens_per_s = tokens_per_step * len(steady) / sum(steady) if steady else None

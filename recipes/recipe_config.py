@@ -56,6 +56,7 @@ class TrainSection:
     zero_stage: int = 1  # 0, 1 or 2
     precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     peak_tflops: Optional[float] = None  # per-GPU dense bf16 peak for MFU; None: known from the GPU's name
+    fused_adamw: bool = True  # torch's single-kernel AdamW (fused=True) over DeepSpeed's flat groups
 
 
 @dataclass
@@ -77,6 +78,7 @@ class LogSection:
     wandb: bool = True
     wandb_project: str = "turbomoe"
     wandb_mode: Optional[str] = None  # None: online when WANDB_API_KEY is set, else offline
+    every: int = 10  # steps between reads of the step statistics from the device (one host sync each)
 
 
 @dataclass
@@ -183,6 +185,7 @@ def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
     _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto, bf16 or fp32, got {t.precision!r}")
     _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
     _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every must be >= 0, checkpoint.keep >= 1")
+    _require(isinstance(cfg.log.every, int) and cfg.log.every >= 1, f"log.every must be an int >= 1, got {cfg.log.every!r}")
     _require(cfg.log.wandb_mode in (None, "online", "offline", "disabled"),
              f"log.wandb_mode must be online, offline, disabled or null, got {cfg.log.wandb_mode!r}")
     if world_size is not None:

@@ -1,0 +1,112 @@
+"""The model's element-wise work outside the MoE, fused three ways, at small-1gpu's shapes:
+eager PyTorch (turbomoe.models.qwen3_moe as written), torch.compile of the same code, and
+liger-kernel's Triton ops. Forward + backward, bf16, CUDA-event medians (scripts/timing.py).
+
+    python scripts/bench_fusions.py [--batch 32 --seq 1024]
+
+Ops: RMSNorm over the hidden size; the attention input path (q/k/v projections, per-head q/k
+RMSNorm, rotary; GEMMs included, as they are the same in every variant); the dense SwiGLU's
+activation; the loss (lm_head + cross entropy). Prints a table of ms and ratios to eager.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.timing import cuda_time_ms  # noqa: E402
+from turbomoe.models.qwen3_moe import RMSNorm, apply_rotary, rotary_cos_sin  # noqa: E402
+
+
+def fwd_bwd(fn, *inputs):
+    """fn(*inputs) forward and backward with a fixed upstream gradient."""
+    out = fn(*inputs)
+    grad = torch.ones_like(out) if out.ndim else None
+    def run():
+        for x in inputs:
+            x.grad = None
+        fn(*inputs).backward(grad)
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=1024)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    B, T, H, N, G, D, F_, V = a.batch, a.seq, 768, 12, 4, 64, 2048, 320
+    S = B * T
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        liger = True
+    except ImportError as e:
+        print(f"liger-kernel not importable ({e}): its column stays empty")
+        liger = False
+
+    def param(*shape, scale=0.02):
+        return (torch.randn(*shape, device=dev) * scale).to(bf16).requires_grad_()
+
+    norm = RMSNorm(H, 1e-6).to(dev, bf16)
+    qn, kn = RMSNorm(D, 1e-6).to(dev, bf16), RMSNorm(D, 1e-6).to(dev, bf16)
+    wq, wk, wv = param(N * D, H), param(G * D, H), param(G * D, H)
+    cos, sin = rotary_cos_sin(T, D, 10000.0, dev)
+    w_head = param(V, H)
+    labels = torch.randint(0, V, (S,), device=dev)
+
+    def qkv_eager(x, rope=apply_rotary, qnorm=qn, knorm=kn):
+        q = qnorm(F.linear(x, wq).view(B, T, N, D)).transpose(1, 2)
+        k = knorm(F.linear(x, wk).view(B, T, G, D)).transpose(1, 2)
+        v = F.linear(x, wv).view(B, T, G, D).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        return q.sum() + k.sum() + v.sum()
+
+    def qkv_liger(x):
+        q = LigerRMSNormFunction.apply(F.linear(x, wq).view(B, T, N, D), qn.weight, 1e-6, 0.0, "llama", False)
+        k = LigerRMSNormFunction.apply(F.linear(x, wk).view(B, T, G, D), kn.weight, 1e-6, 0.0, "llama", False)
+        v = F.linear(x, wv).view(B, T, G, D).transpose(1, 2)
+        q, k = liger_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos[None].to(bf16), sin[None].to(bf16))
+        return q.sum() + k.sum() + v.sum()
+
+    def swiglu_eager(g, u):
+        return F.silu(g) * u
+
+    def loss_eager(h):
+        return F.cross_entropy(F.linear(h, w_head).float(), labels)
+
+    flce = LigerFusedLinearCrossEntropyLoss() if liger else None
+    cases = [
+        ("RMSNorm [S, 768]", norm, (lambda x: LigerRMSNormFunction.apply(x, norm.weight, 1e-6, 0.0, "llama", False)),
+         lambda: (param(S, H, scale=1.0),)),
+        ("q/k/v proj + q/k RMSNorm + rotary", qkv_eager, qkv_liger, lambda: (param(B, T, H, scale=1.0),)),
+        ("SwiGLU act [S, 2048]", swiglu_eager, (lambda g, u: LigerSiLUMulFunction.apply(g, u)),
+         lambda: (param(S, F_, scale=1.0), param(S, F_, scale=1.0))),
+        ("lm_head + cross entropy (V 320)", loss_eager, (lambda h: flce(w_head, h, labels)),
+         lambda: (param(S, H, scale=1.0),)),
+    ]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B {B} T {T}: fwd+bwd ms (ratio to eager)")
+    print(f"| op | eager | torch.compile | liger-kernel |\n|---|---|---|---|")
+    for name, eager, lig, make in cases:
+        inputs = make()
+        row = []
+        for fn in (eager, torch.compile(eager), lig if liger else None):
+            if fn is None:
+                row.append(None)
+                continue
+            try:
+                row.append(cuda_time_ms(fwd_bwd(fn, *inputs), warmup=5, iters=30))
+            except Exception as e:  # noqa: BLE001 (a variant that fails is reported, the others still run)
+                print(f"  {name}: {type(e).__name__}: {str(e)[:200]}")
+                row.append(None)
+        cells = [f"{t:.3f} ({t / row[0]:.2f}x)" if t is not None else "-" for t in row]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Where the time of a recipe's training step goes: the step of recipes/pretrain.py (same config,
+engine and step function), timed three ways on one GPU.
+
+    python scripts/profile_recipe.py --config recipes/configs/small-1gpu.yaml [--set train.zero_stage=0 ...]
+
+  queued     steps issued back to back, the device statistics read every log.every steps, as the
+             recipe runs: CUDA-event ms per step (the throughput number)
+  phases     each phase (forward, backward, engine.step, the log's device read) waited for: host
+             perf_counter medians, so a phase's GPU and host time both show, without overlap
+  profiler   torch.profiler over a few steps: the top ops by self CUDA time and by self CPU time,
+             and the total per phase (record_function ranges)
+
+Runs as one process (no launcher needed: it sets the single-rank environment itself).
+"""
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+sys.path.insert(0, ROOT)
+for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                   ("MASTER_PORT", "29533")):
+    os.environ.setdefault(key, value)
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+import pretrain  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="steps of the queued and phases timings")
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--trace", default=None, help="write the profiler's Chrome trace here")
+    p.add_argument("--label", default="", help="a name for this run in the printed tables")
+    a = p.parse_args()
+    args = pretrain.parse_args(["--config", a.config, *sum((["--set", s] for s in a.set), []),
+                                "--set", "log.wandb=false", "--set", "checkpoint.every=0"])
+    cfg, _, samples = pretrain.prepare(args)
+    if not torch.cuda.is_available():
+        sys.exit("profile_recipe.py needs a GPU")
+    torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl")
+    t = cfg.train
+    engine, model = pretrain.build_engine(cfg, 0, pretrain.deepspeed_config(cfg, 1, t.precision != "fp32"))
+    device = torch.device("cuda", 0)
+    tokens = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
+    flops = tokens * cfg.model.flops_per_token(cfg.data.seq_len)
+    peak = pretrain.peak_flops(t.peak_tflops)
+    pending = pretrain.PendingStats(len(cfg.model.moe_layers()), cfg.model.num_experts)
+    step_no = [0]
+
+    def batches():
+        s = step_no[0]
+        step_no[0] += 1
+        return [pretrain.to_device(samples.train_batch(s, m, t.grad_accum, 0, 1, t.micro_batch_size), device)
+                for m in range(t.grad_accum)]
+
+    def step(phase=lambda name: contextlib.nullcontext()):
+        lr = engine.get_lr()[0]
+        stats = pretrain.train_step(engine, batches(), cfg.moe.aux_loss_coef, phase)
+        pending.add(step_no[0], lr, stats, engine.get_global_grad_norm())
+        if len(pending.steps) == cfg.log.every:
+            with phase("log read"):
+                pending.read(t.grad_accum, 1)
+
+    for _ in range(a.warmup):
+        step()
+    pending.read(t.grad_accum, 1)
+    torch.cuda.synchronize()
+
+    # queued: as the recipe runs
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(a.steps):
+        step()
+    end.record()
+    end.synchronize()
+    host_ms = 1e3 * (time.perf_counter() - t0) / a.steps
+    queued_ms = start.elapsed_time(end) / a.steps
+    pending.read(t.grad_accum, 1)
+
+    # phases: each waited for
+    times = {}
+
+    @contextlib.contextmanager
+    def timed(name):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        torch.cuda.synchronize()
+        times.setdefault(name, []).append(1e3 * (time.perf_counter() - t0))
+
+    for _ in range(a.steps):
+        step(timed)
+    pending.read(t.grad_accum, 1)
+
+    # profiler
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.profile_steps):
+            with record_function("train step"):
+                step(record_function)
+        torch.cuda.synchronize()
+    if a.trace:
+        prof.export_chrome_trace(a.trace)
+
+    label = a.label or " ".join(a.set) or "as configured"
+    avg = prof.key_averages()
+    print(f"\n## {cfg.name} [{label}]: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"optimizer {type(engine.optimizer).__name__} over {type(engine.basic_optimizer).__name__}, "
+          f"moe_impl {model.moe_impl}, zero {t.zero_stage}, fused_adamw {t.fused_adamw}")
+    tput = tokens / queued_ms * 1e3
+    print(f"queued: {queued_ms:.1f} ms/step (host issue {host_ms:.1f} ms/step), {tput:,.0f} tokens/s, "
+          f"MFU {100 * flops / (queued_ms / 1e3) / peak:.1f}%" if peak else "")
+    print("phases (each waited for, median ms over %d steps): " % a.steps
+          + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items())
+          + f"; sum {sum(statistics.median(v) for v in times.values()):.1f}")
+    print("profiler, per phase (ms per step: CPU total, CUDA total):")
+    for e in avg:
+        if e.key in ("train step", "forward", "backward", "step", "log read"):
+            n = a.profile_steps
+            print(f"  {e.key:12s} cpu {e.cpu_time_total / 1e3 / n:8.1f}  cuda {e.device_time_total / 1e3 / n:8.1f}")
+    print(f"top {a.top} ops by self CUDA time (over {a.profile_steps} steps):")
+    print(avg.table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
+    print(f"top {a.top} ops by self CPU time:")
+    print(avg.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
