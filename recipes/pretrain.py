@@ -29,6 +29,7 @@ from recipe_config import ConfigError, deepspeed_config, load_config, validate  
 from run_log import RunLog, peak_flops  # noqa: E402
 from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
+from turbomoe.models.compile import compile_dense_blocks  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -106,6 +107,8 @@ def build_engine(cfg, rank: int, ds_config: dict):
     # DeepSpeed's expert-parallel groups are runs of ep_size consecutive ranks.
     ep_rank = rank % moe.ep_size
     model.init_weights(cfg.train.seed, ep_rank)
+    if cfg.train.compile:
+        compile_dense_blocks(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms
     param_groups = split_params_into_different_moe_groups_for_optimizer([
@@ -176,6 +179,8 @@ class PendingStats:
     def read(self, grad_accum: int, world: int):
         """The pending steps' train records (loss and aux averaged over micro-batches and ranks,
         expert load over all ranks), oldest first; empties the buffer."""
+        if not self.rows:
+            return []
         stats = torch.stack(self.rows)
         stats[:, :2] /= grad_accum
         dist.all_reduce(stats)

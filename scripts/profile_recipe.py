@@ -30,6 +30,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 import pretrain  # noqa: E402
+from turbomoe.models.compile import compile_dense_blocks  # noqa: E402
 
 
 def main():
@@ -42,6 +43,8 @@ def main():
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", default=None, help="write the profiler's Chrome trace here")
     p.add_argument("--label", default="", help="a name for this run in the printed tables")
+    p.add_argument("--then-compile", action="store_true",
+                   help="then compile the dense blocks in place (train.compile) and measure again")
     a = p.parse_args()
     args = pretrain.parse_args(["--config", a.config, *sum((["--set", s] for s in a.set), []),
                                 "--set", "log.wandb=false", "--set", "checkpoint.every=0"])
@@ -73,69 +76,90 @@ def main():
             with phase("log read"):
                 pending.read(t.grad_accum, 1)
 
-    for _ in range(a.warmup):
-        step()
-    pending.read(t.grad_accum, 1)
-    torch.cuda.synchronize()
+    valid = pretrain.to_device(samples.valid_batches(0, 1, t.micro_batch_size, 1)[0], device)
 
-    # queued: as the recipe runs
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(a.steps):
-        step()
-    end.record()
-    end.synchronize()
-    host_ms = 1e3 * (time.perf_counter() - t0) / a.steps
-    queued_ms = start.elapsed_time(end) / a.steps
-    pending.read(t.grad_accum, 1)
+    def fixed_loss():
+        """The loss of one validation batch at the current weights (eager vs compiled)."""
+        with torch.no_grad():
+            return engine(valid[:, :-1], valid[:, 1:]).loss.float().item()
 
-    # phases: each waited for
-    times = {}
-
-    @contextlib.contextmanager
-    def timed(name):
+    def measure(label):
+        for _ in range(a.warmup):
+            step()
+        pending.read(t.grad_accum, 1)
         torch.cuda.synchronize()
+
+        # queued: as the recipe runs
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
-        yield
-        torch.cuda.synchronize()
-        times.setdefault(name, []).append(1e3 * (time.perf_counter() - t0))
+        start.record()
+        for _ in range(a.steps):
+            step()
+        end.record()
+        end.synchronize()
+        host_ms = 1e3 * (time.perf_counter() - t0) / a.steps
+        queued_ms = start.elapsed_time(end) / a.steps
+        pending.read(t.grad_accum, 1)
 
-    for _ in range(a.steps):
-        step(timed)
-    pending.read(t.grad_accum, 1)
+        # phases: each waited for
+        times = {}
 
-    # profiler
-    from torch.profiler import ProfilerActivity, profile, record_function
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(a.profile_steps):
-            with record_function("train step"):
-                step(record_function)
-        torch.cuda.synchronize()
-    if a.trace:
-        prof.export_chrome_trace(a.trace)
+        @contextlib.contextmanager
+        def timed(name):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            yield
+            torch.cuda.synchronize()
+            times.setdefault(name, []).append(1e3 * (time.perf_counter() - t0))
+
+        for _ in range(a.steps):
+            step(timed)
+        pending.read(t.grad_accum, 1)
+
+        # profiler
+        from torch.profiler import ProfilerActivity, profile, record_function
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.profile_steps):
+                with record_function("train step"):
+                    step(record_function)
+            torch.cuda.synchronize()
+        if a.trace:
+            prof.export_chrome_trace(a.trace.replace(".json", f"-{label.replace(' ', '_')}.json"))
+
+        avg = prof.key_averages()
+        print(f"\n## {cfg.name} [{label}]: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        print(f"optimizer {type(engine.optimizer).__name__} over {type(engine.basic_optimizer).__name__}, "
+              f"moe_impl {model.moe_impl}, zero {t.zero_stage}, fused_adamw {t.fused_adamw}, "
+              f"backends {os.environ.get('TURBOMOE_BACKEND', 'default')}/{os.environ.get('TURBOMOE_GMM_BACKEND', 'default')}")
+        mfu = f", MFU {100 * flops / (queued_ms / 1e3) / peak:.1f}%" if peak else ""
+        print(f"queued: {queued_ms:.1f} ms/step (host issue {host_ms:.1f} ms/step), "
+              f"{tokens / queued_ms * 1e3:,.0f} tokens/s{mfu}")
+        print("phases (each waited for, median ms over %d steps): " % a.steps
+              + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items())
+              + f"; sum {sum(statistics.median(v) for v in times.values()):.1f}")
+        print("profiler, per phase (ms per step: CPU total, CUDA total):")
+        for e in avg:
+            if e.key in ("train step", "forward", "backward", "step", "log read"):
+                n = a.profile_steps
+                print(f"  {e.key:12s} cpu {e.cpu_time_total / 1e3 / n:8.1f}  cuda {e.device_time_total / 1e3 / n:8.1f}")
+        print(f"top {a.top} ops by self CUDA time (over {a.profile_steps} steps):")
+        print(avg.table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
+        print(f"top {a.top} ops by self CPU time:")
+        print(avg.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
 
     label = a.label or " ".join(a.set) or "as configured"
-    avg = prof.key_averages()
-    print(f"\n## {cfg.name} [{label}]: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"optimizer {type(engine.optimizer).__name__} over {type(engine.basic_optimizer).__name__}, "
-          f"moe_impl {model.moe_impl}, zero {t.zero_stage}, fused_adamw {t.fused_adamw}")
-    tput = tokens / queued_ms * 1e3
-    print(f"queued: {queued_ms:.1f} ms/step (host issue {host_ms:.1f} ms/step), {tput:,.0f} tokens/s, "
-          f"MFU {100 * flops / (queued_ms / 1e3) / peak:.1f}%" if peak else "")
-    print("phases (each waited for, median ms over %d steps): " % a.steps
-          + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items())
-          + f"; sum {sum(statistics.median(v) for v in times.values()):.1f}")
-    print("profiler, per phase (ms per step: CPU total, CUDA total):")
-    for e in avg:
-        if e.key in ("train step", "forward", "backward", "step", "log read"):
-            n = a.profile_steps
-            print(f"  {e.key:12s} cpu {e.cpu_time_total / 1e3 / n:8.1f}  cuda {e.device_time_total / 1e3 / n:8.1f}")
-    print(f"top {a.top} ops by self CUDA time (over {a.profile_steps} steps):")
-    print(avg.table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
-    print(f"top {a.top} ops by self CPU time:")
-    print(avg.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+    measure(label)
+    if a.then_compile and not t.compile:
+        eager_loss = fixed_loss()
+        compile_dense_blocks(model)
+        t0 = time.perf_counter()
+        compiled_loss = fixed_loss()  # same weights: compiles the no-grad graphs
+        step()  # compiles the training graphs, forward and backward
+        torch.cuda.synchronize()
+        print(f"\ncompile_dense_blocks: first no-grad forward + first step {time.perf_counter() - t0:.1f} s; "
+              f"loss of a validation batch at the same weights: eager {eager_loss:.6f}, compiled {compiled_loss:.6f}")
+        measure(label + " + compile")
 
 
 if __name__ == "__main__":
