@@ -67,6 +67,8 @@ def test_config_errors(tmp_path):
         load_config(TINY, ["steps=3"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="log.every must be an int >= 1, got 0"):
+        load_config(TINY, ["log.every=0"])
 
 
 def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
@@ -103,6 +105,11 @@ def test_generated_deepspeed_config():
     assert ds["train_batch_size"] == cfg.train.micro_batch_size * 3 * 2
     assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True}
     assert ds["gradient_clipping"] == cfg.train.grad_clip and ds["bf16"] == {"enabled": False}
+    assert "data_types" not in ds
+    # bf16 with ZeRO 1 accumulates gradients in fp32: DeepSpeed's BF16_Optimizer (notes/recipe_profile.md).
+    bf16 = deepspeed_config(load_config(TINY, ["train.zero_stage=1"]), world_size=2, bf16=True)
+    assert bf16["data_types"] == {"grad_accum_dtype": "fp32"} and bf16["bf16"] == {"enabled": True}
+    assert "data_types" not in deepspeed_config(cfg, world_size=2, bf16=True)  # ZeRO 2 keeps DeepSpeed's default
 
 
 def test_lr_schedule():
