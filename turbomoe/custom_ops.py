@@ -1,0 +1,212 @@
+"""turbomoe's gating ops as torch.library custom ops, so torch.compile(fullgraph=True) traces
+through them: topk_gating -> assign_slots -> scatter_tokens -> gather_tokens.
+
+Each op is opaque to the compiler (its kernels run as they do eagerly), has a fake implementation
+(shapes and dtypes only, for tracing) and its autograd registered from the existing
+autograd.Function's backward (turbomoe/autograd): the same launchers and the same backward code,
+driven through torch.library instead of Function.apply. The functions below take the arguments of
+turbomoe.ops (after its checks) and a kernel backend, "cuda" or "triton"; the reference backend
+needs no custom op (it is plain PyTorch, which the compiler traces itself).
+
+    from turbomoe import custom_ops
+    g = custom_ops.topk_gating(logits_SE, k, "softmax", renormalize, None, "triton")
+    s = custom_ops.assign_slots(g.expert_ids, g.scores, E, None, "position", 0, "triton")
+    out_SM = custom_ops.gather_tokens(experts(custom_ops.scatter_tokens(x_SM, s, "triton")), s, g.scores, False, "triton")
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from . import ops
+from .autograd.gather import GatherTokens
+from .autograd.gating import TopKGating
+from .autograd.scatter import ScatterTokens
+from .reference import GatingOutput, Slots, as_contiguous, compute_dtype
+
+
+class _NoCtx:
+    """The ctx an autograd.Function's forward is given when the custom op runs it for its outputs
+    alone (what it saves is saved again in setup_context, from the op's inputs and outputs)."""
+
+    def save_for_backward(self, *tensors):
+        pass
+
+    def mark_non_differentiable(self, *tensors):
+        pass
+
+
+class _Saved:
+    """The ctx an autograd.Function's backward reads (saved_tensors and attributes), rebuilt inside
+    a backward custom op from its arguments."""
+
+    def __init__(self, *saved_tensors, **attributes):
+        self.saved_tensors = saved_tensors
+        self.__dict__.update(attributes)
+
+
+# ---------------------------------------------------------------- topk_gating
+
+@torch.library.custom_op("turbomoe::topk_gating", mutates_args=())
+def _topk_gating(logits_SE: torch.Tensor, k: int, score_func: str, renormalize: bool,
+                 bias_E: Optional[torch.Tensor], backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+    """ids, scores, counts, aux, z, and for backward lse [S] and ce [E]."""
+    sigmoid = score_func == "sigmoid"
+    ids, scores, counts, ce_E, lse_S, aux, z = ops._impl(backend).gating_forward(
+        logits_SE, k, sigmoid, renormalize, None if bias_E is None else bias_E.detach().contiguous())
+    # A custom op's outputs may not view one another: ce, aux and z are slices of one stats buffer
+    # in the Triton launcher, so they are copied (E + 2 values).
+    return ids, scores, counts, aux.clone(), z.clone(), lse_S, ce_E.clone()
+
+
+@_topk_gating.register_fake
+def _(logits_SE, k, score_func, renormalize, bias_E, backend):
+    S, E = logits_SE.shape
+    acc = compute_dtype(logits_SE.dtype)
+    empty = logits_SE.new_empty
+    return (empty(S, k, dtype=torch.int32), empty(S, k, dtype=acc), empty(E, dtype=torch.int32), empty((), dtype=acc),
+            empty((), dtype=acc), empty(S, dtype=acc), empty(E, dtype=acc))
+
+
+@torch.library.custom_op("turbomoe::topk_gating_backward", mutates_args=())
+def _topk_gating_backward(logits_SE: torch.Tensor, ids_SK: torch.Tensor, lse_S: torch.Tensor, ce_E: torch.Tensor,
+                          g_scores: Optional[torch.Tensor], g_aux: Optional[torch.Tensor], g_z: Optional[torch.Tensor],
+                          score_func: str, renormalize: bool, backend: str) -> torch.Tensor:
+    ctx = _Saved(logits_SE, ids_SK, lse_S, ce_E, config=(score_func == "sigmoid", renormalize, ops._impl(backend)))
+    return TopKGating.backward(ctx, None, g_scores, None, g_aux, g_z)[0]
+
+
+@_topk_gating_backward.register_fake
+def _(logits_SE, ids_SK, lse_S, ce_E, g_scores, g_aux, g_z, score_func, renormalize, backend):
+    return torch.empty_like(logits_SE)
+
+
+def _gating_setup(ctx, inputs, output):
+    logits_SE, k, score_func, renormalize, bias_E, backend = inputs
+    ids, _, _, _, _, lse_S, ce_E = output
+    ctx.save_for_backward(logits_SE, ids, lse_S, ce_E)
+    ctx.config = (score_func, renormalize, backend)
+
+
+def _gating_backward(ctx, g_ids, g_scores, g_counts, g_aux, g_z, _g_lse, _g_ce):  # lse and ce only serve backward
+    grad = _topk_gating_backward(*ctx.saved_tensors, g_scores, g_aux, g_z, *ctx.config)
+    return grad, None, None, None, None, None
+
+
+_topk_gating.register_autograd(_gating_backward, setup_context=_gating_setup)
+
+
+def topk_gating(logits_SE, k: int, score_func: str, renormalize: bool, selection_bias_E, backend: str) -> GatingOutput:
+    return GatingOutput(*_topk_gating(logits_SE, k, score_func, renormalize, selection_bias_E, backend)[:5])
+
+
+# ---------------------------------------------------------------- assign_slots (integer: no autograd)
+
+@torch.library.custom_op("turbomoe::assign_slots", mutates_args=())
+def _assign_slots(expert_ids_SK: torch.Tensor, scores_SK: torch.Tensor, num_experts: int, capacity: Optional[int],
+                  drop_policy: str, seed: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    s = ops._impl(backend).assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
+    return s.slots.contiguous(), s.kept_counts
+
+
+@_assign_slots.register_fake
+def _(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend):
+    return (expert_ids_SK.new_empty(expert_ids_SK.shape, dtype=torch.int32),
+            expert_ids_SK.new_empty(num_experts, dtype=torch.int32))
+
+
+def assign_slots(expert_ids_SK, scores_SK, num_experts: int, capacity: Optional[int], drop_policy: str, seed: int,
+                 backend: str) -> Slots:
+    slots_SK, kept_E = _assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend)
+    S, k = expert_ids_SK.shape
+    return Slots(slots_SK, kept_E, S * k if capacity is None else num_experts * capacity, capacity)
+
+
+# ---------------------------------------------------------------- scatter_tokens
+
+@torch.library.custom_op("turbomoe::scatter_tokens", mutates_args=())
+def _scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int, kept_counts_E: Optional[torch.Tensor],
+                    capacity: Optional[int], backend: str) -> torch.Tensor:
+    return ScatterTokens.forward(_NoCtx(), x_SM, slots_SK, num_rows, kept_counts_E, capacity, ops._impl(backend))
+
+
+@_scatter_tokens.register_fake
+def _(x_SM, slots_SK, num_rows, kept_counts_E, capacity, backend):
+    return x_SM.new_empty(num_rows, x_SM.shape[1])
+
+
+@torch.library.custom_op("turbomoe::scatter_tokens_backward", mutates_args=())
+def _scatter_tokens_backward(grad_buf_RM: torch.Tensor, slots_SK: torch.Tensor, backend: str) -> torch.Tensor:
+    return ScatterTokens.backward(_Saved(slots_SK, impl=ops._impl(backend)), grad_buf_RM)[0]
+
+
+@_scatter_tokens_backward.register_fake
+def _(grad_buf_RM, slots_SK, backend):
+    return grad_buf_RM.new_empty(slots_SK.shape[0], grad_buf_RM.shape[1])
+
+
+def _scatter_setup(ctx, inputs, output):
+    _, slots_SK, _, _, _, backend = inputs
+    ctx.save_for_backward(as_contiguous(slots_SK, torch.int32))
+    ctx.backend = backend
+
+
+def _scatter_backward(ctx, grad_buf_RM):
+    return _scatter_tokens_backward(grad_buf_RM, *ctx.saved_tensors, ctx.backend), None, None, None, None, None
+
+
+_scatter_tokens.register_autograd(_scatter_backward, setup_context=_scatter_setup)
+
+
+def scatter_tokens(x_SM, slots: Slots, backend: str):
+    return _scatter_tokens(x_SM, slots.slots, slots.num_rows, slots.kept_counts, slots.capacity, backend)
+
+
+# ---------------------------------------------------------------- gather_tokens
+
+@torch.library.custom_op("turbomoe::gather_tokens", mutates_args=())
+def _gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor,
+                   kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], renormalize: bool,
+                   backend: str) -> torch.Tensor:
+    return GatherTokens.forward(_NoCtx(), y_RM, slots_SK, scores_SK, kept_counts_E, capacity, ops._impl(backend),
+                                renormalize)
+
+
+@_gather_tokens.register_fake
+def _(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, renormalize, backend):
+    return y_RM.new_empty(slots_SK.shape[0], y_RM.shape[1])
+
+
+@torch.library.custom_op("turbomoe::gather_tokens_backward", mutates_args=())
+def _gather_tokens_backward(grad_out_SM: torch.Tensor, y_RM: torch.Tensor, slots_SK: torch.Tensor,
+                            scores_SK: torch.Tensor, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int],
+                            renormalize: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    ctx = _Saved(y_RM, slots_SK, scores_SK, kept_counts_E, capacity=capacity, impl=ops._impl(backend),
+                 renormalize=renormalize)
+    grad_y_RM, _, grad_scores_SK, *_ = GatherTokens.backward(ctx, grad_out_SM)
+    return grad_y_RM, grad_scores_SK
+
+
+@_gather_tokens_backward.register_fake
+def _(grad_out_SM, y_RM, slots_SK, scores_SK, kept_counts_E, capacity, renormalize, backend):
+    return torch.empty_like(y_RM), torch.empty_like(scores_SK)
+
+
+def _gather_setup(ctx, inputs, output):
+    y_RM, slots_SK, scores_SK, kept_counts_E, capacity, renormalize, backend = inputs
+    ctx.save_for_backward(y_RM.contiguous(), as_contiguous(slots_SK, torch.int32), scores_SK.contiguous(),
+                          kept_counts_E)
+    ctx.config = (capacity, renormalize, backend)
+
+
+def _gather_backward(ctx, grad_out_SM):
+    grad_y_RM, grad_scores_SK = _gather_tokens_backward(grad_out_SM, *ctx.saved_tensors, *ctx.config)
+    return grad_y_RM, None, grad_scores_SK, None, None, None, None
+
+
+_gather_tokens.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+def gather_tokens(y_RM, slots: Slots, scores_SK, renormalize: bool, backend: str):
+    return _gather_tokens(y_RM, slots.slots, scores_SK, slots.kept_counts, slots.capacity, renormalize, backend)
