@@ -128,10 +128,11 @@ def build_engine(cfg, rank: int, ds_config: dict):
     return engine, model
 
 
-def check_token_ids(batch, vocab_size: int):
-    """Pre-tokenized data may come from a tokenizer larger than the model's vocabulary."""
-    if int(batch.max()) >= vocab_size:
-        raise ValueError(f"token id {int(batch.max())} in the data is >= model.vocab_size {vocab_size}; "
+def check_token_ids(batch_np, vocab_size: int):
+    """Pre-tokenized data may come from a tokenizer larger than the model's vocabulary. Checked on
+    the host batch, before its copy: on the device it would cost a sync every step."""
+    if batch_np.size and int(batch_np.max()) >= vocab_size:
+        raise ValueError(f"token id {int(batch_np.max())} in the data is >= model.vocab_size {vocab_size}; "
                          f"set model.vocab_size to the tokenizer's")
 
 
@@ -243,15 +244,15 @@ def train(cfg, args, resume, samples):
                 f"({cfg.model.num_parameters(active=True) / 1e6:.1f}M active), moe_impl={model.moe_impl}, "
                 f"{world} ranks, ep_size={cfg.moe.ep_size}, zero={t.zero_stage}, {'bf16' if bf16 else 'fp32'}")
 
-    valid = [to_device(b, device) for b in
-             samples.valid_batches(rank, world, t.micro_batch_size, cfg.eval.batches)]
+    valid_np = samples.valid_batches(rank, world, t.micro_batch_size, cfg.eval.batches)
     tokens_per_step = t.micro_batch_size * t.grad_accum * world * cfg.data.seq_len
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     peak = peak_flops(t.peak_tflops)
     check_vocab = vocab_size_of(cfg.data.source) is None
     if check_vocab:
-        for b in valid:
+        for b in valid_np:
             check_token_ids(b, cfg.model.vocab_size)
+    valid = [to_device(b, device) for b in valid_np]
     t_start = time.perf_counter()
     valid_losses, step_times, train_loss = [], [], None
     if start_step == 0:
@@ -278,11 +279,12 @@ def train(cfg, args, resume, samples):
     for step in range(start_step, last_step):
         torch.manual_seed(t.seed * 1_000_003 + step)  # any random draw of this step (e.g. RTS) is a function of it
         lr = engine.get_lr()[0]
-        batches = [to_device(samples.train_batch(step, micro_step, t.grad_accum, rank, world, t.micro_batch_size),
-                             device) for micro_step in range(t.grad_accum)]
+        batches_np = [samples.train_batch(step, micro_step, t.grad_accum, rank, world, t.micro_batch_size)
+                      for micro_step in range(t.grad_accum)]
         if check_vocab:
-            for batch in batches:
-                check_token_ids(batch, cfg.model.vocab_size)
+            for b in batches_np:
+                check_token_ids(b, cfg.model.vocab_size)
+        batches = [to_device(b, device) for b in batches_np]
         stats = train_step(engine, batches, cfg.moe.aux_loss_coef)
         done = step + 1
         pending.add(done, lr, stats, engine.get_global_grad_norm())

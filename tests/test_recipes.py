@@ -112,6 +112,14 @@ def test_generated_deepspeed_config():
     assert "data_types" not in deepspeed_config(cfg, world_size=2, bf16=True)  # ZeRO 2 keeps DeepSpeed's default
 
 
+def test_token_ids_checked_on_the_host_batch():
+    import numpy as np
+    pretrain.check_token_ids(np.array([[0, 319]]), 320)
+    pretrain.check_token_ids(np.zeros((0, 5), dtype=np.int64), 320)
+    with pytest.raises(ValueError, match="token id 320 in the data is >= model.vocab_size 320"):
+        pretrain.check_token_ids(np.array([[5, 320]]), 320)
+
+
 def test_lr_schedule():
     f = [pretrain.lr_factor(s, 10, 110, 0.1) for s in range(110)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
