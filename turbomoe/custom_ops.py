@@ -24,12 +24,12 @@ from .autograd.scatter import ScatterTokens
 from .reference import GatingOutput, Slots, as_contiguous, compute_dtype
 
 
-class _NoCtx:
-    """The ctx an autograd.Function's forward is given when the custom op runs it for its outputs
-    alone (what it saves is saved again in setup_context, from the op's inputs and outputs)."""
+class _Recorder:
+    """The ctx an autograd.Function's forward is given when a custom op runs it: it keeps what the
+    forward saves (the op returns what backward needs; setup_context saves it on the real ctx)."""
 
     def save_for_backward(self, *tensors):
-        pass
+        self.saved_tensors = tensors
 
     def mark_non_differentiable(self, *tensors):
         pass
@@ -52,9 +52,10 @@ def _topk_gating(logits_SE: torch.Tensor, k: int, score_func: str, renormalize: 
                                                                       torch.Tensor, torch.Tensor, torch.Tensor,
                                                                       torch.Tensor]:
     """ids, scores, counts, aux, z, and for backward lse [S] and ce [E]."""
-    sigmoid = score_func == "sigmoid"
-    ids, scores, counts, ce_E, lse_S, aux, z = ops._impl(backend).gating_forward(
-        logits_SE, k, sigmoid, renormalize, None if bias_E is None else bias_E.detach().contiguous())
+    ctx = _Recorder()
+    ids, scores, counts, aux, z = TopKGating.forward(ctx, logits_SE, k, score_func, renormalize, bias_E,
+                                                     ops._impl(backend))
+    _, _, lse_S, ce_E = ctx.saved_tensors
     # A custom op's outputs may not view one another: ce, aux and z are slices of one stats buffer
     # in the Triton launcher, so they are copied (E + 2 values).
     return ids, scores, counts, aux.clone(), z.clone(), lse_S, ce_E.clone()
@@ -128,7 +129,7 @@ def assign_slots(expert_ids_SK, scores_SK, num_experts: int, capacity: Optional[
 @torch.library.custom_op("turbomoe::scatter_tokens", mutates_args=())
 def _scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int, kept_counts_E: Optional[torch.Tensor],
                     capacity: Optional[int], backend: str) -> torch.Tensor:
-    return ScatterTokens.forward(_NoCtx(), x_SM, slots_SK, num_rows, kept_counts_E, capacity, ops._impl(backend))
+    return ScatterTokens.forward(_Recorder(), x_SM, slots_SK, num_rows, kept_counts_E, capacity, ops._impl(backend))
 
 
 @_scatter_tokens.register_fake
@@ -169,7 +170,7 @@ def scatter_tokens(x_SM, slots: Slots, backend: str):
 def _gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor,
                    kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], renormalize: bool,
                    backend: str) -> torch.Tensor:
-    return GatherTokens.forward(_NoCtx(), y_RM, slots_SK, scores_SK, kept_counts_E, capacity, ops._impl(backend),
+    return GatherTokens.forward(_Recorder(), y_RM, slots_SK, scores_SK, kept_counts_E, capacity, ops._impl(backend),
                                 renormalize)
 
 
