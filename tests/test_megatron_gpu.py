@@ -90,7 +90,8 @@ def loss_and_grads(model, data):
     tokens, pos, mask = data
     loss = model(tokens, pos, mask, labels=tokens).float().mean()
     loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if not n.endswith(("experts.weight1", "experts.weight2"))}
+    grads = {n: p.grad for n, p in model.named_parameters()
+             if p.grad is not None and not n.endswith(("experts.weight1", "experts.weight2"))}
     for i, layer in enumerate(model.decoder.layers):  # turbomoe's expert grads in SequentialMLP's names
         if isinstance(layer.mlp, tm.TurboMoELayer):
             grads.update({f"decoder.layers.{i}.mlp.{k}": g for k, g in expert_grads_as_stock(layer.mlp).items()})
@@ -164,9 +165,10 @@ def test_checkpoints_load_both_ways():
             dist_checkpointing.save(src.sharded_state_dict(), d)
             dst.load_state_dict(dist_checkpointing.load(dst.sharded_state_dict(), d))
         assert_same_experts(stock, turbo, cfg.hidden_size)
-        for (n1, p1), (n2, p2) in zip(src.state_dict().items(), dst.state_dict().items()):
-            if n1 == n2 and isinstance(p1, torch.Tensor):
-                assert torch.equal(p1, p2), n1
+        dst_sd = dst.state_dict()
+        for name, t in src.state_dict().items():  # every tensor the two share by name (all but the experts)
+            if isinstance(t, torch.Tensor) and name in dst_sd:
+                assert torch.equal(t, dst_sd[name]), name
         got, _ = loss_and_grads(dst, data)
         assert abs(got.item() - ref.item()) <= 2e-2 * abs(ref.item()), (ref.item(), got.item())
 
