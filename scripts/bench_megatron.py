@@ -5,7 +5,10 @@
 Layers (one process, the same config):
   stock     megatron-core 0.16.1's MoELayer from its local spec: TopKRouter, allgather dispatcher,
             SequentialMLP (the legacy GroupedMLP needs the grouped_gemm package: not installable here)
-  turbomoe  get_turbomoe_moe_spec: TurboTopKRouter, TurboTokenDispatcher, TurboGroupedMLP
+  turbomoe  get_turbomoe_moe_spec: TurboTopKRouter, TurboTokenDispatcher, TurboGroupedMLP, the probs
+            weighing the expert rows in turbomoe's gather kernel (the default)
+  before    the same with probs_before_fc2=True: the probs scale the activation before fc2, as
+            Megatron's experts do (an [R, F] multiply each way)
   native    turbomoe.nn.MoELayer at the same shape (the bar: turbomoe's Megatron layer within 1.2x)
 All dropless, SwiGLU experts, softmax top-k (renormalised over the k, as Megatron's default), fp32
 router logits, aux loss 0.01. Times: CUDA-event medians after warm-up, the three layers interleaved in
@@ -83,16 +86,18 @@ def bench_layers(configs, iters):
         layers = {
             "stock": build_module(get_moe_module_spec(use_te=False, num_experts=E), config=cfg).cuda(),
             "turbomoe": build_module(get_turbomoe_moe_spec(cfg), config=cfg).cuda(),
+            "before": build_module(get_turbomoe_moe_spec(cfg, probs_before_fc2=True), config=cfg).cuda(),
             "native": MoELayer(M, F_, E, k, renormalize=k > 1, aux_loss_coef=0.01, device="cuda", dtype=DTYPE),
         }
         x3 = torch.randn(S, 1, M, device="cuda", dtype=DTYPE, requires_grad=True)
         g3 = torch.randn_like(x3)
         x2 = x3.detach().view(S, M).requires_grad_()
         steps = [layer_step(layers["stock"], x3, g3), layer_step(layers["turbomoe"], x3, g3),
-                 layer_step(layers["native"], x2, g3.view(S, M))]
-        stock_ms, turbo_ms, native_ms = interleaved_medians_ms(steps, warmup=3, iters=iters, block=5)
-        row = dict(S=S, M=M, F=F_, E=E, k=k, stock_ms=stock_ms, turbomoe_ms=turbo_ms, native_ms=native_ms,
-                   speedup=stock_ms / turbo_ms, vs_native=turbo_ms / native_ms)
+                 layer_step(layers["before"], x3, g3), layer_step(layers["native"], x2, g3.view(S, M))]
+        stock_ms, turbo_ms, before_ms, native_ms = interleaved_medians_ms(steps, warmup=3, iters=iters, block=5)
+        row = dict(S=S, M=M, F=F_, E=E, k=k, stock_ms=stock_ms, turbomoe_ms=turbo_ms, before_fc2_ms=before_ms,
+                   native_ms=native_ms, speedup=stock_ms / turbo_ms, vs_native=turbo_ms / native_ms,
+                   before_fc2_speedup=stock_ms / before_ms, before_fc2_vs_native=before_ms / native_ms)
         print(f"[layer] {row}", flush=True)
         rows.append(row)
         del layers, steps, x2, x3, g3
@@ -112,7 +117,8 @@ def bench_gpt(iters, seq=2048, batch=4):
                  get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False)):
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
-        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq).cuda()
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq)
+        model = model.cuda().to(DTYPE)  # as Float16Module casts it (its embeddings start in fp32)
         opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=True)
         models.append(model)
 
@@ -143,11 +149,12 @@ def main():
         rows = bench_layers([int(c) for c in args.configs.split(",")], args.iters)
         gpt = None if args.no_gpt else bench_gpt(max(args.iters // 2, 5))
     print("\n| (S, M, F, E, k) | stock local (SequentialMLP) ms | turbomoe spec ms | speedup | turbomoe MoELayer ms "
-          "| spec / MoELayer |")
-    print("|---|---|---|---|---|---|")
+          "| spec / MoELayer | spec, probs before fc2 ms | speedup | / MoELayer |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['S']}, {r['M']}, {r['F']}, {r['E']}, {r['k']} | {r['stock_ms']:.2f} | {r['turbomoe_ms']:.2f} | "
-              f"{r['speedup']:.1f}x | {r['native_ms']:.2f} | {r['vs_native']:.2f} |")
+              f"{r['speedup']:.1f}x | {r['native_ms']:.2f} | {r['vs_native']:.2f} | {r['before_fc2_ms']:.2f} | "
+              f"{r['before_fc2_speedup']:.1f}x | {r['before_fc2_vs_native']:.2f} |")
     if gpt:
         print(f"\nGPT step ({gpt['layers']} MoE layers, hidden {gpt['hidden']}, E {gpt['E']}, k {gpt['k']}, "
               f"F {gpt['F']}, {gpt['batch']} x {gpt['seq']} tokens): stock {gpt['stock_ms']:.1f} ms "

@@ -29,14 +29,19 @@ if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None  # stock 0.16.1 without Transformer Engine (see test_megatron_gpu.py)
 
 E = 8
-CASES = {"dropless": dict(), "capacity-probs": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs"),
-         "capacity-position": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position")}
+CASES = {  # name: (config overrides, turbomoe spec keywords)
+    "dropless": (dict(), dict()),
+    "dropless, probs before fc2": (dict(), dict(probs_before_fc2=True)),
+    "capacity-probs": (dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs"), dict()),
+    "capacity-position, probs before fc2": (dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position"),
+                                            dict(probs_before_fc2=True)),
+}
 
 
-def build(cfg):
+def build(cfg, **turbomoe_kwargs):
     torch.manual_seed(0)  # the router weight is replicated: the same on both ranks
     stock = build_module(get_moe_module_spec(use_te=False, num_experts=E), config=cfg).cuda()
-    turbo = build_module(tm.get_turbomoe_moe_spec(cfg), config=cfg).cuda()
+    turbo = build_module(tm.get_turbomoe_moe_spec(cfg, **turbomoe_kwargs), config=cfg).cuda()
     copy_stock_moe_to_turbomoe(stock, turbo)
     return stock, turbo
 
@@ -49,10 +54,10 @@ def step(layer, x, g):
     return out.detach(), x.grad
 
 
-def check_case(name, overrides, rank):
+def check_case(name, overrides, turbomoe_kwargs, rank):
     cfg = moe_config(num_moe_experts=E, hidden_size=64, moe_ffn_hidden_size=48, expert_model_parallel_size=2,
                      moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32", **overrides)
-    stock, turbo = build(cfg)
+    stock, turbo = build(cfg, **turbomoe_kwargs)
     torch.manual_seed(100 + rank)  # each rank its own tokens
     x = torch.randn(32, 4, cfg.hidden_size, device="cuda")
     g = torch.randn_like(x)
@@ -98,8 +103,8 @@ def main():
     torch.cuda.set_device(rank)
     torch.backends.cuda.matmul.allow_tf32 = False
     with model_parallel("nccl", ep=2):
-        for name, overrides in CASES.items():
-            cfg, stock, turbo = check_case(name, overrides, rank)
+        for name, (overrides, turbomoe_kwargs) in CASES.items():
+            cfg, stock, turbo = check_case(name, overrides, turbomoe_kwargs, rank)
             print(f"rank {rank}: {name} equal to stock", flush=True)
         check_checkpoints(cfg, stock, turbo)
         print(f"rank {rank}: checkpoints load both ways", flush=True)

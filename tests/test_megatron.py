@@ -164,10 +164,12 @@ LAYER_CASES = [  # k, capacity factor, drop policy, shared expert size
 ]
 
 
+@pytest.mark.parametrize("before_fc2", [False, True], ids=["probs-in-gather", "probs-before-fc2"])
 @pytest.mark.parametrize("k,cf,policy,shared", LAYER_CASES)
-def test_layer_matches_stock_moe_layer(k, cf, policy, shared):
+def test_layer_matches_stock_moe_layer(k, cf, policy, shared, before_fc2):
     """TurboMoELayer (turbomoe's dispatcher and grouped-GEMM experts) against stock's MoELayer with its
-    allgather dispatcher and SequentialMLP, both routed by turbomoe's router (so on the CPU), fp64."""
+    allgather dispatcher and SequentialMLP, both routed by turbomoe's router (so on the CPU), fp64;
+    the probs weighing the rows in the gather (default) or the activation before fc2 (as stock)."""
     E = 6
     cfg = moe_config(num_moe_experts=E, moe_router_topk=k, moe_router_pre_softmax=(k == 1),
                      moe_expert_capacity_factor=cf, moe_token_drop_policy="probs" if policy == "rts" else policy,
@@ -176,7 +178,7 @@ def test_layer_matches_stock_moe_layer(k, cf, policy, shared):
     stock_spec.submodules.router = functools.partial(TurboTopKRouter, drop_policy=policy)
     torch.manual_seed(0)
     stock = build_module(stock_spec, config=cfg)
-    turbo = build_module(tm.get_turbomoe_moe_spec(cfg, drop_policy=policy), config=cfg)
+    turbo = build_module(tm.get_turbomoe_moe_spec(cfg, drop_policy=policy, probs_before_fc2=before_fc2), config=cfg)
     copy_stock_moe_to_turbomoe(stock, turbo)
     if shared:
         turbo.shared_experts.load_state_dict(stock.shared_experts.state_dict())

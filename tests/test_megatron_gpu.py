@@ -63,8 +63,8 @@ def build_pair(cfg, **turbomoe_kwargs):
                  tm.get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **turbomoe_kwargs)):
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
-        models.append(GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
-                               max_sequence_length=SEQ).cuda())
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ).cuda()
+        models.append(model.to(cfg.params_dtype))  # as Float16Module casts it (its embeddings start in fp32)
     stock, turbo = models
     own = dict(turbo.named_parameters())
     with torch.no_grad():
@@ -98,8 +98,9 @@ def loss_and_grads(model, data):
     return loss.detach(), grads
 
 
-CASES = {  # name: config overrides
+CASES = {  # name: config overrides (the probs_before_fc2 case: turbomoe spec keywords)
     "dropless": dict(),
+    "probs-before-fc2": dict(),
     "dropless-k1": dict(moe_router_topk=1, moe_router_pre_softmax=True),
     "capacity-probs": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs"),
     "capacity-position": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position"),
@@ -114,7 +115,7 @@ CASES = {  # name: config overrides
 def test_gpt_matches_stock(case, dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = gpt_config(dtype, **CASES[case])
-    stock, turbo = build_pair(cfg)
+    stock, turbo = build_pair(cfg, probs_before_fc2=case == "probs-before-fc2")
     data = batch()
     (l1, g1), (l2, g2) = loss_and_grads(stock, data), loss_and_grads(turbo, data)
     tol = 2e-5 if dtype == torch.float32 else 2e-2

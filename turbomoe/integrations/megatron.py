@@ -11,7 +11,9 @@ The pieces (each its own module):
   TurboTokenDispatcher (megatron_dispatcher) scatter / gather, Megatron's all-to-all over ep ranks
   TurboGroupedMLP   (megatron_experts)     turbomoe's grouped GEMM, GroupedMLP's parameters
   TurboMoELayer     (here)                 MoELayer with the dispatcher installed; it keeps
-                                           MoELayer's forward (shared experts, recompute)
+                                           MoELayer's forward (shared experts, recompute); the
+                                           probs weigh the expert rows in the gather kernel
+                                           (probs_before_fc2=True: in the experts, as Megatron)
 The layer does not sync with the host when ep_size == 1 (dropless or with a capacity), nor with a
 capacity at any ep_size; dropless with ep_size > 1 reads the all-to-all split sizes once.
 config.moe_token_dispatcher_type is not used (turbomoe's dispatcher replaces it). Configs the
@@ -74,14 +76,17 @@ class TurboMoELayer(MoELayer):
     """
 
     def __init__(self, config, submodules: Optional[MoESubmodules] = None, layer_number: Optional[int] = None,
-                 pg_collection=None, backend: Optional[str] = None):
+                 pg_collection=None, backend: Optional[str] = None, probs_before_fc2: bool = False):
         check_config(config)
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          pg_collection=pg_collection)
         if not isinstance(self.router, TurboTopKRouter):
             raise TypeError(f"TurboMoELayer needs a TurboTopKRouter, got {type(self.router).__name__}")
+        # Probs weigh the rows in the gather kernel, unless asked before fc2 (Megatron's rounding) or the
+        # experts scale their input by them (moe_apply_probs_on_input).
+        in_combine = not (probs_before_fc2 or config.moe_apply_probs_on_input)
         self.token_dispatcher = TurboTokenDispatcher(self.num_local_experts, config.num_moe_experts, self.ep_group,
-                                                     backend)
+                                                     backend, probs_in_combine=in_combine)
         self._hidden_shape = None
 
     def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
@@ -109,7 +114,7 @@ class TurboMoELayer(MoELayer):
 
 def get_turbomoe_moe_spec(config=None, *, shared_experts: Optional[ModuleSpec] = None,
                           drop_policy: Optional[str] = None, backend: Optional[str] = None,
-                          gmm_backend: Optional[str] = None) -> ModuleSpec:
+                          gmm_backend: Optional[str] = None, probs_before_fc2: bool = False) -> ModuleSpec:
     """ModuleSpec of turbomoe's MoE layer (the `mlp` of an MoE TransformerLayer).
 
     config: checked now if given (else when the layer is built). shared_experts: the shared
@@ -117,6 +122,10 @@ def get_turbomoe_moe_spec(config=None, *, shared_experts: Optional[ModuleSpec] =
     spec, or use use_turbomoe, which keeps the spec's own). drop_policy: None follows
     config.moe_token_drop_policy; "rts" is turbomoe's random token selection. backend /
     gmm_backend: turbomoe's op and grouped-GEMM backends (None: the fastest that applies).
+    probs_before_fc2: False (default) weighs each expert output row by its prob inside turbomoe's
+    gather kernel; True multiplies the activation by the probs before fc2, as Megatron's experts do
+    (the same in exact arithmetic, as fc2 has no bias; bf16 rounds differently; it costs an [R, F]
+    multiply each way: 1.2-2.4 ms of the layer at the benchmark shapes, notes/megatron_core.md).
     """
     if config is not None:
         check_config(config)
@@ -129,7 +138,7 @@ def get_turbomoe_moe_spec(config=None, *, shared_experts: Optional[ModuleSpec] =
             linear_fc1=local.column_parallel_linear(), linear_fc2=local.row_parallel_linear()))
     router = functools.partial(TurboTopKRouter, drop_policy=drop_policy, backend=backend)
     experts = ModuleSpec(module=TurboGroupedMLP, params={"gmm_backend": gmm_backend})
-    return ModuleSpec(module=TurboMoELayer, params={"backend": backend},
+    return ModuleSpec(module=TurboMoELayer, params={"backend": backend, "probs_before_fc2": probs_before_fc2},
                       submodules=MoESubmodules(experts=experts, shared_experts=shared_experts, router=router),
                       metainfo={"fuse_pre_mlp_layernorm": False})
 

@@ -8,7 +8,10 @@ expert-parallel group with Megatron's all-to-all.
 The local buffer is turbomoe's scatter of the T local tokens by routing.slots: dropless, the T*k
 routes expert-contiguous over the E global experts; with a capacity C, E blocks of C rows (empty
 rows zero, with prob 0). combine gathers each token's kept rows with weight 1 (the experts applied
-the probs). tokens_per_expert stays on the device.
+the probs). With probs_in_combine=True, dispatch hands the experts probs None instead and combine
+weighs the rows by the probs inside turbomoe's gather kernel (equal in exact arithmetic for experts
+without a bias: fc2 is linear; it saves the [R, F] multiply and its backward). tokens_per_expert
+stays on the device.
 Expert parallelism (ep > 1), El = E / ep local experts:
   capacity  every rank sends El*C rows to every rank (equal splits: no host sync); the received
             [ep, El, C] blocks are reordered to [El, ep, C], so each local expert owns ep*C rows
@@ -36,18 +39,23 @@ def probs_to_rows(probs_TK: torch.Tensor, slots_TK: torch.Tensor, num_rows: int)
 class TurboTokenDispatcher:
     """See the module doc. One dispatch, then one combine, per forward (state kept in between)."""
 
-    def __init__(self, num_local_experts: int, num_experts: int, ep_group, backend: Optional[str] = None):
+    def __init__(self, num_local_experts: int, num_experts: int, ep_group, backend: Optional[str] = None,
+                 probs_in_combine: bool = False):
         self.num_local_experts, self.num_experts, self.ep_group = num_local_experts, num_experts, ep_group
         self.ep_size = ep_group.size()
-        self.backend = backend
-        self._slots = self._ones_TK = self._splits = None
+        self.backend, self.probs_in_combine = backend, probs_in_combine
+        self._slots = self._weights_TK = self._splits = None
 
     def dispatch(self, x_TH: torch.Tensor, routing):
-        """x [T, H] -> (tokens [R, H], tokens_per_expert [El] int32 on the device, probs [R])."""
+        """x [T, H] -> (tokens [R, H], tokens_per_expert [El] int32 on the device, probs [R] or None)."""
         s = routing.slots
         self._slots = s
+        self._weights_TK = None
+        if self.probs_in_combine:  # the gather weighs in fp32 (fp64 when the router works in fp64)
+            p = routing.probs
+            self._weights_TK = p if p.dtype in (torch.float32, torch.float64) else p.float()
         buf_RH = ops.scatter_tokens(x_TH, s, backend=self.backend)
-        probs_R = probs_to_rows(routing.probs, s.slots, s.num_rows)
+        probs_R = None if self.probs_in_combine else probs_to_rows(routing.probs, s.slots, s.num_rows)
         if self.ep_size == 1:
             counts_E = s.kept_counts if s.capacity is None else torch.full_like(s.kept_counts, s.capacity)
             return buf_RH, counts_E, probs_R
@@ -60,18 +68,21 @@ class TurboTokenDispatcher:
         s = self._slots
         if self.ep_size > 1:
             y_RH = self._combine_blocks(y_RH, s.capacity) if s.capacity is not None else self._combine_chunks(y_RH)
-        ones_TK = torch.ones(s.slots.shape, dtype=torch.float32, device=y_RH.device)
-        out_TH = ops.gather_tokens(y_RH, s, ones_TK, backend=self.backend)
-        self._slots = self._splits = None
+        weights_TK = self._weights_TK
+        if weights_TK is None:  # the experts applied the probs
+            weights_TK = torch.ones(s.slots.shape, dtype=torch.float32, device=y_RH.device)
+        out_TH = ops.gather_tokens(y_RH, s, weights_TK, backend=self.backend)
+        self._slots = self._weights_TK = self._splits = None
         return out_TH
 
     # Capacity: fixed blocks of C rows, equal splits.
     def _dispatch_blocks(self, buf_RH, probs_R, C: int):
         ep, El = self.ep_size, self.num_local_experts
         recv_RH = all_to_all(self.ep_group, buf_RH)  # [source, El, C] -> local experts' rows
-        recv_R = all_to_all(self.ep_group, probs_R)
         tokens = recv_RH.view(ep, El, C, -1).transpose(0, 1).reshape(El * ep * C, -1)
-        probs = recv_R.view(ep, El, C).transpose(0, 1).reshape(-1)
+        probs = None
+        if probs_R is not None:
+            probs = all_to_all(self.ep_group, probs_R).view(ep, El, C).transpose(0, 1).reshape(-1)
         counts_E = torch.full((El,), ep * C, dtype=torch.int32, device=buf_RH.device)
         return tokens, counts_E, probs
 
@@ -90,7 +101,7 @@ class TurboTokenDispatcher:
         send_splits, recv_SE = host[0].sum(1).tolist(), host[1]
         recv_splits = recv_SE.sum(1).tolist()
         tokens = all_to_all(self.ep_group, buf_RH, recv_splits, send_splits)
-        probs = all_to_all(self.ep_group, probs_R, recv_splits, send_splits)
+        probs = None if probs_R is None else all_to_all(self.ep_group, probs_R, recv_splits, send_splits)
         to_expert_major = torch.arange(ep * El).view(ep, El).t().reshape(-1)
         tokens, probs = sort_chunks_by_idxs(tokens, recv_SE.reshape(-1), to_expert_major, probs)
         self._splits = (send_splits, recv_splits, recv_SE)

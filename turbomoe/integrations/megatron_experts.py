@@ -2,7 +2,8 @@
 
 `TurboGroupedMLP(num_local_experts, config, pg_collection)` is called as Megatron calls its experts,
 `experts(tokens [R, H], tokens_per_expert [El] (int32, on the device), probs [R]) -> (out [R, H], None)`,
-and applies the probs as Megatron's experts do: after the activation, before fc2. Its parameters are
+and applies the probs as Megatron's experts do: after the activation, before fc2 (probs None: not at
+all, for a caller that weighs the output rows itself, as TurboMoELayer does by default). Its parameters are
 GroupedMLP's, weight1 [H, El * 2F] (gated: [gate | up] per expert; else El * F) and weight2 [El * F, H],
 which are turbomoe's w1 [El, H, 2F] and w2 [El, F, H] in memory, so the GEMMs read them as views.
 It is a GroupedMLP subclass for GroupedMLP's sharded_state_dict (the same distributed-checkpoint
@@ -64,7 +65,7 @@ class TurboGroupedMLP(GroupedMLP):
     def forward(self, tokens_RH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_R: torch.Tensor):
         El, H = self.num_local_experts, self.config.hidden_size
         counts_E = tokens_per_expert.to(device=tokens_RH.device, dtype=torch.int32)
-        if self.config.moe_apply_probs_on_input:
+        if self.config.moe_apply_probs_on_input and probs_R is not None:
             tokens_RH = (probs_R.unsqueeze(-1) * tokens_RH).to(tokens_RH.dtype)
             probs_R = torch.ones_like(probs_R)
         offs_E = row_offsets(counts_E)  # once for the four GEMMs
@@ -73,11 +74,11 @@ class TurboGroupedMLP(GroupedMLP):
         out_RH = grouped_mm(a_RF, self.weight2.view(El, -1, H), counts_E, self.gmm_backend, offs_E)
         return out_RH, None
 
-    def _activation_with_probs(self, h_RN: torch.Tensor, probs_R: torch.Tensor) -> torch.Tensor:
+    def _activation_with_probs(self, h_RN: torch.Tensor, probs_R: Optional[torch.Tensor]) -> torch.Tensor:
         """act(h) * probs in h's dtype, as Megatron's MLP does it for experts (per_token_scale)."""
         cfg = self.config
         silu_glu = cfg.gated_linear_unit and cfg.activation_func is F.silu
-        if silu_glu and cfg.bias_activation_fusion:
+        if silu_glu and cfg.bias_activation_fusion and probs_R is not None:
             return weighted_bias_swiglu_impl(h_RN, None, probs_R.unsqueeze(-1), cfg.activation_func_fp8_input_store)
         if silu_glu and cfg.activation_func_clamp_value is None and cfg.glu_linear_offset == 0:
             a_RF = swiglu(h_RN)  # turbomoe's kernel
@@ -89,7 +90,7 @@ class TurboGroupedMLP(GroupedMLP):
             a_RF = cfg.activation_func(gate) * (up + cfg.glu_linear_offset)
         else:
             a_RF = cfg.activation_func(h_RN)
-        return (a_RF * probs_R.unsqueeze(-1)).to(h_RN.dtype)
+        return a_RF if probs_R is None else (a_RF * probs_R.unsqueeze(-1)).to(h_RN.dtype)
 
 
 def _ignore_extra_states(module, incompatible_keys):
