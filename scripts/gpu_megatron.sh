@@ -1,7 +1,8 @@
 #!/bin/bash
 # The Megatron-core integration's GPU session, in one call of the device machine (run from the tree's root):
 #   bash scripts/gpu_megatron.sh [bench args...]          (one GPU: tests, then the benchmark)
-#   EP=1 bash scripts/gpu_megatron.sh                     (two GPUs: the expert-parallel test only)
+#   EP=1 bash scripts/gpu_megatron.sh                     (two GPUs: the expert-parallel test, then the
+#                                                          one-GPU bf16 model tests, TESTS_AFTER_EP)
 # Installs the carried wheels (WHL, default .whl: megatron-core 0.16.1 and the rest), builds turbomoe's
 # CUDA kernels and CUTLASS GEMM in the background while the tests run on the Triton kernels (every
 # dtype, fp32 included), runs the host-sync test again on the default backends, then the benchmark.
@@ -20,7 +21,10 @@ python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 
 date -u
 if [ -n "$EP" ]; then
   TURBOMOE_BACKEND=triton TURBOMOE_GMM_BACKEND=triton timeout 220 python3 -m pytest -q -p no:cacheprovider -rfEs -s \
-    tests/test_megatron_gpu.py -k expert_parallel 2>&1 | tee "$OUT/pytest_ep.log" | tail -40
+    tests/test_megatron_gpu.py -k expert_parallel 2>&1 | tee "$OUT/pytest_ep.log" | grep -E "rank|PASS|passed|failed|Error" | tail -30
+  date -u
+  TURBOMOE_BACKEND=triton TURBOMOE_GMM_BACKEND=triton timeout 60 python3 -m pytest -q -p no:cacheprovider -rfEs \
+    tests/test_megatron_gpu.py -k "${TESTS_AFTER_EP:-bf16 or checkpoints}" 2>&1 | tee "$OUT/pytest_after_ep.log" | tail -8
   date -u
   exit 0
 fi
