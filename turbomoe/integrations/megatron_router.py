@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from .. import ops
 from ..autograd.router import fp32_logits
+from .megatron_config import check_config
 
 DROP_POLICIES = ("probs", "position", "rts")
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -106,7 +107,6 @@ class TurboTopKRouter(TopKRouter):
     """
 
     def __init__(self, config, pg_collection=None, drop_policy: Optional[str] = None, backend: Optional[str] = None):
-        from .megatron import check_config  # the layer's module validates the whole config
         check_config(config)
         super().__init__(config=config, pg_collection=pg_collection or get_default_pg_collection())
         self.drop_policy = drop_policy or config.moe_token_drop_policy
