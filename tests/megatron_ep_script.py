@@ -62,11 +62,11 @@ def check_case(name, overrides, turbomoe_kwargs, rank):
     x = torch.randn(32, 4, cfg.hidden_size, device="cuda")
     g = torch.randn_like(x)
     (o1, gx1), (o2, gx2) = step(stock, x, g), step(turbo, x, g)
-    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6, msg=f"{name}: output")
-    torch.testing.assert_close(gx2, gx1, rtol=1e-5, atol=1e-6, msg=f"{name}: input grad")
-    torch.testing.assert_close(turbo.router.weight.grad, stock.router.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5, msg=f"{name}: output")
+    torch.testing.assert_close(gx2, gx1, rtol=1e-4, atol=1e-5, msg=f"{name}: input grad")
+    torch.testing.assert_close(turbo.router.weight.grad, stock.router.weight.grad, rtol=1e-4, atol=1e-5)
     for key, grad in expert_grads_as_stock(turbo).items():
-        torch.testing.assert_close(grad, stock.get_parameter(key).grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+        torch.testing.assert_close(grad, stock.get_parameter(key).grad, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
     if cfg.moe_expert_capacity_factor is not None:  # equal splits: no host sync in the layer
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
