@@ -155,18 +155,20 @@ def test_router_losses_match_stock_routing(k, score, lb, aux, z, per_token):
     tracker.clear()
 
 
-LAYER_CASES = [  # k, capacity factor, drop policy, shared expert size
-    (2, None, "probs", None),
-    (1, None, "probs", 16),
-    (3, 1.0, "probs", None),
-    (2, 0.5, "position", None),
-    (2, 0.75, "rts", None),
+LAYER_CASES = [  # k, capacity factor, drop policy, shared expert size, tokens (s, b)
+    (2, None, "probs", None, (9, 4)),
+    (1, None, "probs", 16, (9, 4)),
+    (3, 1.0, "probs", None, (9, 4)),
+    (2, 0.5, "position", None, (9, 4)),
+    (2, 0.75, "rts", None, (9, 4)),
+    (2, None, "probs", None, (1, 2)),  # fewer tokens than experts
+    (3, 0.5, "position", None, (1, 3)),
 ]
 
 
 @pytest.mark.parametrize("before_fc2", [False, True], ids=["probs-in-gather", "probs-before-fc2"])
-@pytest.mark.parametrize("k,cf,policy,shared", LAYER_CASES)
-def test_layer_matches_stock_moe_layer(k, cf, policy, shared, before_fc2):
+@pytest.mark.parametrize("k,cf,policy,shared,tokens", LAYER_CASES)
+def test_layer_matches_stock_moe_layer(k, cf, policy, shared, tokens, before_fc2):
     """TurboMoELayer (turbomoe's dispatcher and grouped-GEMM experts) against stock's MoELayer with its
     allgather dispatcher and SequentialMLP, both routed by turbomoe's router (so on the CPU), fp64;
     the probs weighing the rows in the gather (default) or the activation before fc2 (as stock)."""
@@ -182,7 +184,7 @@ def test_layer_matches_stock_moe_layer(k, cf, policy, shared, before_fc2):
     copy_stock_moe_to_turbomoe(stock, turbo)
     if shared:
         turbo.shared_experts.load_state_dict(stock.shared_experts.state_dict())
-    x = torch.randn(9, 4, cfg.hidden_size, dtype=torch.float64)
+    x = torch.randn(*tokens, cfg.hidden_size, dtype=torch.float64)
     w = torch.randn_like(x)
     outs = []
     for layer in (stock, turbo):
@@ -196,6 +198,19 @@ def test_layer_matches_stock_moe_layer(k, cf, policy, shared, before_fc2):
     torch.testing.assert_close(turbo.router.weight.grad, stock.router.weight.grad, rtol=1e-10, atol=1e-12)
     for name, g in expert_grads_as_stock(turbo).items():
         torch.testing.assert_close(g, stock.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("cf", [None, 1.0])
+def test_layer_with_no_tokens(cf):
+    """An empty batch: empty output and input gradient, zero expert gradients, no loss (stock's aux
+    loss divides by the token count)."""
+    cfg = moe_config(moe_expert_capacity_factor=cf)
+    layer = build_module(tm.get_turbomoe_moe_spec(cfg), config=cfg)
+    x = torch.randn(0, 2, cfg.hidden_size, requires_grad=True)
+    out, _ = layer(x)
+    out.sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape
+    assert torch.count_nonzero(layer.experts.weight1.grad) == 0 and torch.count_nonzero(layer.router.weight.grad) == 0
 
 
 def _sharded_tensors(module):

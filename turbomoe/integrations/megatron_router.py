@@ -129,7 +129,7 @@ class TurboTopKRouter(TopKRouter):
             logits = F.linear(x.to(dtype), self.weight.to(dtype))
         if self.bias is not None:
             logits = logits + self.bias.to(dtype)
-        return logits.view(*input.shape[:-1], -1)
+        return logits.view(*input.shape[:-1], self.num_experts)
 
     def route(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> Routing:
         """hidden states [s, b, H] (or [T, H]) -> Routing of the T = s*b tokens."""
@@ -149,13 +149,13 @@ class TurboTopKRouter(TopKRouter):
         slots = drop_slots(g.expert_ids, probs_TK, E, C, self.drop_policy, self.seed, self.backend)
         if self.training and self.drop_policy == "rts" and C is not None:
             self.seed += 1  # a fresh random selection each step
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() and T > 0:  # no tokens, no losses (stock divides by T)
             probs_TK = self._attach_z_loss(probs_TK, g.z_loss, T)
             if self.is_aux_loss_enabled():
                 probs_TK = self._attach_aux_losses(probs_TK, logits_TE, g, seq_length, bsz)
-            if self.enable_expert_bias:
-                with torch.no_grad():
-                    self.local_tokens_per_expert += slots.kept_counts
+        if self.enable_expert_bias and torch.is_grad_enabled():  # stock's condition (not under recompute)
+            with torch.no_grad():
+                self.local_tokens_per_expert += slots.kept_counts
         return Routing(g.expert_ids, probs_TK, slots)
 
     def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
@@ -174,7 +174,7 @@ class TurboTopKRouter(TopKRouter):
         save_to_aux_losses_tracker("z_loss", z / coeff, self.layer_number, num_layers)
         return probs_TK
 
-    def _fused_aux_applies(self, g) -> bool:
+    def _fused_aux_applies(self) -> bool:
         """turbomoe's gating loss is E/k' * sum_e mean_prob_e * route_fraction_e (DeepSpeed's): equal to
         Megatron's switch loss for softmax scores at k = 1 and k >= 3 (k = 2 counts first choices only),
         over the local tokens (no tp/cp reduction), with unbiased choices."""
@@ -182,7 +182,7 @@ class TurboTopKRouter(TopKRouter):
                 and self.tp_cp_group.size() == 1 and not self.enable_expert_bias)
 
     def _attach_aux_losses(self, probs_TK, logits_TE, g, seq_length: int, bsz: int):
-        if self._fused_aux_applies(g):
+        if self._fused_aux_applies():
             coeff = self.get_aux_loss_coeff("aux_loss")
             return self.attach_and_log_load_balancing_loss(probs_TK, coeff, g.aux_loss * coeff, "load_balancing_loss",
                                                            self.tp_cp_group, valid_token_count=logits_TE.shape[0])
