@@ -262,7 +262,8 @@ def test_block_spec_swaps_only_moe_layers():
 @pytest.mark.parametrize("field,value", [("moe_router_group_topk", 2), ("moe_router_fusion", True),
                                          ("moe_pad_expert_input_to_capacity", True),
                                          ("moe_router_load_balancing_type", "sinkhorn"),
-                                         ("expert_tensor_parallel_size", 2)])
+                                         ("expert_tensor_parallel_size", 2),
+                                         ("moe_token_dispatcher_type", "flex")])
 def test_unsupported_config_names_the_field(field, value):
     cfg = moe_config(moe_expert_capacity_factor=1.0)
     setattr(cfg, field, value)  # after construction: the config's own checks would stop some first

@@ -15,6 +15,10 @@ _UNSUPPORTED = (  # (config field, value that is supported, why)
 
 def check_config(config):
     """ValueError naming the first field of config that turbomoe's Megatron layer does not cover."""
+    if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+        raise ValueError("turbomoe's Megatron-core MoE layer replaces the token dispatcher; MoELayer still builds "
+                         "stock's first: config.moe_token_dispatcher_type must be 'allgather' or 'alltoall', got "
+                         f"{config.moe_token_dispatcher_type!r}")
     for field, ok, what in _UNSUPPORTED:
         value = getattr(config, field, ok)
         if value != ok:
