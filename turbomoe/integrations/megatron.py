@@ -16,7 +16,8 @@ The pieces (each its own module; megatron_config.check_config says which setting
                                            (probs_before_fc2=True: in the experts, as Megatron)
 The layer does not sync with the host when ep_size == 1 (dropless or with a capacity), nor with a
 capacity at any ep_size; dropless with ep_size > 1 reads the all-to-all split sizes once.
-config.moe_token_dispatcher_type is not used (turbomoe's dispatcher replaces it). Configs the
+turbomoe's dispatcher replaces the one config.moe_token_dispatcher_type names (allgather or alltoall:
+MoELayer builds it first). Configs the
 integration does not cover raise ValueError from check_config, naming the field.
 """
 import copy
