@@ -1,0 +1,213 @@
+"""turbomoe's Megatron-core integration on the GPU, against stock megatron-core 0.16.1 (local spec:
+TopKRouter, allgather dispatcher, SequentialMLP):
+- a small GPT model built twice from the same seed (the expert weights then copied from stock's
+  SequentialMLP into turbomoe's GroupedMLP layout): equal losses and gradients, fp32 (tight) and bf16;
+- with a capacity and the "probs" and "position" drop policies: the same routes dropped;
+- the expert bias updated by Megatron's rule the same way;
+- distributed checkpoints saved by one model loaded into the other, both ways;
+- no host sync in turbomoe's layer (torch.cuda.set_sync_debug_mode("error"));
+- expert parallelism over 2 GPUs: tests/megatron_ep_script.py under torchrun.
+Stock 0.16.1 without Transformer Engine stops in router_gating_linear (NameError: te_general_gemm is
+bound only by TE's import); the stock side here binds it to None, the value the code tests for.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="megatron-core's MoE layer needs CUDA")]
+
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+
+from conftest import rel_err  # noqa: E402
+from megatron_common import copy_stock_moe_to_turbomoe, expert_grads_as_stock, model_parallel, moe_config  # noqa: E402
+from turbomoe.integrations import megatron as tm  # noqa: E402
+
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None  # see the module doc
+
+VOCAB, SEQ, BATCH = 128, 64, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_state():
+    if torch.cuda.is_available():
+        with model_parallel("nccl"):
+            yield
+    else:
+        yield
+
+
+def gpt_config(dtype, **overrides):
+    # bf16: one MoE layer, the first, so both models route the same input. A later MoE layer sees hidden
+    # states that differ by bf16 rounding (stock's and turbomoe's kernels round differently), and a few
+    # near-tied tokens then pick other experts: the loss still agrees, but those experts' gradients move
+    # by 10-20% (measured on an H100 with MoE layers 0 and 2: layer 2's expert grads only).
+    freq = [1, 0, 1] if dtype == torch.float32 else [1, 0, 0]
+    kw = dict(num_layers=3, moe_layer_freq=freq, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+              num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=48, params_dtype=dtype,
+              bf16=dtype == torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0, moe_router_dtype="fp32")
+    kw.update(overrides)
+    return moe_config(**kw)
+
+
+def build_pair(cfg, **turbomoe_kwargs):
+    """(stock GPT, turbomoe GPT) from the same seed, turbomoe's weights then set to stock's."""
+    models = []
+    for spec in (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                 tm.get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **turbomoe_kwargs)):
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ).cuda()
+        models.append(model.to(cfg.params_dtype))  # as Float16Module casts it (its embeddings start in fp32)
+    stock, turbo = models
+    own = dict(turbo.named_parameters())
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if name in own:
+                own[name].copy_(p)
+    for ls, lt in zip(stock.decoder.layers, turbo.decoder.layers):
+        if isinstance(lt.mlp, tm.TurboMoELayer):
+            copy_stock_moe_to_turbomoe(ls.mlp, lt.mlp)
+    return stock, turbo
+
+
+def batch(seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
+    pos = torch.arange(SEQ, device="cuda").expand(BATCH, SEQ)
+    mask = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool, device="cuda").triu(1)
+    return tokens, pos, mask
+
+
+def loss_and_grads(model, data):
+    model.zero_grad(set_to_none=True)
+    tokens, pos, mask = data
+    loss = model(tokens, pos, mask, labels=tokens).float().mean()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()
+             if p.grad is not None and not n.endswith(("experts.weight1", "experts.weight2"))}
+    for i, layer in enumerate(model.decoder.layers):  # turbomoe's expert grads in SequentialMLP's names
+        if isinstance(layer.mlp, tm.TurboMoELayer):
+            grads.update({f"decoder.layers.{i}.mlp.{k}": g for k, g in expert_grads_as_stock(layer.mlp).items()})
+    return loss.detach(), grads
+
+
+CASES = {  # name: config overrides (the probs_before_fc2 case: turbomoe spec keywords)
+    "dropless": dict(),
+    "probs-before-fc2": dict(),
+    "dropless-k1": dict(moe_router_topk=1, moe_router_pre_softmax=True),
+    "capacity-probs": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs"),
+    "capacity-position": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="position"),
+    "sigmoid-bias-seqaux": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                moe_router_topk=4, moe_router_load_balancing_type="seq_aux_loss"),
+    "global-aux": dict(moe_router_load_balancing_type="global_aux_loss", moe_router_topk=3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpt_matches_stock(case, dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = gpt_config(dtype, **CASES[case])
+    stock, turbo = build_pair(cfg, probs_before_fc2=case == "probs-before-fc2")
+    data = batch()
+    (l1, g1), (l2, g2) = loss_and_grads(stock, data), loss_and_grads(turbo, data)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert abs(l1.item() - l2.item()) <= tol * abs(l1.item()), (l1.item(), l2.item())
+    assert g1.keys() == g2.keys()
+    bad = {n: rel_err(g2[n], g1[n], floor=1e-6) for n in g1 if rel_err(g2[n], g1[n], floor=1e-6) > 5 * tol}
+    assert not bad, bad
+    # The same routes kept (and dropped), router by router, on the same hidden states.
+    x = torch.randn(SEQ, BATCH, cfg.hidden_size, device="cuda", dtype=dtype)
+    for ls, lt in zip(stock.decoder.layers, turbo.decoder.layers):
+        if isinstance(lt.mlp, tm.TurboMoELayer):
+            (p1, m1), (p2, m2) = ls.mlp.router(x), lt.mlp.router(x)
+            assert torch.equal(m1, m2)
+            torch.testing.assert_close(p2.float(), p1.float(), rtol=tol, atol=tol)
+            if cfg.moe_expert_capacity_factor is not None:
+                assert (m1.sum(0) < torch.topk(lt.mlp.router.gating(x).view(-1, 8), cfg.moe_router_topk)
+                        .indices.flatten().bincount(minlength=8)).any(), "nothing was dropped"
+    if cfg.moe_router_enable_expert_bias:
+        for model in (stock, turbo):
+            _update_router_expert_bias([model], cfg)
+        for ls, lt in zip(stock.decoder.layers, turbo.decoder.layers):
+            if isinstance(lt.mlp, tm.TurboMoELayer):
+                assert torch.equal(ls.mlp.router.expert_bias, lt.mlp.router.expert_bias)
+                assert ls.mlp.router.expert_bias.abs().sum() > 0
+
+
+def assert_same_experts(stock, turbo, hidden_size):
+    for ls, lt in zip(stock.decoder.layers, turbo.decoder.layers):
+        if isinstance(lt.mlp, tm.TurboMoELayer):
+            w1 = lt.mlp.experts.weight1.view(lt.mlp.num_local_experts, hidden_size, -1)
+            w2 = lt.mlp.experts.weight2.view(lt.mlp.num_local_experts, -1, hidden_size)
+            for i, e in enumerate(ls.mlp.experts.local_experts):
+                assert torch.equal(w1[i], e.linear_fc1.weight.t()) and torch.equal(w2[i], e.linear_fc2.weight.t())
+
+
+def test_checkpoints_load_both_ways():
+    """A distributed checkpoint of stock's model loads into turbomoe's (perturbed first) and gives
+    stock's weights and loss; and back, turbomoe's into a perturbed stock model."""
+    cfg = gpt_config(torch.bfloat16)
+    stock, turbo = build_pair(cfg)
+    data = batch()
+    for src, dst in ((stock, turbo), (turbo, stock)):
+        with torch.no_grad():
+            for p in dst.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        ref, _ = loss_and_grads(src, data)
+        with tempfile.TemporaryDirectory() as d:
+            dist_checkpointing.save(src.sharded_state_dict(), d)
+            dst.load_state_dict(dist_checkpointing.load(dst.sharded_state_dict(), d))
+        assert_same_experts(stock, turbo, cfg.hidden_size)
+        dst_sd = dst.state_dict()
+        for name, t in src.state_dict().items():  # every tensor the two share by name (all but the experts)
+            if isinstance(t, torch.Tensor) and name in dst_sd:
+                assert torch.equal(t, dst_sd[name]), name
+        got, _ = loss_and_grads(dst, data)
+        assert abs(got.item() - ref.item()) <= 2e-2 * abs(ref.item()), (ref.item(), got.item())
+
+
+@pytest.mark.parametrize("cf", [None, 1.0], ids=["dropless", "capacity"])
+@pytest.mark.parametrize("lb", ["aux_loss", "seq_aux_loss"])
+def test_layer_has_no_host_sync(cf, lb):
+    cfg = gpt_config(torch.bfloat16, moe_expert_capacity_factor=cf, moe_router_load_balancing_type=lb)
+    from megatron.core.transformer.spec_utils import build_module
+    layer = build_module(tm.get_turbomoe_moe_spec(cfg), config=cfg).cuda()
+    layer.train()
+    x = torch.randn(SEQ, BATCH, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    for debug in ("default", "error"):  # the first step warms up (kernel builds, the aux-loss scale)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(debug)
+        try:
+            out, _ = layer(x)
+            out.backward(g)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert parallelism needs 2 GPUs")
+def test_expert_parallel_two_gpus():
+    script = os.path.join(os.path.dirname(__file__), "megatron_ep_script.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(script)),
+                                                       os.path.dirname(script), os.environ.get("PYTHONPATH", "")]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script],
+                       env=env, capture_output=True, text=True, timeout=400)
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    assert r.returncode == 0
+    assert r.stdout.count("EP PASS") == 2

@@ -1,0 +1,38 @@
+"""Which megatron-core TransformerConfig settings turbomoe's Megatron-core MoE layer covers."""
+
+_UNSUPPORTED = (  # (config field, value that is supported, why)
+    ("moe_router_num_groups", None, "group-limited routing"),
+    ("moe_router_group_topk", None, "group-limited routing"),
+    ("moe_router_fusion", False, "Transformer Engine's fused router (turbomoe's gating is fused already)"),
+    ("moe_enable_routing_replay", False, "routing replay"),
+    ("moe_pad_expert_input_to_capacity", False, "padding to capacity (turbomoe's capacity buffer is padded)"),
+    ("moe_latent_size", None, "latent projections"),
+    ("moe_shared_expert_overlap", False, "shared-expert overlap (needs Megatron's alltoall dispatcher)"),
+    ("fp8", None, "fp8 experts"),
+    ("fp4", None, "fp4 experts"),
+)
+
+
+def check_config(config):
+    """ValueError naming the first field of config that turbomoe's Megatron layer does not cover."""
+    if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+        raise ValueError("turbomoe's Megatron-core MoE layer replaces the token dispatcher; MoELayer still builds "
+                         "stock's first: config.moe_token_dispatcher_type must be 'allgather' or 'alltoall', got "
+                         f"{config.moe_token_dispatcher_type!r}")
+    for field, ok, what in _UNSUPPORTED:
+        value = getattr(config, field, ok)
+        if value != ok:
+            raise ValueError(f"turbomoe's Megatron-core MoE layer does not support {what}: "
+                             f"config.{field} = {value!r} (needs {ok!r})")
+    types = config.moe_router_load_balancing_type
+    for t in (types if isinstance(types, list) else [types]):
+        if t not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+            raise ValueError(f"config.moe_router_load_balancing_type: {t!r} is not supported by turbomoe's router "
+                             "(aux_loss, seq_aux_loss, global_aux_loss, none)")
+    E, k = config.num_moe_experts, config.moe_router_topk
+    if E is None or not 1 <= k <= min(E, 8):
+        raise ValueError(f"config.moe_router_topk must be in [1, min(num_moe_experts, 8)], got {k} with "
+                         f"num_moe_experts={E}")
+    if (config.expert_tensor_parallel_size or 1) != 1:
+        raise ValueError("turbomoe's Megatron-core MoE layer needs config.expert_tensor_parallel_size = 1, got "
+                         f"{config.expert_tensor_parallel_size}")
