@@ -208,12 +208,11 @@ def _source_of(name: str, reader: CheckpointReader, global_expert: Callable[[int
         return to_hf_name(name), None, None
     prefix, j, ours = m.group(1), global_expert(int(m.group(2))), m.group(3)
     per_expert = f"{prefix}.experts.{j}.{_OUR_TO_HF_LINEAR[ours]}.weight"
-    if per_expert in reader.weight_map:
+    fused = f"{prefix}.experts.{'down_proj' if ours == 'w2' else 'gate_up_proj'}"
+    if per_expert in reader.weight_map or fused not in reader.weight_map:
         return per_expert, None, None
-    if ours == "w2":
-        return f"{prefix}.experts.down_proj", j, None
     # gate_up_proj [E, 2F, H]: rows [0, F) are the gate, [F, 2F) the up projection (chunk(2) in transformers).
-    return f"{prefix}.experts.gate_up_proj", j, slice(0, F) if ours == "w1" else slice(F, 2 * F)
+    return fused, j, None if ours == "w2" else slice(0, F) if ours == "w1" else slice(F, 2 * F)
 
 
 def _expected_keys(cfg: ModelConfig, reader: CheckpointReader, our_names: Iterable[str]) -> set:
