@@ -316,6 +316,7 @@ def write_weights(out_dir: str, tensors: Iterable[Tuple[str, torch.Tensor]], dty
     def flush():
         name = f"shard{len(shards)}.part"
         save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        os.chmod(os.path.join(out_dir, name), 0o644)  # safetensors creates it private (0600), unlike the rest
         shards.append((name, list(shard)))
 
     for key, t in tensors:
@@ -343,7 +344,8 @@ def write_weights(out_dir: str, tensors: Iterable[Tuple[str, torch.Tensor]], dty
 
 
 def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer=None):
-    """config.json, generation_config.json and, when the vocabulary holds it, the byte tokenizer."""
+    """config.json, generation_config.json and the tokenizer: None is the byte tokenizer when the
+    vocabulary holds it, False none (a run on pre-tokenized data)."""
     from ..data import ByteTokenizer
     if tokenizer is None and cfg.vocab_size >= ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
@@ -352,7 +354,7 @@ def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer
         json.dump(config_to_hf(cfg, dtype, eos), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}, f, indent=2)
-    if tokenizer is not None:
+    if tokenizer:
         tokenizer.save_pretrained(out_dir, model_max_length=cfg.max_position_embeddings)
 
 
