@@ -97,7 +97,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_engine(cfg, rank: int, ds_config: dict):
+def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     torch.manual_seed(cfg.train.seed)
     moe = cfg.moe
     model = Qwen3MoeForCausalLM(cfg.model, MoEArgs(moe.ep_size, moe.capacity_factor, moe.eval_capacity_factor,
@@ -105,6 +105,8 @@ def build_engine(cfg, rank: int, ds_config: dict):
     # DeepSpeed's expert-parallel groups are runs of ep_size consecutive ranks.
     ep_rank = rank % moe.ep_size
     model.init_weights(cfg.train.seed, ep_rank)
+    if cfg.init_from is not None and not resuming:  # a resumed run's weights come from its checkpoint
+        model.load_hf_weights(cfg.init_from, ep_rank)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms
     param_groups = split_params_into_different_moe_groups_for_optimizer([
@@ -161,7 +163,7 @@ def train(cfg, args, resume, samples):
         os.makedirs(cfg.log.dir, exist_ok=True)
         with open(os.path.join(cfg.log.dir, "ds_config.json"), "w") as f:
             json.dump(ds_config, f, indent=2)
-    engine, model = build_engine(cfg, rank, ds_config)
+    engine, model = build_engine(cfg, rank, ds_config, resuming=resume is not None)
 
     start_step = 0
     if resume is not None:

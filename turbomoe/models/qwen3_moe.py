@@ -261,10 +261,17 @@ class Qwen3MoeForCausalLM(nn.Module):
         cfg = hf.config_from_hf(raw, os.path.join(path, hf.CONFIG), moe_impl)
         if ep_rank is None:
             ep_rank = hf.default_ep_rank(moe_args.ep_size)
-        with hf.CheckpointReader(path) as reader:  # opened (and checked) before the model is built
-            model = cls(cfg, moe_args).to(dtype or hf.config_dtype(raw))
-            hf.load_weights(model, reader, ep_rank)
+        with hf.CheckpointReader(path):  # the files are checked before the model is built
+            pass
+        model = cls(cfg, moe_args).to(dtype or hf.config_dtype(raw))
+        model.load_hf_weights(path, ep_rank)
         return model.to(device).eval()
+
+    def load_hf_weights(self, path: str, ep_rank: int = 0):
+        """Copy a Hugging Face directory's weights (this rank's experts) into this model, in place."""
+        from . import hf_checkpoint as hf
+        with hf.CheckpointReader(path) as reader:
+            hf.load_weights(self, reader, ep_rank)
 
     def save_pretrained(self, out_dir: str, *, dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
                         force: bool = False, tokenizer=None):
