@@ -35,33 +35,42 @@ def _activation(experts, h_R2F: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up through turbomoe's fused SwiGLU for the default [gate | up] layout with silu;
     the module's own gate (interleaved layouts, clamped or other activations) otherwise."""
     from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
-    if not experts.has_gate:
+    if not _flag(experts, "has_gate"):
         return experts.act_fn(h_R2F)
     silu = isinstance(experts.act_fn, (SiLUActivation, torch.nn.SiLU))
-    if silu and experts.is_concatenated and type(experts)._apply_gate is _default_apply_gate:
+    default_gate = getattr(type(experts)._apply_gate, "__name__", None) == "_default_apply_gate"
+    if silu and _flag(experts, "is_concatenated") and default_gate:
         return swiglu(h_R2F)
     return experts._apply_gate(h_R2F)
+
+
+_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+          "has_post_expert_norm": False, "_is_expert_parallel": False}
+
+
+def _flag(experts, name: str) -> bool:
+    """use_experts_implementation's layout flags; releases before one was added had its default."""
+    return getattr(experts, name, _FLAGS[name])
 
 
 def turbomoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts-function signature: x [S, H], ids [S, k], weights [S, k] -> [S, H]."""
-    if self._is_expert_parallel:
+    if _flag(self, "_is_expert_parallel"):
         raise NotImplementedError("experts_implementation 'turbomoe' does not run transformers' expert "
                                   "parallelism; use turbomoe's own MoE layers (turbomoe.models) for that")
-    if self.has_post_expert_norm:
+    if _flag(self, "has_post_expert_norm"):
         raise NotImplementedError(f"{type(self).__name__} normalises each expert's output; experts_implementation "
                                   f"'turbomoe' does not")
     E = self.num_experts
     s = ops.assign_slots(top_k_index, top_k_weights, E)  # dropless: rows [0, S*k), expert-contiguous
     x_RH = ops.scatter_tokens(hidden_states, s)
-    up = self.gate_up_proj if self.has_gate else self.up_proj
-    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    h = _grouped_linear(x_RH, up, up_bias, s.kept_counts, self.is_transposed)
-    a = _activation(self, h)
-    y_RH = _grouped_linear(a, self.down_proj, self.down_proj_bias if self.has_bias else None, s.kept_counts,
-                           self.is_transposed)
+    gated, biased, transposed = _flag(self, "has_gate"), _flag(self, "has_bias"), _flag(self, "is_transposed")
+    up = self.gate_up_proj if gated else self.up_proj
+    up_bias = (self.gate_up_proj_bias if gated else self.up_proj_bias) if biased else None
+    h = _grouped_linear(x_RH, up, up_bias, s.kept_counts, transposed)
+    y_RH = _grouped_linear(_activation(self, h), self.down_proj, self.down_proj_bias if biased else None,
+                           s.kept_counts, transposed)
     return ops.gather_tokens(y_RH, s, top_k_weights).to(hidden_states.dtype)
 
 
