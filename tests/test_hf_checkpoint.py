@@ -80,8 +80,14 @@ def test_round_trip_through_transformers(tmp_path, name):
     assert type(back).__name__ == "Qwen3MoeForCausalLM"
     with torch.no_grad():
         assert torch.equal(back(ids).logits, expected)
+    has_tokenizer = ref.config.vocab_size >= ByteTokenizer.vocab_size  # else the byte tokenizer does not fit
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == (
-        ByteTokenizer.eos_id if ref.config.vocab_size >= ByteTokenizer.vocab_size else None)
+        ByteTokenizer.eos_id if has_tokenizer else None)
+    if has_tokenizer:
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+        assert tok("héllo\n")["input_ids"] == ByteTokenizer().encode("héllo\n").tolist()
+    else:
+        assert not (out / "tokenizer.json").exists()
 
 
 def test_fused_expert_layout_and_bf16(tmp_path):
