@@ -63,6 +63,22 @@ def test_fp32_masters_from_zero_partitions_equal_the_weights(run):
         assert torch.equal(masters[name], t), name
 
 
+def test_fp32_masters_of_a_bf16_run(tmp_path):
+    """A bf16 run (DeepSpeed's bf16 optimizer files) keeps fp32 masters finer than its bf16 weights:
+    --dtype fp32 exports them, and they round to exactly the weights the run computed with."""
+    launch(str(tmp_path), "--set", "train.precision=bf16", "--set", "train.steps=3", "--set", "train.warmup_steps=1",
+           "--set", "eval.every=3", "--set", "eval.batches=1", "--set", "checkpoint.every=3")
+    ckpt = RunCheckpoint(resolve_tag(str(tmp_path)))
+    masters = ckpt.fp32_masters()
+    for name, t in ckpt.tensors():
+        assert t.dtype == torch.bfloat16 and masters[name].dtype == torch.float32
+        assert torch.equal(masters[name].to(torch.bfloat16), t), name
+    assert any(not torch.equal(masters[name], t.float()) for name, t in ckpt.tensors())
+    export(str(tmp_path), str(tmp_path / "hf"), dtype="fp32", progress=False)
+    with CheckpointReader(str(tmp_path / "hf")) as reader:
+        assert torch.equal(reader.get("lm_head.weight"), masters["lm_head.weight"])
+
+
 def test_tag_and_checkpoint_dirs_and_bf16(run, tmp_path):
     tag = run / "checkpoints" / "global_step6"
     export(str(tag), str(tmp_path / "a"), progress=False)
