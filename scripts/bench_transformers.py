@@ -67,7 +67,8 @@ def bench(name: str, family: str, S: int, H: int, F: int, E: int, k: int, iters:
     fwd_gm, fwd_tm, step_gm, step_tm = interleaved_medians_ms(fns, warmup=5, iters=iters, block=5)
     flops = 2 * S * k * 3 * H * F
     row = {"shape": name, "S": S, "H": H, "F": F, "E": E, "k": k, "rel_err_vs_grouped_mm": rel,
-           "fwd_ms": {"grouped_mm": fwd_gm, "turbomoe": fwd_tm}, "fwd_bwd_ms": {"grouped_mm": step_gm, "turbomoe": step_tm},
+           "fwd_ms": {"grouped_mm": fwd_gm, "turbomoe": fwd_tm},
+           "fwd_bwd_ms": {"grouped_mm": step_gm, "turbomoe": step_tm},
            "fwd_tflops": {"grouped_mm": flops / fwd_gm / 1e9, "turbomoe": flops / fwd_tm / 1e9},
            "fwd_bwd_tflops": {"grouped_mm": 3 * flops / step_gm / 1e9, "turbomoe": 3 * flops / step_tm / 1e9},
            "speedup_fwd": fwd_gm / fwd_tm, "speedup_fwd_bwd": step_gm / step_tm}
@@ -85,7 +86,7 @@ def main():
     import turbomoe.integrations.transformers as tt
     tt.register()
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "TURBOMOE_BACKEND": os.environ.get("TURBOMOE_BACKEND"), "TURBOMOE_GMM_BACKEND": os.environ.get("TURBOMOE_GMM_BACKEND")}
+           **{v: os.environ.get(v) for v in ("TURBOMOE_BACKEND", "TURBOMOE_GMM_BACKEND")}}
     print(json.dumps(env))
     rows = [bench(name, iters=10 if args.quick else 30, **shape) for name, shape in SHAPES.items()]
     if args.json:

@@ -23,7 +23,8 @@ CONFIGS = {
     "untied_bias_mlp_only": dict(vocab_size=263, hidden_size=24, intermediate_size=40, moe_intermediate_size=12,
                                  num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, head_dim=8,
                                  num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
-                                 tie_word_embeddings=False, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+                                 tie_word_embeddings=False, attention_bias=True,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
     "tied_sparse_step": dict(vocab_size=67, hidden_size=20, intermediate_size=36, moe_intermediate_size=10,
                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
                              num_experts=7, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
@@ -106,7 +107,8 @@ def test_fused_expert_layout_and_bf16(tmp_path):
     ours.save_pretrained(str(per_expert), dtype=torch.bfloat16)
     bf16 = Qwen3MoeForCausalLM.from_pretrained(str(per_expert))  # dtype from config.json
     assert bf16.lm_head.weight.dtype == torch.bfloat16
-    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(ours.state_dict().values(), bf16.state_dict().values()))
+    for a, b in zip(ours.state_dict().values(), bf16.state_dict().values()):
+        assert torch.equal(a.to(torch.bfloat16), b)
 
 
 def test_expert_parallel_rank_reads_its_experts(tmp_path):
@@ -166,7 +168,8 @@ def test_missing_and_truncated_shard(sharded):
 
 @pytest.mark.parametrize("changes, match", [
     (dict(model_type="mixtral"), "config.json: model_type is 'mixtral'"),
-    (dict(moe_intermediate_size=14), r"experts.0.gate_proj.weight has shape \[12, 24\], but config.json implies \[14, 24\]"),
+    (dict(moe_intermediate_size=14),
+     r"experts.0.gate_proj.weight has shape \[12, 24\], but config.json implies \[14, 24\]"),
     (dict(vocab_size=300), r"model.embed_tokens.weight has shape \[263, 24\], but config.json implies \[300, 24\]"),
     (dict(hidden_act="gelu"), "config.json: hidden_act 'gelu'"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "config.json: rope_parameters"),

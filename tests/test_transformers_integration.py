@@ -21,7 +21,9 @@ def mixtral_experts(H=18, F=26, E=5):
 
 def routes(S, E, k, g, hot=None):
     """Distinct random experts per token (or expert `hot` first for every token) and positive weights."""
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(S)]) if S else torch.zeros(0, k, dtype=torch.long)
+    ids = torch.zeros(0, k, dtype=torch.long)
+    if S:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(S)])
     if hot is not None and S:
         ids[:, 0] = hot
         ids[:, 1:] = (hot + 1 + torch.stack([torch.randperm(E - 1, generator=g)[:k - 1] for _ in range(S)])) % E

@@ -223,8 +223,10 @@ class Qwen3MoeForCausalLM(nn.Module):
                     continue
                 if name.endswith(".bias"):  # attention biases start at zero, as Hugging Face's
                     p.zero_()
+                elif name.endswith("norm.weight"):
+                    p.fill_(1.0)
                 else:
-                    p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=dense) * std)
+                    p.copy_(torch.randn(p.shape, generator=dense) * std)
         self.model.embed_tokens.weight.copy_(torch.randn(self.model.embed_tokens.weight.shape, generator=dense) * std)
         self.model.norm.weight.fill_(1.0)
         if not self.config.tie_word_embeddings:
