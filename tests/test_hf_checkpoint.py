@@ -212,3 +212,24 @@ def test_output_dir_exists_and_failed_write_leaves_nothing(tmp_path, sharded):
     with pytest.raises(RuntimeError, match="disk full"):
         save_dir(str(tmp_path / "half"), model.config, failing(), torch.float32)
     assert sorted(os.listdir(tmp_path)) == ["hf", "out"]  # neither the output nor its temporary directory
+
+
+def test_published_qwen3_30b_a3b_config():
+    """Qwen3-30B-A3B's config.json as published (transformers 4.51 fields: rope_theta, rope_scaling null,
+    torch_dtype, max_window_layers): read as written: 30.5B parameters, 3.35B active (published: 30.5B, 3.3B)."""
+    from turbomoe.models.hf_checkpoint import config_dtype, config_from_hf
+    raw = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+           "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+           "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+           "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+           "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+           "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+           "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    cfg = config_from_hf(raw)
+    assert (cfg.rope_theta, cfg.head_dim, cfg.num_experts, cfg.norm_topk_prob) == (1e6, 128, 128, True)
+    assert config_dtype(raw) == torch.bfloat16
+    assert round(cfg.num_parameters() / 1e9, 1) == 30.5 and round(cfg.num_parameters(active=True) / 1e9, 2) == 3.35
+    with pytest.raises(CheckpointError, match="rope_scaling"):
+        config_from_hf({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
