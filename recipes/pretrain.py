@@ -105,8 +105,6 @@ def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     # DeepSpeed's expert-parallel groups are runs of ep_size consecutive ranks.
     ep_rank = rank % moe.ep_size
     model.init_weights(cfg.train.seed, ep_rank)
-    if cfg.init_from is not None and not resuming:  # a resumed run's weights come from its checkpoint
-        model.load_hf_weights(cfg.init_from, ep_rank)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms
     param_groups = split_params_into_different_moe_groups_for_optimizer([
@@ -116,6 +114,10 @@ def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     t = cfg.train
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731 (built on DeepSpeed's wrapped optimizer)
         opt, lambda step: lr_factor(step, t.warmup_steps, t.steps, t.min_lr_ratio))
+    # model.init_from: this rank's weights and experts, in place, before DeepSpeed copies them (its fp32
+    # masters); a resumed run's weights come from its checkpoint instead.
+    if cfg.init_from is not None and not resuming:
+        model.load_hf_weights(cfg.init_from, ep_rank)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config)
     actual = groups._get_expert_parallel_rank(f"ep_size_{moe.ep_size}")
     if actual != ep_rank:
