@@ -72,8 +72,6 @@ def bench(name: str, family: str, S: int, H: int, F: int, E: int, k: int, iters:
            "fwd_tflops": {"grouped_mm": flops / fwd_gm / 1e9, "turbomoe": flops / fwd_tm / 1e9},
            "fwd_bwd_tflops": {"grouped_mm": 3 * flops / step_gm / 1e9, "turbomoe": 3 * flops / step_tm / 1e9},
            "speedup_fwd": fwd_gm / fwd_tm, "speedup_fwd_bwd": step_gm / step_tm}
-    del experts, xg, wg
-    torch.cuda.empty_cache()
     return row
 
 
@@ -88,7 +86,10 @@ def main():
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            **{v: os.environ.get(v) for v in ("TURBOMOE_BACKEND", "TURBOMOE_GMM_BACKEND")}}
     print(json.dumps(env))
-    rows = [bench(name, iters=10 if args.quick else 30, **shape) for name, shape in SHAPES.items()]
+    rows = []
+    for name, shape in SHAPES.items():
+        rows.append(bench(name, iters=10 if args.quick else 30, **shape))
+        torch.cuda.empty_cache()  # the previous shape's weights and activations are free now
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "rows": rows}, f, indent=2)

@@ -44,7 +44,6 @@ _INERT = {"architectures", "model_type", "transformers_version", "dtype", "torch
 _HANDLED = {"num_experts", "num_local_experts", "head_dim", "hidden_act", "attention_dropout", "rope_parameters",
             "rope_theta", "rope_scaling", "use_sliding_window", "sliding_window"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _OUR_EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
 _OUR_TO_HF_LINEAR = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
