@@ -1,6 +1,6 @@
-"""turbomoe in transformers' experts registry: the "turbomoe" experts of Qwen3-MoE and Mixtral against
-transformers' "eager" loop, forward and backward (input, routing weights and expert weights), in float64
-on fresh random data, over odd sizes and edge cases (no tokens, one hot expert, fewer tokens than
+"""turbomoe in transformers' experts registry: the "turbomoe" experts of Qwen3-MoE, Mixtral and GPT-OSS
+(transposed weights, biases, its own gate) against transformers' "eager" loop, forward and backward
+(input, routing weights, expert weights and biases), in float64 on fresh random data, over odd sizes and edge cases (no tokens, one hot expert, fewer tokens than
 experts, empty experts); and a whole model switched with set_experts_implementation."""
 import pytest
 import torch
@@ -17,6 +17,12 @@ def qwen3_experts(H=20, F=12, E=7):
 def mixtral_experts(H=18, F=26, E=5):
     cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=F, num_local_experts=E, num_experts_per_tok=2)
     return transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg), cfg
+
+
+def gpt_oss_experts(H=22, F=14, E=6):
+    """Transposed weights ([E, H, 2F]), biases, and its own gate (interleaved, clamped)."""
+    cfg = transformers.GptOssConfig(hidden_size=H, intermediate_size=F, num_local_experts=E, num_experts_per_tok=2)
+    return transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(cfg), cfg
 
 
 def routes(S, E, k, g, hot=None):
@@ -44,7 +50,7 @@ def run(experts, impl, x, ids, w):
             [zero_if_none(p.grad, p) for p in experts.parameters()])
 
 
-@pytest.mark.parametrize("family", [qwen3_experts, mixtral_experts])
+@pytest.mark.parametrize("family", [qwen3_experts, mixtral_experts, gpt_oss_experts])
 @pytest.mark.parametrize("S, hot", [(37, None), (0, None), (2, None), (29, 2)])
 def test_experts_against_eager(family, S, hot):
     tt.register()
@@ -55,7 +61,7 @@ def test_experts_against_eager(family, S, hot):
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
     E, k = experts.num_experts, cfg.num_experts_per_tok
-    x = torch.randn(S, experts.gate_up_proj.shape[-1], generator=g, dtype=torch.float64)
+    x = torch.randn(S, cfg.hidden_size, generator=g, dtype=torch.float64)
     ids, w = routes(S, E, k, g, hot)
     if S == 2:
         assert len(ids.unique()) < E  # fewer tokens than experts: some experts are empty
@@ -94,3 +100,12 @@ def test_register_is_idempotent_and_switches_a_model():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_expert_parallel_experts_are_refused():
+    tt.register()
+    experts, cfg = qwen3_experts()
+    experts.config._experts_implementation = "turbomoe"
+    experts._is_expert_parallel = True
+    with pytest.raises(NotImplementedError, match="expert parallelism"):
+        experts(torch.randn(3, cfg.hidden_size), torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3))

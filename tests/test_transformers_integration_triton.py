@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_transformers_integration import mixtral_experts, qwen3_experts, routes, run  # noqa: E402
+from test_transformers_integration import gpt_oss_experts, mixtral_experts, qwen3_experts, routes, run  # noqa: E402
 
 import turbomoe.integrations.transformers as tt  # noqa: E402
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 set before triton kernels are defined")
 
 
-@pytest.mark.parametrize("family", [qwen3_experts, mixtral_experts])
+@pytest.mark.parametrize("family", [qwen3_experts, mixtral_experts, gpt_oss_experts])
 def test_triton_experts_against_eager(family, monkeypatch):
     monkeypatch.setenv("TURBOMOE_BACKEND", "triton")
     monkeypatch.setenv("TURBOMOE_GMM_BACKEND", "triton")
@@ -25,7 +25,7 @@ def test_triton_experts_against_eager(family, monkeypatch):
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    x = torch.randn(23, experts.gate_up_proj.shape[-1], generator=g)
+    x = torch.randn(23, cfg.hidden_size, generator=g)
     ids, w = routes(23, experts.num_experts, cfg.num_experts_per_tok, g)
     w = w.float()
     expected = run(experts, "eager", x, ids, w)

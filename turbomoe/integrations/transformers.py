@@ -37,7 +37,7 @@ def _activation(experts, h_R2F: torch.Tensor) -> torch.Tensor:
     from transformers.activations import SiLUActivation
     if not _flag(experts, "has_gate"):
         return experts.act_fn(h_R2F)
-    silu = isinstance(experts.act_fn, (SiLUActivation, torch.nn.SiLU))
+    silu = isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU))
     default_gate = getattr(type(experts)._apply_gate, "__name__", None) == "_default_apply_gate"
     if silu and _flag(experts, "is_concatenated") and default_gate:
         return swiglu(h_R2F)
