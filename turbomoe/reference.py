@@ -276,3 +276,32 @@ def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.T
     rows = y_RM.to(acc)[slots_SK.long().clamp_min(0)]  # [S, k, M]
     weighted = torch.where(keep[..., None], rows * w_SK[..., None], 0.0)
     return weighted.sum(dim=1).to(y_RM.dtype)
+
+
+class ShuffledRoutes(NamedTuple):
+    """index_shuffling's tables: the routing and its expert-contiguous permutation."""
+    expert_ids: torch.Tensor  # [T, k] int32, best first; -1 for a token with non-finite logits
+    scores: torch.Tensor  # [T, k] fp32 (fp64 for fp64 logits)
+    counts: torch.Tensor  # [E] int32, routes per expert
+    slots: torch.Tensor  # [T, k] int32, row of each route in expert-contiguous order; -1 if unrouted
+    row_routes: torch.Tensor  # [T * k] int32, the route t * k + j each row holds; -1 past sum(counts)
+
+
+def row_routes(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The inverse of slots: [num_rows] int32, the route s * k + j that owns each row, or -1."""
+    flat = slots_SK.reshape(-1).long()
+    keep = flat >= 0
+    routes = torch.full((num_rows, ), -1, dtype=torch.int32, device=slots_SK.device)
+    routes[flat[keep]] = torch.arange(flat.numel(), dtype=torch.int32, device=slots_SK.device)[keep]
+    return routes
+
+
+def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
+                    renormalize: bool = False) -> ShuffledRoutes:
+    """Serving's routing step: top-k routing (as topk_gating: ties to the lower id, non-finite rows
+    route nowhere), per-expert counts, and the permutation of the T * k routes into expert-contiguous
+    rows (dropless assign_slots: expert e owns rows from the sum of the counts before it, its routes
+    in token order), with its inverse row_routes."""
+    g = topk_gating(logits_TE, k, score_func, renormalize)
+    s = assign_slots(g.expert_ids, g.scores, logits_TE.shape[1])
+    return ShuffledRoutes(g.expert_ids, g.scores.detach(), g.counts, s.slots, row_routes(s.slots, s.num_rows))
