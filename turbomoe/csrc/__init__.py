@@ -148,7 +148,7 @@ ONE_BLOCK_MAX_TOKENS = 128  # index_shuffling's one-launch path up to this many 
 
 
 def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
-                    one_block_max: int = ONE_BLOCK_MAX_TOKENS):
+                    shared_expert: bool = False, one_block_max: int = ONE_BLOCK_MAX_TOKENS):
     """reference.index_shuffling on the GPU: one launch up to one_block_max tokens, two beyond."""
-    return reference.ShuffledRoutes(*extension().index_shuffling(logits_TE.contiguous(), k, score_func == "sigmoid",
-                                                                 renormalize, one_block_max))
+    return reference.ShuffledRoutes(*extension().index_shuffling(logits_TE.contiguous(), k, shared_expert,
+                                                                 score_func == "sigmoid", renormalize, one_block_max))

@@ -28,12 +28,13 @@ template <typename acc_t> struct ShuffleOut {
   int32_t* routes;
 };
 
-// Top-k of token t (ties to the lower column) by warp; lane j < k writes choice j. Adds the
-// chosen experts to counts (shared). Softmax or sigmoid in acc_t; rows with a non-finite logit
-// route nowhere (ids -1, scores 0).
+// Top-k of token t (ties to the lower column) by warp; lane j < k writes choice j into a row of kr
+// routes, and with a shared expert (kr = k + 1) lane k writes its route (expert E, score 1). Adds
+// the chosen experts to counts (shared memory). Softmax or sigmoid in acc_t; rows with a
+// non-finite logit route nowhere (ids -1, scores 0), except to the shared expert.
 template <typename scalar_t, typename acc_t, int CPL>
-__device__ void topk_token(const scalar_t* __restrict__ logits, int64_t t, int E, int k, bool sigmoid, bool renorm,
-                           ShuffleOut<acc_t> out, int* counts) {
+__device__ void topk_token(const scalar_t* __restrict__ logits, int64_t t, int E, int k, int kr, bool sigmoid,
+                           bool renorm, ShuffleOut<acc_t> out, int* counts) {
   const int lane = threadIdx.x % WARP;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   acc_t x[CPL];
@@ -97,9 +98,14 @@ __device__ void topk_token(const scalar_t* __restrict__ logits, int64_t t, int E
       my_score = my_score / (total > 0 ? total : acc_t(1));  // IEEE: a lone route weighs exactly 1
     }
   }
-  if (lane < k) {
-    out.ids[t * k + lane] = my_id;
-    out.scores[t * k + lane] = my_score;
+  if (lane == k && kr > k) {
+    my_id = E;
+    my_score = 1;
+    atomicAdd(&counts[E], 1);
+  }
+  if (lane < kr) {
+    out.ids[t * kr + lane] = my_id;
+    out.scores[t * kr + lane] = my_score;
   }
 }
 
@@ -165,45 +171,47 @@ __device__ void clear_rows(int32_t* routes, int64_t r0, int64_t r1, int64_t tota
 
 template <typename scalar_t, typename acc_t, int CPL>
 __global__ void __launch_bounds__(BLOCK_THREADS)
-shuffle_one_block_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool sigmoid, bool renorm,
-                         ShuffleOut<acc_t> out) {
+shuffle_one_block_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool shared, bool sigmoid,
+                         bool renorm, ShuffleOut<acc_t> out) {
   __shared__ int base[MAX_EXPERTS];
-  extern __shared__ uint32_t masks[];  // [E, MASK_WORDS]
-  for (int e = threadIdx.x; e < E; e += BLOCK_THREADS) base[e] = 0;
+  extern __shared__ uint32_t masks[];  // [ec, MASK_WORDS]
+  const int ec = E + shared, kr = k + shared;  // count columns, routes per token
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] = 0;
   __syncthreads();
   for (int64_t t = threadIdx.x / WARP; t < T; t += WARPS_PER_BLOCK)
-    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, sigmoid, renorm, out, base);
+    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, kr, sigmoid, renorm, out, base);
   __syncthreads();  // ids in global memory and the counts are complete for the whole block
-  for (int e = threadIdx.x; e < E; e += BLOCK_THREADS) out.counts[e] = base[e];
-  const int total = exclusive_scan(base, E);
-  for (int64_t t0 = 0; t0 < T; t0 += CHUNK) rank_chunk<acc_t>(t0, T, E, k, out, base, masks);
-  clear_rows(out.routes, 0, T * k, total);
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) out.counts[e] = base[e];
+  const int total = exclusive_scan(base, ec);
+  for (int64_t t0 = 0; t0 < T; t0 += CHUNK) rank_chunk<acc_t>(t0, T, ec, kr, out, base, masks);
+  clear_rows(out.routes, 0, T * kr, total);
 }
 
 template <typename scalar_t, typename acc_t, int CPL>
 __global__ void __launch_bounds__(BLOCK_THREADS)
-shuffle_topk_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool sigmoid, bool renorm,
-                    ShuffleOut<acc_t> out, int32_t* __restrict__ hist) {
+shuffle_topk_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool shared, bool sigmoid,
+                    bool renorm, ShuffleOut<acc_t> out, int32_t* __restrict__ hist) {
   __shared__ int counts[MAX_EXPERTS];
-  for (int e = threadIdx.x; e < E; e += BLOCK_THREADS) counts[e] = 0;
+  const int ec = E + shared;
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) counts[e] = 0;
   __syncthreads();
   const int64_t t1 = min(T, int64_t(blockIdx.x + 1) * TOPK_TOKENS);
   for (int64_t t = int64_t(blockIdx.x) * TOPK_TOKENS + threadIdx.x / WARP; t < t1; t += WARPS_PER_BLOCK)
-    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, sigmoid, renorm, out, counts);
+    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, k + shared, sigmoid, renorm, out, counts);
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += BLOCK_THREADS) hist[int64_t(blockIdx.x) * E + e] = counts[e];
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) hist[int64_t(blockIdx.x) * ec + e] = counts[e];
 }
 
 template <typename acc_t>
 __global__ void __launch_bounds__(BLOCK_THREADS)
-shuffle_rank_kernel(int64_t T, int E, int k, int topk_blocks, ShuffleOut<acc_t> out, const int32_t* __restrict__ hist) {
+shuffle_rank_kernel(int64_t T, int ec, int kr, int topk_blocks, ShuffleOut<acc_t> out, const int32_t* __restrict__ hist) {
   __shared__ int base[MAX_EXPERTS];
   __shared__ int before[MAX_EXPERTS];
   extern __shared__ uint32_t masks[];
-  for (int e = threadIdx.x; e < E; e += BLOCK_THREADS) {
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) {
     int total = 0, prior = 0;
     for (int b = 0; b < topk_blocks; ++b) {  // a fixed order
-      const int h = hist[int64_t(b) * E + e];
+      const int h = hist[int64_t(b) * ec + e];
       total += h;
       prior += b < static_cast<int>(blockIdx.x) * (CHUNK / TOPK_TOKENS) ? h : 0;
     }
@@ -211,31 +219,34 @@ shuffle_rank_kernel(int64_t T, int E, int k, int topk_blocks, ShuffleOut<acc_t> 
     before[e] = prior;
     if (blockIdx.x == 0) out.counts[e] = total;
   }
-  const int total = exclusive_scan(base, E);
-  for (int e = threadIdx.x; e < E; e += BLOCK_THREADS) base[e] += before[e];
+  const int total = exclusive_scan(base, ec);
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] += before[e];
   __syncthreads();
   const int64_t t0 = int64_t(blockIdx.x) * CHUNK;
-  rank_chunk<acc_t>(t0, T, E, k, out, base, masks);
-  clear_rows(out.routes, t0 * k, min(T, t0 + CHUNK) * k, total);
+  rank_chunk<acc_t>(t0, T, ec, kr, out, base, masks);
+  clear_rows(out.routes, t0 * kr, min(T, t0 + CHUNK) * kr, total);
 }
 
 // Returns ids, scores, counts, slots, row_routes.
-std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool sigmoid, bool renorm,
+std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool shared, bool sigmoid, bool renorm,
                                         int64_t one_block_max) {
   check_2d(logits, "logits");
   const int64_t T = logits.size(0);
   const int E = logits.size(1);
-  TORCH_CHECK(E >= 1 && E <= MAX_EXPERTS && k >= 1 && k <= std::min(E, MAX_K), "index_shuffling: bad E or k");
+  TORCH_CHECK(E >= 1 && E + shared <= MAX_EXPERTS && k >= 1 && k <= std::min(E, MAX_K),
+              "index_shuffling: bad E or k");
+  const int ec = E + shared;
+  const int64_t kr = k + shared;
   const c10::cuda::CUDAGuard guard(logits.device());
   const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto opts = logits.options();
-  at::Tensor ids = at::empty({T, k}, opts.dtype(at::kInt));
-  at::Tensor scores = at::empty({T, k}, opts.dtype(acc));
-  at::Tensor counts = at::empty({E}, opts.dtype(at::kInt));
-  at::Tensor slots = at::empty({T, k}, opts.dtype(at::kInt));
-  at::Tensor routes = at::empty({T * k}, opts.dtype(at::kInt));
+  at::Tensor ids = at::empty({T, kr}, opts.dtype(at::kInt));
+  at::Tensor scores = at::empty({T, kr}, opts.dtype(acc));
+  at::Tensor counts = at::empty({ec}, opts.dtype(at::kInt));
+  at::Tensor slots = at::empty({T, kr}, opts.dtype(at::kInt));
+  at::Tensor routes = at::empty({T * kr}, opts.dtype(at::kInt));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const size_t mask_bytes = size_t(E) * MASK_WORDS * sizeof(uint32_t);
+  const size_t mask_bytes = size_t(ec) * MASK_WORDS * sizeof(uint32_t);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "turbomoe_index_shuffling", [&] {
     using acc_t = typename Acc<scalar_t>::type;
     ShuffleOut<acc_t> out{ids.data_ptr<int32_t>(), scores.data_ptr<acc_t>(), counts.data_ptr<int32_t>(),
@@ -243,16 +254,16 @@ std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, boo
     TURBOMOE_DISPATCH_CPL(E, [&] {
       if (T <= one_block_max) {
         shuffle_one_block_kernel<scalar_t, acc_t, CPL><<<1, BLOCK_THREADS, mask_bytes, stream>>>(
-            logits.data_ptr<scalar_t>(), T, E, k, sigmoid, renorm, out);
+            logits.data_ptr<scalar_t>(), T, E, k, shared, sigmoid, renorm, out);
         TURBOMOE_CHECK_LAUNCH();
       } else {
         const int topk_blocks = cdiv(T, TOPK_TOKENS);
-        at::Tensor hist = at::empty({topk_blocks, E}, opts.dtype(at::kInt));
+        at::Tensor hist = at::empty({topk_blocks, ec}, opts.dtype(at::kInt));
         shuffle_topk_kernel<scalar_t, acc_t, CPL><<<topk_blocks, BLOCK_THREADS, 0, stream>>>(
-            logits.data_ptr<scalar_t>(), T, E, k, sigmoid, renorm, out, hist.data_ptr<int32_t>());
+            logits.data_ptr<scalar_t>(), T, E, k, shared, sigmoid, renorm, out, hist.data_ptr<int32_t>());
         TURBOMOE_CHECK_LAUNCH();
         shuffle_rank_kernel<acc_t><<<cdiv(T, CHUNK), BLOCK_THREADS, mask_bytes, stream>>>(
-            T, E, k, topk_blocks, out, hist.data_ptr<int32_t>());
+            T, ec, kr, topk_blocks, out, hist.data_ptr<int32_t>());
         TURBOMOE_CHECK_LAUNCH();
       }
     });

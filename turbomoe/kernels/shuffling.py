@@ -22,9 +22,10 @@ ONE_BLOCK_TILES = 4  # the single-program path up to this many tiles of tokens (
 
 @triton.jit
 def _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K: tl.constexpr, KP: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
-               ACC: tl.constexpr):
-    """Top-k of tokens t0 .. t0 + BLOCK_T (ties to the lower id), stored; returns their counts [BLOCK_E]."""
+               SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+               RENORM: tl.constexpr, ACC: tl.constexpr):
+    """Top-k of tokens t0 .. t0 + BLOCK_T (ties to the lower id), stored in rows of K + SHARED
+    (the shared expert's column: expert E, score 1); returns their counts [BLOCK_E]."""
     rows = t0 + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     kcol = tl.arange(0, KP)
@@ -41,15 +42,20 @@ def _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K: tl.conste
         ids_t = tl.where(kcol[None, :] == j, tl.where(valid, idx, -1)[:, None], ids_t)
         sel = tl.where(hit, float("-inf"), sel)
         chosen += hit.to(tl.int32)
+    if SHARED:
+        ids_t = tl.where(kcol[None, :] == K, E, ids_t)
+        sc_t = tl.where(kcol[None, :] == K, 1.0, sc_t)
+        chosen += ((cols[None, :] == E) & (rows < T)[:, None]).to(tl.int32)
     if RENORM:
-        total = tl.sum(sc_t, axis=1)
+        total = tl.sum(tl.where(kcol[None, :] < K, sc_t, 0.0), axis=1)
         total = tl.where(total > 0, total, 1.0)[:, None]
         if ACC == tl.float32:
-            sc_t = tl.div_rn(sc_t, total)  # IEEE: a lone route weighs exactly 1, as in the reference
+            normed = tl.div_rn(sc_t, total)  # IEEE: a lone route weighs exactly 1, as in the reference
         else:
-            sc_t = sc_t / total
-    out = rows[:, None] * K + kcol[None, :]
-    omask = (rows < T)[:, None] & (kcol < K)[None, :]
+            normed = sc_t / total
+        sc_t = tl.where(kcol[None, :] < K, normed, sc_t)
+    out = rows[:, None] * (K + SHARED) + kcol[None, :]
+    omask = (rows < T)[:, None] & (kcol < K + SHARED)[None, :]
     tl.store(ids_ptr + out, ids_t, mask=omask)
     tl.store(scores_ptr + out, sc_t, mask=omask)
     return tl.sum(chosen, axis=0)
@@ -86,16 +92,18 @@ def _clear_rows(routes_ptr, r0, r1, total, BLOCK_R: tl.constexpr):
         tl.store(routes_ptr + rows, tl.full([BLOCK_R], -1, tl.int32), mask=(rows >= total) & (rows < r1))
 
 
+# Below, K counts the routes of a token (k, plus 1 with a shared expert) and EC the count columns
+# (E, plus 1); the top-k tile takes the routed k and E.
 @triton.jit(do_not_specialize=["T", "E", "stride_t"])
 def _shuffle_one_block_kernel(logits_ptr, ids_ptr, scores_ptr, counts_ptr, slots_ptr, routes_ptr, T, E, stride_t,
-                              K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                              SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
+                              K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
     cols = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for t0 in range(0, T, BLOCK_T):
-        counts += _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K, KP, BLOCK_T, BLOCK_E, SIGMOID,
-                             RENORM, ACC)
-    tl.store(counts_ptr + cols, counts, mask=cols < E)
+        counts += _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K - SHARED, KP, SHARED, BLOCK_T,
+                             BLOCK_E, SIGMOID, RENORM, ACC)
+    tl.store(counts_ptr + cols, counts, mask=cols < E + SHARED)
     tl.debug_barrier()  # the rank pass reads the ids other threads of this program stored
     start = tl.cumsum(counts, axis=0) - counts
     for t0 in range(0, T, BLOCK_T):
@@ -105,17 +113,17 @@ def _shuffle_one_block_kernel(logits_ptr, ids_ptr, scores_ptr, counts_ptr, slots
 
 @triton.jit(do_not_specialize=["T", "E", "stride_t"])
 def _topk_blocks_kernel(logits_ptr, ids_ptr, scores_ptr, hist_ptr, T, E, stride_t, K: tl.constexpr,
-                        KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
-                        RENORM: tl.constexpr, ACC: tl.constexpr):
+                        KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                        SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
-    counts = _topk_tile(logits_ptr, ids_ptr, scores_ptr, pid * BLOCK_T, T, E, stride_t, K, KP, BLOCK_T, BLOCK_E,
-                        SIGMOID, RENORM, ACC)
-    tl.store(hist_ptr + pid * E + cols, counts, mask=cols < E)
+    counts = _topk_tile(logits_ptr, ids_ptr, scores_ptr, pid * BLOCK_T, T, E, stride_t, K - SHARED, KP, SHARED,
+                        BLOCK_T, BLOCK_E, SIGMOID, RENORM, ACC)
+    tl.store(hist_ptr + pid * (E + SHARED) + cols, counts, mask=cols < E + SHARED)
 
 
-@triton.jit(do_not_specialize=["T", "E", "nblocks"])
-def _rank_blocks_kernel(ids_ptr, hist_ptr, counts_ptr, slots_ptr, routes_ptr, T, E, nblocks, K: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "EC", "nblocks"])
+def _rank_blocks_kernel(ids_ptr, hist_ptr, counts_ptr, slots_ptr, routes_ptr, T, EC, nblocks, K: tl.constexpr,
                         KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
@@ -123,12 +131,12 @@ def _rank_blocks_kernel(ids_ptr, hist_ptr, counts_ptr, slots_ptr, routes_ptr, T,
     before = tl.zeros([BLOCK_E], tl.int32)  # routes of each expert in the tiles before this one
     for b0 in range(0, nblocks, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
-        h = tl.load(hist_ptr + b[:, None] * E + cols[None, :], mask=(b < nblocks)[:, None] & (cols < E)[None, :],
+        h = tl.load(hist_ptr + b[:, None] * EC + cols[None, :], mask=(b < nblocks)[:, None] & (cols < EC)[None, :],
                     other=0)
         totals += tl.sum(h, axis=0)
         before += tl.sum(tl.where((b < pid)[:, None], h, 0), axis=0)
     if pid == 0:
-        tl.store(counts_ptr + cols, totals, mask=cols < E)
+        tl.store(counts_ptr + cols, totals, mask=cols < EC)
     start = tl.cumsum(totals, axis=0) - totals + before
     _rank_tile(ids_ptr, slots_ptr, routes_ptr, pid * BLOCK_T, T, start, K, BLOCK_T, BLOCK_E)
     r0 = pid * BLOCK_T * K
@@ -143,26 +151,28 @@ def _tile(E: int):
 
 
 def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
-                    one_block_tiles: int = ONE_BLOCK_TILES) -> ShuffledRoutes:
+                    shared_expert: bool = False, one_block_tiles: int = ONE_BLOCK_TILES) -> ShuffledRoutes:
     T, E = logits_TE.shape
     dev = logits_TE.device
     logits = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
     acc = acc_dtype(logits.dtype)
-    ids = torch.empty(T, k, dtype=torch.int32, device=dev)
-    scores = torch.empty(T, k, dtype=acc, device=dev)
-    counts = torch.empty(E, dtype=torch.int32, device=dev)
-    slots = torch.empty(T, k, dtype=torch.int32, device=dev)
-    routes = torch.empty(T * k, dtype=torch.int32, device=dev)
-    block_t, block_e, warps = _tile(E)
-    meta = dict(K=k, KP=next_pow2(k), BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
-    gate = dict(SIGMOID=score_func == "sigmoid", RENORM=renormalize, ACC=tl_dtype(acc))
+    sh = int(shared_expert)
+    kr, ec = k + sh, E + sh  # routes per token, count columns
+    ids = torch.empty(T, kr, dtype=torch.int32, device=dev)
+    scores = torch.empty(T, kr, dtype=acc, device=dev)
+    counts = torch.empty(ec, dtype=torch.int32, device=dev)
+    slots = torch.empty(T, kr, dtype=torch.int32, device=dev)
+    routes = torch.empty(T * kr, dtype=torch.int32, device=dev)
+    block_t, block_e, warps = _tile(ec)
+    meta = dict(K=kr, KP=next_pow2(kr), BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
+    gate = dict(SHARED=sh, SIGMOID=score_func == "sigmoid", RENORM=renormalize, ACC=tl_dtype(acc))
     nblocks = triton.cdiv(T, block_t)
     if nblocks <= one_block_tiles:
         _shuffle_one_block_kernel[(1, )](logits, ids, scores, counts, slots, routes, T, E, logits.stride(0), **meta,
                                          **gate)
     else:
-        hist = torch.empty(nblocks, E, dtype=torch.int32, device=dev)
+        hist = torch.empty(nblocks, ec, dtype=torch.int32, device=dev)
         _topk_blocks_kernel[(nblocks, )](logits, ids, scores, hist, T, E, logits.stride(0), **meta, **gate)
-        _rank_blocks_kernel[(nblocks, )](ids, hist, counts, slots, routes, T, E, nblocks,
+        _rank_blocks_kernel[(nblocks, )](ids, hist, counts, slots, routes, T, ec, nblocks,
                                          BLOCK_B=max(1, min(64, 4096 // block_e)), **meta)
     return ShuffledRoutes(ids, scores, counts, slots, routes)
