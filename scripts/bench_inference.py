@@ -1,0 +1,272 @@
+"""Inference benchmark on one GPU, every peer in the same run, CUDA-graph replays (README "### Inference").
+
+  python scripts/bench_inference.py --out DIR [--sections shuffle,layer,generate] [--quick]
+
+shuffle   index shuffling (routing + counts + expert-contiguous permutation) at T x E =
+          128/2048/8192 x 16/128, top-1 sigmoid (Llama 4's routing, the setting of FBGEMM's kernel):
+          turbomoe cuda and triton (from bf16 logits) vs plain PyTorch (sigmoid + topk + bincount +
+          sort) and FBGEMM's torch.ops.fbgemm.index_shuffling (from bf16 scores)
+layer     the decode MoE layer at T = 1, 8, 16, 64, 256 tokens, bf16: Qwen3-30B-A3B's (E 128, k 8,
+          M 2048, F 768, softmax, renormalised) and a Llama-4-Scout TP8 shard (E 16, k 1, M 5120,
+          F 1024, sigmoid, input pre-scaled, one shared expert); turbomoe's SparseMoE in each mode vs
+          plain PyTorch (topk, sort, index_select, torch._grouped_mm, index_add_), transformers' own
+          block (eager: it syncs with the host) and the floor: bytes of the weights the step must
+          read (experts with tokens, the shared expert, the router) over the measured copy bandwidth
+generate  tokens/s of a ~1B-parameter random Qwen3-MoE (turbomoe.inference.Engine, CUDA-graph
+          decode) vs transformers' generate (eager, and static cache + torch.compile) at batch 1, 8, 64
+
+Times: the op captured REPS times in one CUDA graph, the graph replayed, CUDA-event medians / REPS
+(peers that cannot be captured: queued eager medians, marked). JSON and a log go to --out.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from turbomoe import csrc  # noqa: E402
+from turbomoe.inference import SparseMoE  # noqa: E402
+from turbomoe.kernels.shuffling import index_shuffling as triton_shuffling  # noqa: E402
+
+REPS = 20
+
+
+def graph_us(fn, iters=30):
+    """Median us per call of fn replayed from a CUDA graph of REPS calls; None if it cannot be
+    captured (then eager_us)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            for _ in range(REPS):
+                fn()
+    except Exception as e:  # noqa: BLE001 (a peer that syncs with the host)
+        print(f"  (not capturable: {type(e).__name__}: {str(e)[:100]})")
+        torch.cuda.synchronize()
+        return None
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / REPS)
+    return statistics.median(times)
+
+
+def eager_us(fn, iters=50):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def timed_us(fn):
+    t = graph_us(fn)
+    return (t, "graph") if t is not None else (eager_us(fn), "eager")
+
+
+def copy_bandwidth_gbs():
+    """Device copy of 1 GiB: (read + write bytes) / time, the memory's practical ceiling."""
+    src = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    t = eager_us(lambda: dst.copy_(src), iters=20)
+    return 2 * src.numel() * 2 / (t * 1e-6) / 1e9
+
+
+def fbgemm_ops():
+    try:
+        import fbgemm_gpu.experimental.gen_ai  # noqa: F401
+        return torch.ops.fbgemm
+    except Exception as e:  # noqa: BLE001
+        print(f"FBGEMM gen_ai not available: {type(e).__name__}: {e}")
+        return None
+
+
+def torch_shuffling(scores_TE, k):
+    """Plain PyTorch: top-k, counts, and the expert-sorted permutation (stable: deterministic)."""
+    val, ids = scores_TE.topk(k, dim=1)
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=scores_TE.shape[1])
+    order = torch.sort(flat, stable=True).indices
+    return counts, flat[order], order // k, val
+
+
+def bench_shuffle(args, log):
+    fb = fbgemm_ops()
+    rows = []
+    for T in ([128, 2048] if args.quick else [128, 2048, 8192]):
+        for E in (16, 128):
+            logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
+            scores = torch.sigmoid(logits)
+            r = {"T": T, "E": E, "k": 1}
+            r["torch_us"], _ = timed_us(lambda: torch_shuffling(torch.sigmoid(logits), 1))
+            r["cuda_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid"))
+            r["triton_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid"))
+            if fb is not None:
+                try:
+                    r["fbgemm_us"], r["fbgemm_timing"] = timed_us(lambda: fb.index_shuffling(scores, top_k=1))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  FBGEMM index_shuffling failed at T={T} E={E}: {type(e).__name__}: {str(e)[:200]}")
+            rows.append(r)
+            log("shuffle " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows
+
+
+LAYERS = {
+    "qwen3-30b-a3b": dict(E=128, k=8, M=2048, F=768, score_func="softmax", renormalize=True, shared=False,
+                          prescale=False),
+    "scout-tp8": dict(E=16, k=1, M=5120, F=1024, score_func="sigmoid", renormalize=False, shared=True, prescale=True),
+}
+
+
+def plain_torch_moe(x, router, w1, w2, k, score_func, renormalize, shared_w1, shared_w2, prescale):
+    """MoE block in plain PyTorch on torch._grouped_mm: top-k, sort, index_select, two grouped GEMMs,
+    index_add_ (graph-capturable: no host sync)."""
+    T, M = x.shape
+    logits = F.linear(x, router).float()
+    p = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    sc, ids = p.topk(k, -1)
+    if renormalize:
+        sc = sc / sc.sum(-1, keepdim=True)
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    tok = order // k
+    counts = torch.bincount(flat, minlength=w1.shape[0]).to(torch.int32)
+    rows = x.index_select(0, tok)
+    s_rows = sc.reshape(-1)[order]
+    if prescale:
+        rows = (rows * s_rows[:, None]).to(x.dtype)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = torch._grouped_mm(rows, w1, offs=offs)
+    a = F.silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:]
+    y = torch._grouped_mm(a, w2, offs=offs)
+    if not prescale:
+        y = y * s_rows[:, None].to(y.dtype)
+    out = torch.zeros(T, M, device=x.device, dtype=torch.float32).index_add_(0, tok, y.float())
+    if shared_w1 is not None:
+        hs = x @ shared_w1
+        out += (F.silu(hs[:, :hs.shape[1] // 2]) * hs[:, hs.shape[1] // 2:]) @ shared_w2
+    return out.to(x.dtype)
+
+
+def hf_block(name, cfg, router, w1, w2, sw1, sw2):
+    """transformers' own MoE block with the same weights: Qwen3MoeSparseMoeBlock or Llama4TextMoe."""
+    E, M, F_ = cfg["E"], cfg["M"], cfg["F"]
+    if name.startswith("qwen3"):
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        c = Qwen3MoeConfig(hidden_size=M, moe_intermediate_size=F_, num_experts=E, num_experts_per_tok=cfg["k"],
+                           norm_topk_prob=cfg["renormalize"])
+        block = Qwen3MoeSparseMoeBlock(c)
+        block.gate.weight.data = router.clone()
+    else:
+        from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
+        from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+        c = Llama4TextConfig(hidden_size=M, intermediate_size=F_, num_local_experts=E, num_experts_per_tok=cfg["k"])
+        block = Llama4TextMoe(c)
+        block.router.weight.data = router.clone()
+        block.shared_expert.gate_proj.weight.data = sw1[:, :F_].t().contiguous()
+        block.shared_expert.up_proj.weight.data = sw1[:, F_:].t().contiguous()
+        block.shared_expert.down_proj.weight.data = sw2.t().contiguous()
+    experts = block.experts
+    if hasattr(experts, "gate_up_proj"):
+        gu = experts.gate_up_proj
+        # transformers stores gate_up either [E, 2F, M] (Qwen3 5.x) or [E, M, 2F] (Llama 4)
+        experts.gate_up_proj.data = (w1.transpose(1, 2) if gu.shape[1] == 2 * F_ else w1).contiguous()
+        experts.down_proj.data = (w2.transpose(1, 2) if experts.down_proj.shape[1] == M else w2).contiguous()
+    return block.to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def bench_layer(args, log, bandwidth):
+    rows = []
+    for name, cfg in LAYERS.items():
+        E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        dev = dict(device="cuda", dtype=torch.bfloat16)
+        router = torch.randn(E, M, generator=g, **dev) * M ** -0.5
+        w1 = torch.randn(E, M, 2 * F_, generator=g, **dev) * M ** -0.5
+        w2 = torch.randn(E, F_, M, generator=g, **dev) * F_ ** -0.5
+        sw1 = torch.randn(M, 2 * F_, generator=g, **dev) * M ** -0.5 if cfg["shared"] else None
+        sw2 = torch.randn(F_, M, generator=g, **dev) * F_ ** -0.5 if cfg["shared"] else None
+        kw = dict(score_func=cfg["score_func"], renormalize=cfg["renormalize"], shared_w1_MN=sw1, shared_w2_FM=sw2,
+                  prescale=cfg["prescale"])
+        moes = {mode: SparseMoE(router, w1, w2, k, mode=mode, dense_max=10 ** 9 if mode == "dense" else 0, **kw)
+                for mode in ("few_rows", "grouped", "dense")}
+        try:
+            hf = hf_block(name, cfg, router, w1, w2, sw1, sw2)
+        except Exception as e:  # noqa: BLE001
+            log(f"  transformers block unavailable for {name}: {type(e).__name__}: {e}")
+            hf = None
+        for T in ([1, 16, 64] if args.quick else [1, 8, 16, 64, 256]):
+            x = torch.randn(T, M, generator=g, **dev)
+            ids = F.linear(x, router).float().topk(k, -1).indices
+            used = int(torch.unique(ids).numel())
+            weight_bytes = (used + cfg["shared"]) * 3 * M * F_ * 2 + E * M * 2
+            r = {"layer": name, "T": T, "experts_used": used, "floor_us": weight_bytes / (bandwidth * 1e9) * 1e6}
+            for mode, moe in moes.items():
+                r[f"{mode}_us"], _ = timed_us(lambda: moe(x))
+            r["torch_us"], r["torch_timing"] = timed_us(lambda: plain_torch_moe(x, router, w1, w2, k, **kw))
+            if hf is not None:
+                with torch.no_grad():
+                    r["transformers_us"], r["transformers_timing"] = timed_us(lambda: hf(x[None]))
+            best = min(r[f"{m}_us"] for m in moes)
+            r["best_us"] = best
+            r["floor_fraction"] = r["floor_us"] / best
+            rows.append(r)
+            log("layer " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/bench_inference")
+    p.add_argument("--sections", default="shuffle,layer")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "bench_inference.log"), "a")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+        logf.flush()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    result["copy_GBs"] = copy_bandwidth_gbs()
+    log(f"{result['device']} torch {result['torch']} {result['utc']} UTC, copy bandwidth {result['copy_GBs']:.0f} GB/s")
+    sections = args.sections.split(",")
+    if "shuffle" in sections:
+        result["shuffle"] = bench_shuffle(args, log)
+    if "layer" in sections:
+        result["layer"] = bench_layer(args, log, result["copy_GBs"])
+    with open(os.path.join(args.out, "bench_inference.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
