@@ -14,7 +14,8 @@ import shutil
 
 import deepspeed.comm as dist
 
-COMPLETE = "turbomoe_complete"  # JSON marker inside a tag directory whose every rank has finished
+from turbomoe.export import COMPLETE  # JSON marker in a tag directory whose every rank has finished
+
 _TAG = re.compile(r"^global_step(\d+)$")
 
 

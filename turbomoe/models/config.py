@@ -25,6 +25,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v/o projections, as Hugging Face's Qwen3MoeAttention
     # turbomoe.integrations.deepspeed.MoE, or DeepSpeed's own deepspeed.moe.layer.MoE (same constructor).
     moe_impl: str = "turbomoe"
 
@@ -76,6 +77,8 @@ class ModelConfig:
         """Parameter count of the whole model; active=True counts only the k experts a token uses."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2) + 2 * d + 2 * h
+        if self.attention_bias:
+            attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + h
         experts = self.num_experts_per_tok if active else self.num_experts
         moe = experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
         dense = 3 * h * self.intermediate_size

@@ -9,6 +9,7 @@ Shapes: B batch, T tokens, H hidden, N query heads, G key/value heads, D head di
 """
 import hashlib
 import inspect
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -59,10 +60,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -217,7 +219,11 @@ class Qwen3MoeForCausalLM(nn.Module):
                         p.copy_(torch.randn(p.shape, generator=g) * std)
                         expert_ids.add(id(p))
             for name, p in layer.named_parameters():
-                if id(p) not in expert_ids:
+                if id(p) in expert_ids:
+                    continue
+                if name.endswith(".bias"):  # attention biases start at zero, as Hugging Face's
+                    p.zero_()
+                else:
                     p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=dense) * std)
         self.model.embed_tokens.weight.copy_(torch.randn(self.model.embed_tokens.weight.shape, generator=dense) * std)
         self.model.norm.weight.fill_(1.0)
@@ -241,3 +247,32 @@ class Qwen3MoeForCausalLM(nn.Module):
         if labels_BT is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels_BT.flatten(), ignore_index=-100)
         return CausalLMOutput(logits, loss, torch.stack(auxes).mean(), torch.stack(counts))
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, moe_impl: str = "turbomoe", dtype: Optional[torch.dtype] = None,
+                        device=None, moe_args: MoEArgs = MoEArgs(), ep_rank: Optional[int] = None):
+        """A Hugging Face Qwen3-MoE directory (config.json + safetensors) -> this model, in eval mode.
+
+        dtype None keeps config.json's dtype. With moe_args.ep_size > 1 the model holds, and reads, only
+        the experts of ep_rank (default: the process group's rank % ep_size, the recipe's placement).
+        """
+        from . import hf_checkpoint as hf
+        raw = hf.read_config(path)
+        cfg = hf.config_from_hf(raw, os.path.join(path, hf.CONFIG), moe_impl)
+        if ep_rank is None:
+            ep_rank = hf.default_ep_rank(moe_args.ep_size)
+        with hf.CheckpointReader(path) as reader:  # opened (and checked) before the model is built
+            model = cls(cfg, moe_args).to(dtype or hf.config_dtype(raw))
+            hf.load_weights(model, reader, ep_rank)
+        return model.to(device).eval()
+
+    def save_pretrained(self, out_dir: str, *, dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
+                        force: bool = False, tokenizer=None):
+        """Write a directory that transformers' AutoModelForCausalLM and AutoTokenizer load (see hf_checkpoint).
+
+        dtype None keeps the parameters' dtype; tokenizer None writes the byte tokenizer when the vocabulary
+        holds it. An existing out_dir is an error unless force.
+        """
+        from . import hf_checkpoint as hf
+        dtype = dtype or self.lm_head.weight.dtype
+        hf.save_dir(out_dir, self.config, hf.hf_tensors(self), dtype, max_shard_size, force, tokenizer)

@@ -1,0 +1,117 @@
+"""python -m turbomoe.export: a tiny-cpu recipe run on 2 CPU ranks with ep_size 2 (each rank writes half
+the experts) -> export -> transformers loads it, and its loss on text the run never saw equals that of
+turbomoe's model read straight from the DeepSpeed files; fp32 masters reassembled from the ZeRO
+partitions; stock DeepSpeed MoE runs; bad input, each a clear error with nothing written."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+transformers = pytest.importorskip("transformers")
+from test_recipes import launch  # noqa: E402
+
+from turbomoe.export import COMPLETE, ExportError, RunCheckpoint, export, load_run_model, resolve_tag  # noqa: E402
+from turbomoe.models.hf_checkpoint import CheckpointReader  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Not in the run's data (the Python standard library's sources).
+HELD_OUT = ("The lighthouse keeper counted the ships each evening, writing their names in a worn ledger. "
+            "When the fog rolled in, she lit the lamp early and listened for horns across the water. ")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """tiny-cpu for 12 steps, checkpoints at 6 and 12 (its data, model and parallel layout as configured)."""
+    log_dir = tmp_path_factory.mktemp("run")
+    launch(str(log_dir), "--set", "train.steps=12", "--set", "checkpoint.every=6", "--set", "eval.every=6")
+    return log_dir
+
+
+def held_out_losses(run_dir, out_dir, step=None):
+    tok = transformers.AutoTokenizer.from_pretrained(out_dir)
+    ids = torch.tensor([tok(HELD_OUT)["input_ids"]])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    ours = load_run_model(str(run_dir), step)
+    with torch.no_grad():
+        return hf(ids, labels=ids).loss.item(), ours(ids[:, :-1], ids[:, 1:]).loss.item()
+
+
+def test_export_loads_in_transformers_with_the_run_loss(run, tmp_path):
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "turbomoe.export", str(run), str(out), "--dtype", "fp32"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "global_step12" in proc.stdout
+    theirs, ours = held_out_losses(run, out)
+    assert abs(theirs - ours) <= 1e-5 * ours
+    first = load_run_model(str(run), step=6)  # an earlier tag by --step: a different, less trained model
+    assert not torch.equal(first.lm_head.weight, load_run_model(str(run)).lm_head.weight)
+
+
+def test_fp32_masters_from_zero_partitions_equal_the_weights(run):
+    """An fp32 run's ZeRO-1 masters are its weights: reassembled from both ranks' partitions (experts by
+    local id on each expert-parallel rank) they must match the model states exactly."""
+    ckpt = RunCheckpoint(resolve_tag(str(run)))
+    masters = ckpt.fp32_masters()
+    assert masters is not None and len(masters) == len(ckpt.shapes)
+    for name, t in ckpt.tensors():
+        assert torch.equal(masters[name], t), name
+
+
+def test_tag_and_checkpoint_dirs_and_bf16(run, tmp_path):
+    tag = run / "checkpoints" / "global_step6"
+    export(str(tag), str(tmp_path / "a"), progress=False)
+    export(str(run / "checkpoints"), str(tmp_path / "b"), step=6, progress=False)
+    with CheckpointReader(str(tmp_path / "a")) as a, CheckpointReader(str(tmp_path / "b")) as b:
+        assert sorted(a.weight_map) == sorted(b.weight_map)
+        for k in a.weight_map:
+            assert a.get(k).dtype == torch.bfloat16 and torch.equal(a.get(k), b.get(k))
+    model = load_run_model(str(run), step=6)
+    with CheckpointReader(str(tmp_path / "a")) as a:
+        assert torch.equal(a.get("lm_head.weight"), model.lm_head.weight.to(torch.bfloat16))
+
+
+def test_stock_deepspeed_moe_run_exports(tmp_path):
+    log_dir = tmp_path / "ds"
+    launch(str(log_dir), "--set", "model.moe_impl=deepspeed", "--set", "train.steps=3", "--set", "checkpoint.every=3",
+           "--set", "eval.every=3")
+    export(str(log_dir), str(tmp_path / "hf"), dtype="fp32", progress=False)
+    theirs, ours = held_out_losses(log_dir, tmp_path / "hf")
+    assert abs(theirs - ours) <= 1e-5 * ours
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def copy_run(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_missing_expert_file_of_one_rank(run, tmp_path):
+    bad = copy_run(run, tmp_path)
+    (bad / "checkpoints" / "global_step12" / "layer_2_expert_5_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(ExportError, match=r"layer_2_expert_5_mp_rank_00_model_states.pt is missing: expert 5 of MoE "
+                                          r"layer 2, written by expert-parallel rank 1 of 2"):
+        export(str(bad), str(tmp_path / "out"), progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # nothing written, no temporary directory left
+
+
+def test_no_checkpoint_incomplete_tag_and_existing_output(run, tmp_path):
+    with pytest.raises(ExportError, match="no checkpoint there"):
+        export(str(tmp_path), str(tmp_path / "out"), progress=False)
+    bad = copy_run(run, tmp_path)
+    (bad / "checkpoints" / "global_step12" / COMPLETE).unlink()
+    with pytest.raises(ExportError, match="global_step12: not a complete checkpoint"):
+        export(str(bad), str(tmp_path / "out"), progress=False)
+    with pytest.raises(ExportError, match="global_step7: not a complete checkpoint"):
+        export(str(bad), str(tmp_path / "out"), step=7, progress=False)
+    (tmp_path / "out").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "turbomoe.export", str(run), str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "already exists; pass --force" in proc.stderr
+    assert os.listdir(tmp_path / "out") == []

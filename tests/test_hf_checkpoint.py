@@ -1,0 +1,205 @@
+"""Hugging Face Qwen3-MoE directories: a random transformers model saved by transformers (per-expert,
+sharded, and the fused expert layout) -> from_pretrained -> the same logits in fp32 -> save_pretrained
+-> the same tensors bit for bit, loaded back by transformers' Auto classes with no custom code; the
+byte tokenizer through AutoTokenizer; and bad input, each a clear error with nothing written."""
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from turbomoe.data import ByteTokenizer  # noqa: E402
+from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM  # noqa: E402
+from turbomoe.models.hf_checkpoint import CheckpointError, save_dir  # noqa: E402
+
+# Odd sizes; the two configs cover mlp_only_layers, decoder_sparse_step, norm_topk_prob both ways, tied
+# and untied embeddings, attention biases on and off, k = 2 and 3.
+CONFIGS = {
+    "untied_bias_mlp_only": dict(vocab_size=263, hidden_size=24, intermediate_size=40, moe_intermediate_size=12,
+                                 num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, head_dim=8,
+                                 num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
+                                 tie_word_embeddings=False, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+    "tied_sparse_step": dict(vocab_size=67, hidden_size=20, intermediate_size=36, moe_intermediate_size=10,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+                             num_experts=7, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
+                             tie_word_embeddings=True, attention_bias=False, rms_norm_eps=1e-5),
+}
+
+
+def hf_model(name, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIGS[name])).eval()
+    model.set_experts_implementation("eager")  # its grouped_mm default needs 16-byte strides: no odd sizes
+    with torch.no_grad():  # transformers initialises the router to zeros: random weights route for real
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def tensors_of(path):
+    """Every tensor of a directory's safetensors file(s), by key."""
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_round_trip_through_transformers(tmp_path, name):
+    ref = hf_model(name)
+    src = tmp_path / "hf"
+    ref.save_pretrained(src, max_shard_size="30KB")  # sharded, with an index
+    assert (src / "model.safetensors.index.json").exists()
+    ids = torch.randint(0, ref.config.vocab_size, (3, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids).logits
+
+    ours = Qwen3MoeForCausalLM.from_pretrained(str(src))
+    assert ours.config.tie_word_embeddings == ref.config.tie_word_embeddings
+    with torch.no_grad():
+        assert rel_err(ours(ids).logits, expected) < 1e-5
+
+    out = tmp_path / "ours"
+    ours.save_pretrained(str(out), max_shard_size="20KB")
+    theirs, mine = tensors_of(src), tensors_of(out)
+    assert sorted(mine) == sorted(theirs)
+    assert all(torch.equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in theirs)
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, experts_implementation="eager").eval()
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, expected)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == (
+        ByteTokenizer.eos_id if ref.config.vocab_size >= ByteTokenizer.vocab_size else None)
+
+
+def test_fused_expert_layout_and_bf16(tmp_path):
+    """transformers' in-memory layout (gate_up_proj [E, 2F, H], down_proj [E, H, F]) on disk, single file."""
+    ref = hf_model("untied_bias_mlp_only")
+    src = tmp_path / "fused"
+    ref.save_pretrained(src)
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.randint(0, 263, (2, 9))
+    ours = Qwen3MoeForCausalLM.from_pretrained(str(src))
+    with torch.no_grad():
+        assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-5
+    per_expert = tmp_path / "per_expert"
+    ours.save_pretrained(str(per_expert), dtype=torch.bfloat16)
+    bf16 = Qwen3MoeForCausalLM.from_pretrained(str(per_expert))  # dtype from config.json
+    assert bf16.lm_head.weight.dtype == torch.bfloat16
+    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(ours.state_dict().values(), bf16.state_dict().values()))
+
+
+def test_expert_parallel_rank_reads_its_experts(tmp_path):
+    ref = hf_model("untied_bias_mlp_only")
+    ref.save_pretrained(tmp_path / "hf")
+    whole = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    part = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf"), moe_args=MoEArgs(ep_size=3), ep_rank=2)
+    experts = lambda m, layer: m.model.layers[layer].mlp.deepspeed_moe.experts.deepspeed_experts  # noqa: E731
+    for layer in (0, 2):
+        assert len(experts(part, layer)) == 2
+        for local, expert in enumerate(experts(part, layer)):
+            for a, b in zip(expert.parameters(), experts(whole, layer)[4 + local].parameters()):
+                assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="holds 1/3 of the experts"):
+        part.save_pretrained(str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text", ["", "hello world", "  two  spaces\n\ttab\r\n", "héllo 日本語 🎉 ok",
+                                  "\x00\x01\x7f", bytes(range(256)).decode("latin-1")])
+def test_byte_tokenizer_through_auto_tokenizer(tmp_path, text):
+    ByteTokenizer().save_pretrained(str(tmp_path), model_max_length=512)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ids = tok(text)["input_ids"]
+    assert ids == ByteTokenizer().encode(text).tolist()
+    assert tok.decode(ids) == text
+    assert tok.eos_token_id == ByteTokenizer.eos_id and tok.convert_ids_to_tokens(256) == "<|endoftext|>"
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    hf_model("untied_bias_mlp_only").save_pretrained(tmp_path / "hf", max_shard_size="30KB")
+    return tmp_path / "hf"
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_and_truncated_shard(sharded):
+    shards = sorted(set(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(shards) > 2
+    shard = sharded / shards[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=f"{shards[1]}: not a readable safetensors"):
+        Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{shards[1]}: shard listed in .*index.json"):
+        Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(model_type="mixtral"), "config.json: model_type is 'mixtral'"),
+    (dict(moe_intermediate_size=14), r"experts.0.gate_proj.weight has shape \[12, 24\], but config.json implies \[14, 24\]"),
+    (dict(vocab_size=300), r"model.embed_tokens.weight has shape \[263, 24\], but config.json implies \[300, 24\]"),
+    (dict(hidden_act="gelu"), "config.json: hidden_act 'gelu'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "config.json: rope_parameters"),
+    (dict(use_sliding_window=True, sliding_window=16), "config.json: use_sliding_window"),
+    (dict(attention_dropout=0.1), "config.json: attention_dropout"),
+    (dict(quantization_config={"quant_method": "fp8"}), r"config.json: fields \['quantization_config'\]"),
+    (dict(mlp_only_layers=[7]), r"config.json: model.mlp_only_layers \[7\]"),
+])
+def test_config_errors(sharded, changes, match):
+    edit_config(sharded, **changes)
+    with pytest.raises(CheckpointError, match=match):
+        Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+
+
+def test_missing_tensor_and_directory(tmp_path, sharded):
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.2.mlp.experts.5.down_proj.weight"]
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="tensor model.layers.2.mlp.experts.5.down_proj.weight is missing"):
+        Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+    with pytest.raises(FileNotFoundError, match="config.json does not exist"):
+        Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "nowhere"))
+
+
+def test_output_dir_exists_and_failed_write_leaves_nothing(tmp_path, sharded):
+    model = Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="already exists; pass force=True"):
+        model.save_pretrained(str(out))
+    assert os.listdir(out) == ["keep.txt"]
+    model.save_pretrained(str(out), force=True)
+    assert "keep.txt" not in os.listdir(out) and (out / "config.json").exists()
+
+    def failing():
+        yield "model.norm.weight", torch.ones(3)
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_dir(str(tmp_path / "half"), model.config, failing(), torch.float32)
+    assert sorted(os.listdir(tmp_path)) == ["hf", "out"]  # neither the output nor its temporary directory

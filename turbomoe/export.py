@@ -1,0 +1,218 @@
+"""Export a recipe run's DeepSpeed checkpoint as a Hugging Face Qwen3-MoE directory, on the CPU.
+
+    python -m turbomoe.export RUN OUT [--step N] [--dtype bf16|fp32] [--force] [--max-shard-size 5GB]
+
+RUN is a recipe run directory (its log.dir, holding checkpoints/), a checkpoint directory (holding
+`latest`) or one global_stepN directory. No launcher and no process group: the files every rank
+wrote are read directly, memory-mapped, one tensor at a time:
+  mp_rank_00_model_states.pt                 the non-expert parameters (in the training dtype)
+  layer_L_expert_J_mp_rank_00_model_states.pt  expert J (global id) of the L-th MoE layer, written by
+                                              the expert-parallel rank that held it
+  *zero_pp_rank_R_mp_rank_00_optim_states.pt  ZeRO 1/2 partitions; with --dtype fp32 their fp32 master
+                                              weights are used when present (a bf16 run's exact weights)
+Both moe_impl turbomoe and deepspeed runs have these names. The tag's completion marker (written by
+recipes/checkpointing.py) holds the run's config. OUT is written atomically (a temporary directory
+renamed at the end); peak memory is about one shard plus the pages of the tensors being copied.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from .models import ModelConfig, MoEArgs, Qwen3MoeForCausalLM
+from .models.hf_checkpoint import save_dir
+from .models.hf_names import to_hf_name
+
+COMPLETE = "turbomoe_complete"  # recipes/checkpointing.py's marker of a tag every rank finished
+MODEL_STATES = "mp_rank_00_model_states.pt"
+_TAG = re.compile(r"^global_step(\d+)$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.deepspeed_moe\.experts\.deepspeed_experts)\.(\d+)\.")
+_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class ExportError(ValueError):
+    """A run or checkpoint directory that cannot be exported; the message names the file."""
+
+
+def resolve_tag(run: str, step: Optional[int] = None) -> str:
+    """The global_stepN directory to export from a run, checkpoint or tag directory."""
+    run = os.path.abspath(run)
+    if not os.path.isdir(run):
+        raise ExportError(f"{run}: no such directory")
+    if _TAG.match(os.path.basename(run)):
+        if step is not None and int(_TAG.match(os.path.basename(run)).group(1)) != step:
+            raise ExportError(f"{run} is the checkpoint of another step than --step {step}")
+        tag_dir = run
+    else:
+        ckpt = run if os.path.isfile(os.path.join(run, "latest")) else os.path.join(run, "checkpoints")
+        if step is not None:
+            tag_dir = os.path.join(ckpt, f"global_step{step}")
+        elif os.path.isfile(os.path.join(ckpt, "latest")):
+            with open(os.path.join(ckpt, "latest")) as f:
+                tag_dir = os.path.join(ckpt, f.read().strip())
+        else:
+            raise ExportError(f"{run}: no checkpoint there (no 'latest' file in it or in its checkpoints/ directory)")
+    if not os.path.isfile(os.path.join(tag_dir, COMPLETE)):
+        raise ExportError(f"{tag_dir}: not a complete checkpoint (no {COMPLETE} marker: missing, or a save that "
+                          f"did not finish)")
+    return tag_dir
+
+
+def _load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ExportError(f"{path} is missing")
+    try:
+        # The run's own files; DeepSpeed pickles config objects beside the tensors, so not weights_only.
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # a truncated or foreign file: name it
+        raise ExportError(f"{path}: cannot be read as a DeepSpeed checkpoint file ({e})") from e
+
+
+class RunCheckpoint:
+    """One complete tag of a recipe run: its config and its tensors under the model's parameter names."""
+
+    def __init__(self, tag_dir: str):
+        self.tag_dir = tag_dir
+        with open(os.path.join(tag_dir, COMPLETE)) as f:
+            meta = json.load(f)
+        self.step, self.world_size = meta["step"], meta["world_size"]
+        self.recipe = meta["config"]
+        self.config = ModelConfig.from_dict(self.recipe["model"])
+        self.ep_size = self.recipe["moe"]["ep_size"]
+        with torch.device("meta"):  # names and shapes only, no memory
+            skeleton = Qwen3MoeForCausalLM(self.config)
+        self.shapes = {k: tuple(v.shape) for k, v in skeleton.named_parameters()}  # tied weights once
+        self.states = _load(os.path.join(tag_dir, MODEL_STATES))
+        if "module" not in self.states:
+            raise ExportError(f"{os.path.join(tag_dir, MODEL_STATES)}: no 'module' state dict in it")
+        self.moe_layers = self.config.moe_layers()
+
+    def expert_file(self, moe_layer: int, expert: int) -> str:
+        return os.path.join(self.tag_dir, f"layer_{moe_layer}_expert_{expert}_{MODEL_STATES}")
+
+    def _expert_tensors(self, moe_layer: int) -> Dict[str, torch.Tensor]:
+        E = self.config.num_experts
+        out = {}
+        for j in range(E):
+            path = self.expert_file(moe_layer, j)
+            if not os.path.isfile(path):
+                raise ExportError(f"{path} is missing: expert {j} of MoE layer {moe_layer}, written by "
+                                  f"expert-parallel rank {j // (E // self.ep_size)} of {self.ep_size}")
+            out.update(_load(path))
+        return out
+
+    def tensors(self, masters: Optional[Dict[str, torch.Tensor]] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(parameter name, tensor) in the model's order; masters (fp32) replace the module's copies."""
+        module = self.states["module"]
+        layer_of = {f"model.layers.{layer}.": i for i, layer in enumerate(self.moe_layers)}
+        experts, experts_layer = {}, None
+        for name, shape in self.shapes.items():
+            m = _EXPERT.match(name)
+            if m:
+                prefix = name.split(".mlp.")[0] + "."
+                if experts_layer != prefix:  # the next MoE layer: its E files, then free the previous
+                    experts, experts_layer = self._expert_tensors(layer_of[prefix]), prefix
+                source, where = experts, self.expert_file(layer_of[prefix], int(m.group(2)))
+            else:
+                source, where = module, os.path.join(self.tag_dir, MODEL_STATES)
+            t = masters[name] if masters is not None and name in masters else source.get(name)
+            if t is None:
+                raise ExportError(f"{where}: tensor {name} is missing")
+            if tuple(t.shape) != shape:
+                raise ExportError(f"{where}: {name} has shape {tuple(t.shape)}, but the run's config implies {shape}")
+            yield name, t
+
+    def fp32_masters(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The ZeRO 1/2 fp32 master weights of every parameter, from every rank's partition, or None
+        when the run kept none. A rank's fragments name its experts by local id; experts are
+        partitioned over the ranks holding the same experts, the rest over all ranks, in rank order."""
+        files = sorted((int(m.group(1)), f) for f in os.listdir(self.tag_dir) if (m := _OPTIM.match(f)))
+        if not files:
+            return None
+        if [r for r, _ in files] != list(range(self.world_size)):
+            raise ExportError(f"{self.tag_dir}: optimizer partitions of ranks {[r for r, _ in files]}, expected one "
+                              f"for each of the {self.world_size} ranks")
+        num_local = self.config.num_experts // self.ep_size
+        pieces: Dict[str, List[torch.Tensor]] = defaultdict(list)
+        for rank, f in files:
+            path = os.path.join(self.tag_dir, f)
+            state = _load(path).get("optimizer_state_dict", {})
+            if "single_partition_of_fp32_groups" not in state or "param_slice_mappings" not in state:
+                return None  # not a ZeRO 1/2 optimizer (no masters kept apart from the module)
+            for flat, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+                for local_name, frag in mapping.items():
+                    name = _EXPERT.sub(lambda m: f"{m.group(1)}.{(rank % self.ep_size) * num_local + int(m.group(2))}.",
+                                       local_name)
+                    pieces[name].append(flat.narrow(0, frag.start, frag.numel))
+        masters = {}
+        for name, shape in self.shapes.items():
+            parts = pieces.get(name)
+            numel = sum(p.numel() for p in parts) if parts else 0
+            if numel != torch.Size(shape).numel():
+                raise ExportError(f"{self.tag_dir}: the optimizer partitions hold {numel} elements of {name}'s fp32 "
+                                  f"master, expected {torch.Size(shape).numel()}")
+            masters[name] = torch.cat(parts).view(shape)
+        return masters
+
+
+def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", force: bool = False,
+           max_shard_size="5GB", progress: bool = True) -> str:
+    """Consolidate RUN's checkpoint into the Hugging Face directory OUT; returns the tag exported."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if os.path.exists(out) and not force:
+        raise FileExistsError(f"{out} already exists; pass --force to replace it")
+    ckpt = RunCheckpoint(resolve_tag(run, step))
+    masters = ckpt.fp32_masters() if dtype == "fp32" else None
+    tokenizer = False if ckpt.recipe["data"]["source"] == "megatron" else None  # pre-tokenized: not ours to write
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(ckpt.shapes), desc=f"export {os.path.basename(ckpt.tag_dir)}", unit="tensor")
+    try:
+        tensors = ((to_hf_name(name), t) for name, t in ckpt.tensors(masters))
+        save_dir(out, ckpt.config, tensors, DTYPES[dtype], max_shard_size, force, tokenizer,
+                 bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    return ckpt.tag_dir
+
+
+def load_run_model(run: str, step: Optional[int] = None) -> Qwen3MoeForCausalLM:
+    """The run's model (all experts, ep_size 1) straight from its DeepSpeed files, in the training dtype."""
+    ckpt = RunCheckpoint(resolve_tag(run, step))
+    model = Qwen3MoeForCausalLM(ckpt.config, MoEArgs())
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in ckpt.tensors():
+            params[name].copy_(t)
+    return model.eval()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m turbomoe.export", description=__doc__.split("\n")[0])
+    p.add_argument("run", help="recipe run directory, checkpoint directory or global_stepN directory")
+    p.add_argument("out", help="output Hugging Face model directory")
+    p.add_argument("--step", type=int, default=None, help="export global_stepN instead of the latest checkpoint")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="output dtype (fp32 uses ZeRO's fp32 "
+                   "master weights when the run kept them)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    args = p.parse_args(argv)
+    try:
+        tag = export(args.run, args.out, args.step, args.dtype, args.force, args.max_shard_size)
+    except (ExportError, FileExistsError, FileNotFoundError, ValueError) as e:
+        print(f"turbomoe.export: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported {tag} -> {os.path.abspath(args.out)} ({args.dtype})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""Hugging Face Qwen3-MoE directories <-> turbomoe's ModelConfig and weights.
+
+Reading: config.json -> ModelConfig, every field that changes the math honoured and any other field
+an error that names it; safetensors weights, one file or shards listed in model.safetensors.index.json,
+opened lazily (safe_open: a tensor is read when it is copied into the model); experts in either layout
+transformers loads for qwen3_moe:
+  per expert (what transformers 5.x writes)  mlp.experts.J.{gate,up,down}_proj.weight  [F, H], [F, H], [H, F]
+  fused (transformers' in-memory layout)     mlp.experts.gate_up_proj [E, 2F, H], mlp.experts.down_proj [E, H, F]
+An expert-parallel rank reads only its own experts' rows.
+
+Writing: config.json, generation_config.json, the byte tokenizer, safetensors shards (+ index) in the
+per-expert layout, built in a temporary directory that is renamed to the output at the end: a failed
+write leaves nothing behind.
+"""
+import contextlib
+import json
+import os
+import re
+import shutil
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .hf_names import to_hf_name
+
+MODEL_TYPE = "qwen3_moe"
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+# config.json fields with the same name and meaning in ModelConfig.
+_SAME = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+         "num_attention_heads", "num_key_value_heads", "num_experts_per_tok", "decoder_sparse_step",
+         "mlp_only_layers", "norm_topk_prob", "rms_norm_eps", "max_position_embeddings", "initializer_range",
+         "tie_word_embeddings", "attention_bias")
+# Fields that do not change the model's forward pass (bookkeeping, generation, training-only loss terms);
+# the others are read below or are errors.
+_INERT = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache",
+          "output_router_logits", "router_aux_loss_coef", "bos_token_id", "eos_token_id", "pad_token_id",
+          "max_window_layers", "_name_or_path", "output_attentions", "output_hidden_states", "return_dict"}
+_HANDLED = {"num_experts", "num_local_experts", "head_dim", "hidden_act", "attention_dropout", "rope_parameters",
+            "rope_theta", "rope_scaling", "use_sliding_window", "sliding_window"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_OUR_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
+_OUR_TO_HF_LINEAR = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class CheckpointError(ValueError):
+    """A Hugging Face directory turbomoe cannot read as it is; the message names the file and field."""
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def read_config(path: str) -> dict:
+    file = os.path.join(path, CONFIG)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} does not exist: {path!r} is not a Hugging Face model directory")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return raw
+
+
+def _rope_theta(raw: dict, file: str) -> float:
+    """Default (unscaled) rotary embeddings only: transformers 5.x's rope_parameters or 4.x's rope_theta."""
+    params = raw.get("rope_parameters")
+    if params is None:
+        scaling = raw.get("rope_scaling")
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind != "default":
+                raise CheckpointError(f"{file}: rope_scaling {scaling} is not supported (only default rotary "
+                                      f"embeddings, rope_type 'default')")
+        return float(raw.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{file}: rope_parameters must be an object, got {params!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+    if kind != "default" or extra:
+        raise CheckpointError(f"{file}: rope_parameters {params} are not supported (only rope_type 'default' "
+                              f"with rope_theta)")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") -> ModelConfig:
+    """A Qwen3MoeConfig dict (config.json) -> ModelConfig; a field turbomoe cannot honour is an error."""
+    if raw.get("model_type") != MODEL_TYPE:
+        raise CheckpointError(f"{file}: model_type is {raw.get('model_type')!r}; turbomoe reads {MODEL_TYPE!r}")
+    unknown = sorted(set(raw) - set(_SAME) - _INERT - _HANDLED)
+    if unknown:
+        raise CheckpointError(f"{file}: fields {unknown} are not supported by turbomoe's Qwen3-MoE (they may change "
+                              f"the model's math)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{file}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+    if raw.get("attention_dropout", 0.0):
+        raise CheckpointError(f"{file}: attention_dropout {raw['attention_dropout']} is not supported (only 0)")
+    if raw.get("use_sliding_window") and raw.get("sliding_window") is not None:
+        raise CheckpointError(f"{file}: use_sliding_window with sliding_window {raw['sliding_window']} is not "
+                              f"supported (full causal attention only)")
+    num_experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if not num_experts:
+        raise CheckpointError(f"{file}: num_experts is {num_experts!r}; a Qwen3-MoE model needs experts")
+    d = {k: raw[k] for k in _SAME if k in raw}
+    d["mlp_only_layers"] = list(raw.get("mlp_only_layers") or [])
+    d["norm_topk_prob"] = bool(raw.get("norm_topk_prob", False))  # Qwen3MoeConfig's default
+    d["num_experts"] = num_experts
+    d["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    d["rope_theta"] = _rope_theta(raw, file)
+    d["moe_impl"] = moe_impl
+    try:
+        return ModelConfig.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: {e}") from e
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None) -> dict:
+    """ModelConfig -> a config.json that transformers' Qwen3MoeConfig reads."""
+    names = {v: k for k, v in _DTYPES.items()}
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": MODEL_TYPE,
+            **{k: getattr(cfg, k) for k in _SAME},
+            "num_experts": cfg.num_experts, "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_dropout": 0.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "use_sliding_window": False, "sliding_window": None, "dtype": names[dtype],
+            "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None, "use_cache": True}
+
+
+def config_dtype(raw: dict) -> torch.dtype:
+    """The dtype config.json says the weights are stored in (float32 when it says nothing we know)."""
+    return _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
+
+
+# ---------------------------------------------------------------- safetensors, read lazily
+
+
+class CheckpointReader:
+    """name -> tensor over a directory's safetensors file(s); use as a context manager."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+        self._stack = contextlib.ExitStack()
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e!r})") from e
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(single):
+            weight_map, files = None, [SINGLE]
+        else:
+            raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} is there")
+        self._handles = {}
+        for name in files:
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{file}: shard listed in {index} does not exist")
+            try:
+                self._handles[name] = self._stack.enter_context(safe_open(file, framework="pt"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file}: not a readable safetensors file, truncated or damaged? ({e})") from e
+        if weight_map is None:
+            weight_map = {k: SINGLE for k in self._handles[SINGLE].keys()}
+        for name, handle in self._handles.items():
+            missing = sorted(k for k, v in weight_map.items() if v == name and k not in set(handle.keys()))
+            if missing:
+                raise CheckpointError(f"{os.path.join(path, name)}: lacks tensors {missing[:5]} that {INDEX} "
+                                      f"places there")
+        self.weight_map = weight_map
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def file_of(self, key: str) -> str:
+        return os.path.join(self.path, self.weight_map[key])
+
+    def shape(self, key: str) -> List[int]:
+        return list(self._handles[self.weight_map[key]].get_slice(key).get_shape())
+
+    def get(self, key: str, index: Optional[int] = None) -> torch.Tensor:
+        """The tensor, or only its row `index` of the first dimension (one expert of a fused tensor)."""
+        handle = self._handles[self.weight_map[key]]
+        try:
+            return handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.file_of(key)}: cannot read {key} ({e})") from e
+
+
+# ---------------------------------------------------------------- weights into a model
+
+
+def _source_of(name: str, reader: CheckpointReader, global_expert: Callable[[int], int], F: int):
+    """Where the checkpoint holds our parameter `name`: (key, expert row or None, slice of dim 0 or None)."""
+    m = _OUR_EXPERT.match(name)
+    if not m:
+        return to_hf_name(name), None, None
+    prefix, j, ours = m.group(1), global_expert(int(m.group(2))), m.group(3)
+    per_expert = f"{prefix}.experts.{j}.{_OUR_TO_HF_LINEAR[ours]}.weight"
+    fused = f"{prefix}.experts.{'down_proj' if ours == 'w2' else 'gate_up_proj'}"
+    if per_expert in reader.weight_map or fused not in reader.weight_map:
+        return per_expert, None, None
+    # gate_up_proj [E, 2F, H]: rows [0, F) are the gate, [F, 2F) the up projection (chunk(2) in transformers).
+    return fused, j, None if ours == "w2" else slice(0, F) if ours == "w1" else slice(F, 2 * F)
+
+
+def _expected_keys(cfg: ModelConfig, reader: CheckpointReader, our_names: Iterable[str]) -> set:
+    """Every checkpoint key a whole model reads (all experts, any rank), for the unexpected-key check."""
+    keys = {to_hf_name(n) for n in our_names if not _OUR_EXPERT.match(n)}
+    for layer in cfg.moe_layers():
+        prefix = f"model.layers.{layer}.mlp.experts"
+        keys |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
+        keys |= {f"{prefix}.{j}.{p}.weight" for j in range(cfg.num_experts) for p in _OUR_TO_HF_LINEAR.values()}
+    if cfg.tie_word_embeddings:
+        keys.add("lm_head.weight")  # written by some tools though tied: the embedding is the one read
+    return keys
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int = 0):
+    """Copy the checkpoint into the model's parameters in place (expert packing is kept), casting to
+    their dtype; this rank's experts only. Every shape is checked before any tensor is read."""
+    cfg = model.config
+    num_local = cfg.num_experts // model.moe_args.ep_size
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    unexpected = sorted(set(reader.weight_map) - _expected_keys(cfg, reader, params))
+    if unexpected:
+        raise CheckpointError(f"{reader.path}: tensors {unexpected[:5]} ({len(unexpected)} in all) are not part of "
+                              f"a Qwen3-MoE model with this config.json")
+    plan = []
+    for name, p in params.items():
+        key, row, rows = _source_of(name, reader, lambda j: ep_rank * num_local + j, cfg.moe_intermediate_size)
+        if key not in reader.weight_map:
+            raise CheckpointError(f"{reader.path}: tensor {key} is missing")
+        shape = reader.shape(key)
+        expected = list(p.shape)
+        if row is not None:  # fused experts: [E, ...] with the gate and up halves stacked in dim 1
+            expected = [cfg.num_experts, *([2 * expected[0]] if rows is not None else [expected[0]]), *expected[1:]]
+        if shape != expected:
+            raise CheckpointError(f"{reader.file_of(key)}: {key} has shape {shape}, but {CONFIG} implies {expected}")
+        plan.append((p, key, row, rows))
+    for p, key, row, rows in plan:
+        t = reader.get(key, row)
+        p.copy_(t if rows is None else t[rows])
+
+
+# ---------------------------------------------------------------- writing a directory
+
+
+def parse_size(size) -> int:
+    """5GB, 500MB, 2GiB, 1000 (bytes) -> bytes; decimal units as transformers' max_shard_size."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: expected bytes or a size such as '5GB' or '500MiB'")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def hf_tensors(model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+    """A whole (not expert-parallel) model's tensors under Hugging Face's per-expert keys, tied ones once."""
+    if model.moe_args.ep_size != 1:
+        raise ValueError(f"this model holds 1/{model.moe_args.ep_size} of the experts; save a consolidated model "
+                         f"(python -m turbomoe.export consolidates a run's checkpoint)")
+    for name, p in model.named_parameters():
+        yield to_hf_name(name), p.detach()
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str, force: bool):
+    """Yields a temporary directory beside out_dir that becomes out_dir when the block succeeds."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not force:
+        raise FileExistsError(f"{out_dir} already exists; pass force=True (--force) to replace it")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        if os.path.exists(out_dir):
+            old = os.path.join(parent, f".{os.path.basename(out_dir)}.old{os.getpid()}")
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_weights(out_dir: str, tensors: Iterable[Tuple[str, torch.Tensor]], dtype: torch.dtype,
+                  max_shard_size="5GB", progress: Optional[Callable] = None):
+    """Stream (key, tensor) pairs into safetensors shards of at most max_shard_size bytes (a tensor larger
+    than that gets a shard of its own); only one shard is held in memory. One shard is model.safetensors,
+    several are model-0000i-of-0000n.safetensors with model.safetensors.index.json, as transformers writes."""
+    limit = parse_size(max_shard_size)
+    shards, shard, shard_bytes, total = [], {}, 0, 0
+
+    def flush():
+        name = f"shard{len(shards)}.part"
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        os.chmod(os.path.join(out_dir, name), 0o644)  # safetensors creates it private (0600), unlike the rest
+        shards.append((name, list(shard)))
+
+    for key, t in tensors:
+        t = t.to("cpu", dtype).contiguous().clone()  # own storage: safetensors refuses shared tensors
+        size = t.numel() * t.element_size()
+        if shard and shard_bytes + size > limit:
+            flush()
+            shard, shard_bytes = {}, 0
+        shard[key] = t
+        shard_bytes += size
+        total += size
+        if progress is not None:
+            progress(1)
+    flush()
+    if len(shards) == 1:
+        os.replace(os.path.join(out_dir, shards[0][0]), os.path.join(out_dir, SINGLE))
+        return
+    weight_map = {}
+    for i, (part, keys) in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(out_dir, part), os.path.join(out_dir, name))
+        weight_map.update({k: name for k in keys})
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+
+
+def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer=None):
+    """config.json, generation_config.json and the tokenizer: None is the byte tokenizer when the
+    vocabulary holds it, False none (a run on pre-tokenized data)."""
+    from ..data import ByteTokenizer
+    if tokenizer is None and cfg.vocab_size >= ByteTokenizer.vocab_size:
+        tokenizer = ByteTokenizer()
+    eos = getattr(tokenizer, "eos_id", None)
+    with open(os.path.join(out_dir, CONFIG), "w") as f:
+        json.dump(config_to_hf(cfg, dtype, eos), f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}, f, indent=2)
+    if tokenizer:
+        tokenizer.save_pretrained(out_dir, model_max_length=cfg.max_position_embeddings)
+
+
+def save_dir(out_dir: str, cfg: ModelConfig, tensors: Iterable[Tuple[str, torch.Tensor]], dtype: torch.dtype,
+             max_shard_size="5GB", force: bool = False, tokenizer=None, progress: Optional[Callable] = None):
+    """A complete Hugging Face directory, written atomically."""
+    with atomic_dir(out_dir, force) as tmp:
+        write_weights(tmp, tensors, dtype, max_shard_size, progress)
+        write_metadata(tmp, cfg, dtype, tokenizer)
+
+
+def default_ep_rank(ep_size: int) -> int:
+    """This process's expert-parallel rank as the recipe places it (runs of ep_size consecutive ranks)."""
+    if ep_size == 1:
+        return 0
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError(f"ep_size {ep_size} > 1 needs an initialised process group (or pass ep_rank) to know "
+                         f"which experts this rank reads")
+    return torch.distributed.get_rank() % ep_size
+
+
+__all__ = ["CheckpointError", "CheckpointReader", "config_from_hf", "config_to_hf", "config_dtype", "read_config",
+           "load_weights", "hf_tensors", "save_dir", "write_weights", "write_metadata", "atomic_dir", "parse_size",
+           "default_ep_rank"]
