@@ -117,7 +117,7 @@ def torch_shuffling(scores_TE, k):
 def bench_shuffle(args, log):
     fb = fbgemm_ops()
     rows = []
-    for T in ([128, 2048] if args.quick else [128, 2048, 8192]):
+    for T in ([128, 2048] if args.quick else [1, 16, 128, 2048, 8192]):
         for E in (16, 128):
             logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
             scores = torch.sigmoid(logits)
@@ -125,6 +125,11 @@ def bench_shuffle(args, log):
             r["torch_us"], _ = timed_us(lambda: torch_shuffling(torch.sigmoid(logits), 1))
             r["cuda_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid"))
             r["triton_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid"))
+            # each path forced, for the crossovers: one block (one launch) and two launches
+            r["cuda_one_block_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid", one_block_max=T))
+            r["cuda_two_launch_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid", one_block_max=0))
+            r["triton_one_block_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid", one_block_tiles=T))
+            r["triton_two_launch_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid", one_block_tiles=0))
             if fb is not None:
                 try:
                     r["fbgemm_us"], r["fbgemm_timing"] = timed_us(lambda: fb.index_shuffling(scores, top_k=1))
@@ -228,7 +233,8 @@ def bench_layer(args, log, bandwidth):
             r = {"layer": name, "T": T, "experts_used": used, "floor_us": weight_bytes / (bandwidth * 1e9) * 1e6}
             for mode, moe in moes.items():
                 r[f"{mode}_us"], _ = timed_us(lambda: moe(x))
-            r["torch_us"], r["torch_timing"] = timed_us(lambda: plain_torch_moe(x, router, w1, w2, k, **kw))
+            r["torch_us"], r["torch_timing"] = timed_us(lambda: plain_torch_moe(
+                x, router, w1, w2, k, cfg["score_func"], cfg["renormalize"], sw1, sw2, cfg["prescale"]))
             if hf is not None:
                 with torch.no_grad():
                     r["transformers_us"], r["transformers_timing"] = timed_us(lambda: hf(x[None]))

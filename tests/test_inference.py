@@ -56,14 +56,14 @@ def test_sparse_moe_errors():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", SHUFFLE_CASES)
-@pytest.mark.parametrize("one_block_max", [0, 128])  # the two-launch path, and one block where T allows
+@pytest.mark.parametrize("one_block_max", [0, 512])  # the two-launch path, and one block where T allows
 def test_index_shuffling_cuda(case, one_block_max):
     check_shuffle(csrc.index_shuffling, *case, "cuda", seed=7 * case[0] + case[1], one_block_max=one_block_max)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("one_block_max", [0, 128])
+@pytest.mark.parametrize("one_block_max", [0, 4096])
 def test_index_shuffling_cuda_hot_expert_bf16_large(one_block_max):
     check_shuffle(csrc.index_shuffling, 100, 16, 2, "softmax", True, True, "cuda", seed=3, hot=True,
                   one_block_max=one_block_max)

@@ -144,7 +144,7 @@ def second_expert_backward(logits_SE, ids_S2, first_scores_S1, grad_scores_S2):
                                               as_contiguous(grad_scores_S2, logits_SE.dtype))
 
 
-ONE_BLOCK_MAX_TOKENS = 128  # index_shuffling's one-launch path up to this many tokens (notes/inference.md)
+ONE_BLOCK_MAX_TOKENS = 32  # index_shuffling's one-launch path up to this many tokens (notes/inference.md)
 
 
 def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,

@@ -114,13 +114,13 @@ __device__ int exclusive_scan(int* v, int E) {
   using Scan = cub::BlockScan<int, BLOCK_THREADS>;
   __shared__ typename Scan::TempStorage storage;
   int items[SCAN_ITEMS];
+  __syncthreads();  // v was written by other threads
 #pragma unroll
   for (int i = 0; i < SCAN_ITEMS; ++i) {
     const int e = threadIdx.x * SCAN_ITEMS + i;
     items[i] = e < E ? v[e] : 0;
   }
   int total;
-  __syncthreads();
   Scan(storage).ExclusiveSum(items, items, total);
 #pragma unroll
   for (int i = 0; i < SCAN_ITEMS; ++i) {
@@ -208,17 +208,20 @@ shuffle_rank_kernel(int64_t T, int ec, int kr, int topk_blocks, ShuffleOut<acc_t
   __shared__ int base[MAX_EXPERTS];
   __shared__ int before[MAX_EXPERTS];
   extern __shared__ uint32_t masks[];
-  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) {
-    int total = 0, prior = 0;
-    for (int b = 0; b < topk_blocks; ++b) {  // a fixed order
-      const int h = hist[int64_t(b) * ec + e];
-      total += h;
-      prior += b < static_cast<int>(blockIdx.x) * (CHUNK / TOPK_TOKENS) ? h : 0;
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] = before[e] = 0;
+  __syncthreads();
+  // Every thread adds a strided share of the histograms: integer sums, the same whatever the order.
+  const int64_t prior_end = int64_t(blockIdx.x) * (CHUNK / TOPK_TOKENS) * ec;
+  for (int64_t i = threadIdx.x; i < int64_t(topk_blocks) * ec; i += BLOCK_THREADS) {
+    const int h = hist[i], e = static_cast<int>(i % ec);
+    if (h) {
+      atomicAdd(&base[e], h);
+      if (i < prior_end) atomicAdd(&before[e], h);
     }
-    base[e] = total;
-    before[e] = prior;
-    if (blockIdx.x == 0) out.counts[e] = total;
   }
+  __syncthreads();
+  if (blockIdx.x == 0)
+    for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) out.counts[e] = base[e];
   const int total = exclusive_scan(base, ec);
   for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] += before[e];
   __syncthreads();

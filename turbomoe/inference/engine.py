@@ -104,7 +104,9 @@ class Engine:
     @torch.no_grad()
     def _prefill(self, ids_BT, mask_BT):
         B, T = ids_BT.shape
-        self.valid[:self._bucket(B)].zero_()
+        Bb = self._bucket(B)  # rows B..Bb of the bucket's graph are dummies: no real token, position 0
+        self.valid[:Bb].zero_()
+        self.positions[:Bb].zero_()
         self.valid[:B, :T] = mask_BT
         pos = (mask_BT.long().cumsum(1) - 1).clamp_min(0)
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()

@@ -2,7 +2,7 @@
 and the permutation of the T * k routes into expert-contiguous rows (slots [T, k] and its inverse
 row_routes [T * k]); the spec is reference.index_shuffling.
 
-Up to ONE_BLOCK_TILES tiles of tokens, one program does it all in one launch: a pass of top-k over
+Up to ONE_BLOCK_TILES tiles of tokens (BLOCK_T tokens each, 256 down to 4 as E grows), one program does it all in one launch: a pass of top-k over
 the tiles (counting per expert in registers), then a pass that ranks each route among its expert's
 routes in token order (a cumsum over a one-hot tile, carried from tile to tile). Beyond, two
 launches: one program per tile does the top-k and writes its expert histogram; then each program
@@ -17,7 +17,7 @@ from ..reference import ShuffledRoutes
 from .gating import _row_probs
 from .launch import acc_dtype, next_pow2, tl_dtype
 
-ONE_BLOCK_TILES = 4  # the single-program path up to this many tiles of tokens (measured: notes/inference.md)
+ONE_BLOCK_TILES = 1  # the single-program path up to this many tiles of tokens (measured: notes/inference.md)
 
 
 @triton.jit
