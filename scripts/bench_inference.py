@@ -246,10 +246,67 @@ def bench_layer(args, log, bandwidth):
     return rows
 
 
+GEN_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=640,
+                 num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+                 num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.02)
+
+
+def bench_generate(args, log, prompt_len=32, new_tokens=64):
+    """Tokens/s of generate (prefill + new_tokens greedy steps, all rows to the end) on a random ~1B
+    Qwen3-MoE saved by transformers and read by turbomoe.inference.load."""
+    import tempfile
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from turbomoe.inference import load
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEN_MODEL)).to(device="cuda", dtype=torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in hf.parameters())
+    path = tempfile.mkdtemp()
+    hf.save_pretrained(path)
+    batches = [1, 8] if args.quick else [1, 8, 64]
+    engine = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(batches),
+                  max_seq_len=prompt_len + new_tokens)
+    rows = []
+
+    def wall(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    for B in batches:
+        ids = torch.randint(0, GEN_MODEL["vocab_size"], (B, prompt_len), device="cuda")
+        r = {"batch": B, "params": n_params, "prompt": prompt_len, "new_tokens": new_tokens}
+        engine.generate(ids, new_tokens)  # warm-up: kernels and this bucket's decode graph
+        ours, t = min((wall(lambda: engine.generate(ids, new_tokens)) for _ in range(3)), key=lambda o: o[1])
+        r["turbomoe_tok_s"] = B * new_tokens / t
+        hf_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+            theirs, t = wall(lambda: hf.generate(ids, **hf_kw))
+            r["transformers_eager_tok_s"] = B * new_tokens / t
+            r["same_tokens_as_eager"] = float((theirs == ours).float().mean())
+            if B in args.hf_compile_batches:
+                try:
+                    hf.generate(ids, cache_implementation="static", **hf_kw)  # compiles
+                    _, t = wall(lambda: hf.generate(ids, cache_implementation="static", **hf_kw))
+                    r["transformers_static_compiled_tok_s"] = B * new_tokens / t
+                except Exception as e:  # noqa: BLE001
+                    log(f"  transformers static-cache compiled generate failed: {type(e).__name__}: {str(e)[:200]}")
+        r["speedup_vs_eager"] = r["turbomoe_tok_s"] / r["transformers_eager_tok_s"]
+        rows.append(r)
+        log("generate " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bench_inference")
-    p.add_argument("--sections", default="shuffle,layer")
+    p.add_argument("--sections", default="shuffle,layer,generate")
+    p.add_argument("--hf-compile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1],
+                   help="batch sizes at which to time transformers' static-cache compiled generate")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -270,6 +327,8 @@ def main():
         result["shuffle"] = bench_shuffle(args, log)
     if "layer" in sections:
         result["layer"] = bench_layer(args, log, result["copy_GBs"])
+    if "generate" in sections:
+        result["generate"] = bench_generate(args, log)
     with open(os.path.join(args.out, "bench_inference.json"), "w") as f:
         json.dump(result, f, indent=1)
 
