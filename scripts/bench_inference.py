@@ -246,6 +246,48 @@ def bench_layer(args, log, bandwidth):
     return rows
 
 
+def bench_tune(args, log):
+    """The few-rows GEMM's tiles swept at the decode layers' shapes: (BLOCK_N, SPLIT) per GEMM, the
+    heuristic's choice beside the best (the data behind few_rows_tiles)."""
+    from turbomoe.kernels.few_rows_gemm import few_rows_mm, few_rows_tiles
+    from turbomoe.kernels.launch import next_pow2
+    rows_out = []
+    for name, cfg in LAYERS.items():
+        E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
+        G = E + cfg["shared"]
+        dev = dict(device="cuda", dtype=torch.bfloat16)
+        w1 = torch.randn(G, M, 2 * F_, **dev) * M ** -0.5
+        w2 = torch.randn(G, F_, M, **dev) * F_ ** -0.5
+        for T in (1, 8, 16, 64):
+            ids = torch.randn(T, E, device="cuda").topk(k, -1).indices
+            counts = torch.bincount(ids.reshape(-1), minlength=E).to(torch.int32)
+            if cfg["shared"]:
+                counts = torch.cat([counts, torch.tensor([T], dtype=torch.int32, device="cuda")])
+            used = int((counts > 0).sum())
+            R = T * (k + cfg["shared"])
+            for op, w, K, sw in (("w1", w1, M, True), ("w2", w2, F_, False)):
+                x = torch.randn(R, K, **dev)
+                N = w.shape[2] // 2 if sw else w.shape[2]
+                heur = few_rows_tiles(T, N, K, min(E, T * k) + cfg["shared"], x.device)
+                bm = heur[0]
+                res = {}
+                for bn in (32, 64, 128):
+                    for split in (1, 2, 4, 8):
+                        if K // split < 128:
+                            continue
+                        tiles = (bm, bn, split, 128, 4, 4)
+                        res[(bn, split)] = graph_us(lambda: few_rows_mm(x, w, counts, T, sw, tiles=tiles))
+                t_heur = graph_us(lambda: few_rows_mm(x, w, counts, T, sw, groups_used=min(E, T * k) + cfg["shared"]))
+                best = min(res, key=res.get)
+                bytes_ = used * K * w.shape[2] * 2
+                r = {"layer": name, "T": T, "gemm": op, "used": used, "heuristic": list(heur[1:3]), "heuristic_us": t_heur,
+                     "best": list(best), "best_us": res[best], "floor_us": bytes_ / 2.97e12 * 1e6,
+                     "all": {f"{a}x{b}": round(v, 1) for (a, b), v in res.items()}}
+                rows_out.append(r)
+                log("tune " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows_out
+
+
 GEN_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=640,
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
                  num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.02)
@@ -304,7 +346,7 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bench_inference")
-    p.add_argument("--sections", default="shuffle,layer,generate")
+    p.add_argument("--sections", default="shuffle,layer,generate", help="also: tune (the few-rows GEMM sweep)")
     p.add_argument("--hf-compile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1],
                    help="batch sizes at which to time transformers' static-cache compiled generate")
     p.add_argument("--quick", action="store_true")
@@ -327,6 +369,8 @@ def main():
         result["shuffle"] = bench_shuffle(args, log)
     if "layer" in sections:
         result["layer"] = bench_layer(args, log, result["copy_GBs"])
+    if "tune" in sections:
+        result["tune"] = bench_tune(args, log)
     if "generate" in sections:
         result["generate"] = bench_generate(args, log)
     with open(os.path.join(args.out, "bench_inference.json"), "w") as f:

@@ -10,7 +10,8 @@ OUT=${OUT:-/tmp/turbomoe_out}
 mkdir -p "$OUT"
 WHL=${WHL:-.whl}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $WHL/nvidia_cutlass-*.whl \
-  $(ls ${WHL}_fbgemm/*.whl 2>/dev/null) 2>&1 | tail -3
+  $WHL/deepspeed-*.whl $WHL/hjson-*.whl $WHL/pydantic-*.whl $WHL/pydantic_core-*.whl $WHL/annotated_types-*.whl \
+  $WHL/typing_inspection-*.whl $(ls ${WHL}_fbgemm/*.whl 2>/dev/null) 2>&1 | grep -v "already exists" | tail -3
 export PYTHONPATH=$PWD:$PWD/tests:/tmp/site:$PYTHONPATH
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \

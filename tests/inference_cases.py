@@ -43,10 +43,10 @@ def check_shuffle(fn, T, E, k, score_func, renormalize, shared, device, dtype=to
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "not deterministic"
 
 
-def naive_moe(x, router, w1, w2, k, score_func, renormalize, shared_w1=None, shared_w2=None, prescale=False):
-    """The MoE block token by token in float64: the oracle of SparseMoE."""
-    x = x.double()
-    logits = x @ router.double().t()
+def naive_moe(x, logits, w1, w2, k, score_func, renormalize, shared_w1=None, shared_w2=None, prescale=False):
+    """The MoE block token by token in float64 from the router's logits (the block's own: in bf16 a
+    near tie rounded otherwise would pick another expert): the oracle of SparseMoE."""
+    x, logits = x.double(), logits.double()
     p = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
     sc, ids = p.topk(k, -1)
     if renormalize:
@@ -88,7 +88,7 @@ def check_moe(T, E, k, M, F_, score_func, renormalize, shared, prescale, mode, d
     x = torch.randn(T, M, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
     moe = SparseMoE(router, w1, w2, k, score_func, renormalize, sw1, sw2, prescale, mode=mode, **kw)
     out = moe(x)
-    want = naive_moe(x.cpu(), router.cpu(), w1.cpu(), w2.cpu(), k, score_func, renormalize,
+    want = naive_moe(x.cpu(), F.linear(x, router).cpu(), w1.cpu(), w2.cpu(), k, score_func, renormalize,
                      None if sw1 is None else sw1.cpu(), None if sw2 is None else sw2.cpu(), prescale)
     assert out.shape == x.shape and out.dtype == x.dtype
     if T:

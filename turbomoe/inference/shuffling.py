@@ -2,8 +2,9 @@
 slots, row_routes); the spec is turbomoe.reference.index_shuffling.
 
 Backends as turbomoe.ops: "cuda" (turbomoe/csrc/shuffling.cu), "triton"
-(turbomoe/kernels/shuffling.py), "reference" (the CPU path). One launch for a decode step's tokens,
-two beyond; no host sync, deterministic.
+(turbomoe/kernels/shuffling.py), "reference" (the CPU path). The default on the GPU: the CUDA kernel's
+one launch up to csrc.ONE_BLOCK_MAX_TOKENS tokens (a decode step), the Triton kernels' two launches
+beyond. No host sync, deterministic.
 """
 from typing import Optional
 
@@ -30,6 +31,10 @@ def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax"
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     backend = choose_backend(logits_TE, backend, E + shared_expert)
+    if backend == "cuda" and logits_TE.shape[0] > csrc.ONE_BLOCK_MAX_TOKENS:
+        # Beyond one block the Triton kernels' two launches were faster on the H100 at every size
+        # measured (notes/inference.md); the CUDA kernel's one launch wins below.
+        backend = "triton"
     if backend == "cuda":
         return csrc.index_shuffling(logits_TE, k, score_func, renormalize, shared_expert)
     if backend == "triton":

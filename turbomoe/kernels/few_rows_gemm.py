@@ -93,25 +93,31 @@ def _programs_wanted(device: torch.device) -> int:
 
 
 def few_rows_tiles(max_rows: int, N: int, K: int, groups_used: int, device: torch.device):
-    """(BLOCK_M, BLOCK_N, SPLIT): row tiles of 16 up to 64 rows; the widest N tile (64 down to 16)
-    and then the smallest split of K that give the memory system enough programs."""
+    """(BLOCK_M, BLOCK_N, SPLIT, BLOCK_K, num_warps, num_stages): row tiles of 16 up to 64 rows; N
+    tiles of 64 (128-byte rows of bf16 weights), then a split of K (down to 256 columns a program)
+    until the memory system has enough programs, then narrower N tiles."""
     block_m = min(64, max(16, next_pow2(max_rows)))
     m_tiles = triton.cdiv(max(max_rows, 1), block_m)
     want = _programs_wanted(device)
-    block_n = 64
-    while block_n > 16 and triton.cdiv(N, block_n) * groups_used * m_tiles < want:
-        block_n //= 2
-    split = 1
-    while split < 16 and triton.cdiv(N, block_n) * groups_used * m_tiles * split < want and K // (2 * split) >= 256:
+    block_n, split = 64, 1
+
+    def programs():
+        return triton.cdiv(N, block_n) * groups_used * m_tiles * split
+
+    while programs() < want and K // (2 * split) >= 256 and split < 16:
         split *= 2
-    return block_m, block_n, split
+    while programs() < want and block_n > 16:
+        block_n //= 2
+    block_k = 128 if device.type == "cuda" else 16
+    return block_m, block_n, split, block_k, 4, 4
 
 
 def few_rows_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, max_rows: int,
-                swiglu: bool = False, groups_used: int = None) -> torch.Tensor:
+                swiglu: bool = False, groups_used: int = None, tiles=None) -> torch.Tensor:
     """y [R, N] (N = w's last dim, or half of it with swiglu). max_rows: a bound on any group's
     count (at decode: the token count), fixed per shape so the launch is the same every step;
-    groups_used: how many groups are expected to have rows (sizes the tiles; default min(G, R))."""
+    groups_used: how many groups are expected to have rows (sizes the tiles; default min(G, R));
+    tiles: few_rows_tiles' tuple, to override its choice (the benchmark's sweep)."""
     R, K = x_RK.shape
     G, _, NW = w_GKN.shape
     N = NW // 2 if swiglu else NW
@@ -120,8 +126,8 @@ def few_rows_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
         return y
     if x_RK.stride(1) != 1:
         x_RK = x_RK.contiguous()
-    block_m, block_n, split = few_rows_tiles(max_rows, N, K, groups_used or min(G, R), x_RK.device)
-    block_k = 128 if x_RK.device.type == "cuda" else 16
+    block_m, block_n, split, block_k, warps, stages = tiles or few_rows_tiles(max_rows, N, K, groups_used or min(G, R),
+                                                                              x_RK.device)
     k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, block_n), G, triton.cdiv(max(max_rows, 1), block_m) * split)
@@ -130,7 +136,7 @@ def few_rows_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     _few_rows_mm_kernel[grid](x_RK, w_GKN, out, counts_G, R, K, N, G, k_per_split,
                               x_RK.stride(0), *w_GKN.stride(), out.stride(-2), out.stride(0) if split > 1 else 0,
                               SWIGLU=swiglu, SPLIT=split, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=block_k, BLOCK_G=next_pow2(G), num_warps=4, num_stages=4)
+                              BLOCK_K=block_k, BLOCK_G=next_pow2(G), num_warps=warps, num_stages=stages)
     if split > 1:
         block = min(1024, next_pow2(N))
         _sum_splits_kernel[(R, triton.cdiv(N, block))](out, y, R, N, out.stride(1), out.stride(0), y.stride(0),
