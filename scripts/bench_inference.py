@@ -249,7 +249,6 @@ def bench_tune(args, log):
     """The few-rows GEMM's tiles swept at the decode layers' shapes: (BLOCK_N, SPLIT) per GEMM, the
     heuristic's choice beside the best (the data behind few_rows_tiles)."""
     from turbomoe.kernels.few_rows_gemm import few_rows_mm, few_rows_tiles
-    from turbomoe.kernels.launch import next_pow2
     rows_out = []
     for name, cfg in LAYERS.items():
         E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
@@ -267,7 +266,7 @@ def bench_tune(args, log):
             for op, w, K, sw in (("w1", w1, M, True), ("w2", w2, F_, False)):
                 x = torch.randn(R, K, **dev)
                 N = w.shape[2] // 2 if sw else w.shape[2]
-                heur = few_rows_tiles(T, N, K, min(E, T * k) + cfg["shared"], x.device)
+                heur = few_rows_tiles(T, N, K, x.device)
                 bm = heur[0]
                 res = {}
                 for bn in (32, 64, 128):
@@ -276,7 +275,7 @@ def bench_tune(args, log):
                             continue
                         tiles = (bm, bn, split, 128, 4, 4)
                         res[(bn, split)] = graph_us(lambda: few_rows_mm(x, w, counts, T, sw, tiles=tiles))
-                t_heur = graph_us(lambda: few_rows_mm(x, w, counts, T, sw, groups_used=min(E, T * k) + cfg["shared"]))
+                t_heur = graph_us(lambda: few_rows_mm(x, w, counts, T, sw))
                 best = min(res, key=res.get)
                 bytes_ = used * K * w.shape[2] * 2
                 r = {"layer": name, "T": T, "gemm": op, "used": used, "heuristic": list(heur[1:3]), "heuristic_us": t_heur,

@@ -44,11 +44,12 @@ def check_shuffle(fn, T, E, k, score_func, renormalize, shared, device, dtype=to
 
 
 def naive_moe(x, logits, w1, w2, k, score_func, renormalize, shared_w1=None, shared_w2=None, prescale=False):
-    """The MoE block token by token in float64 from the router's logits (the block's own: in bf16 a
-    near tie rounded otherwise would pick another expert): the oracle of SparseMoE."""
+    """The MoE block token by token in float64 from the router's logits (the block's own: bf16 logits
+    tie often, and a tie goes to the lower expert id): the oracle of SparseMoE."""
     x, logits = x.double(), logits.double()
     p = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
-    sc, ids = p.topk(k, -1)
+    ids = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]  # ties to the lower id, as the spec
+    sc = p.gather(1, ids)
     if renormalize:
         sc = sc / sc.sum(-1, keepdim=True)
 

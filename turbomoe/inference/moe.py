@@ -10,9 +10,10 @@ combine (+ shared expert).
 The gather and the combine are the training path's row kernels (push_rows / pull_rows: one writer
 per row, no atomics, so deterministic). The shared expert is group E of the same GEMMs and column k
 of the same combine, so it costs no launch of its own. Expert GEMMs, by token count T:
-  few_rows  T <= few_rows_max: turbomoe.kernels.few_rows_gemm (SwiGLU fused into the first GEMM,
-            only experts with tokens read, narrow tiles and a split of K for small T)
-  grouped   beyond: the training path's grouped GEMM (CUTLASS or torch._grouped_mm) + SwiGLU kernel
+  few_rows  T * k <= few_routes_max (8): turbomoe.kernels.few_rows_gemm (SwiGLU fused into the first
+            GEMM, only experts with tokens read, K split for enough programs)
+  grouped   beyond: the training path's grouped GEMM (CUTLASS or torch._grouped_mm) + SwiGLU kernel,
+            faster than the few-rows GEMM from 8 tokens (Qwen3 k = 8) or 16 (Scout k = 1) on the H100
   dense     T <= dense_max (off unless set): every expert on every token as batched GEMMs, combined
             with a dense [T, E] weight matrix (TensorRT-LLM's small-batch idea), no shuffling
 On the CPU the reference ops run ("reference": the same math in plain PyTorch).
@@ -29,7 +30,7 @@ from ..autograd.swiglu import swiglu_reference
 from .shuffling import index_shuffling
 
 MODES = ("auto", "few_rows", "grouped", "dense", "reference")
-FEW_ROWS_MAX = 64  # tokens up to which the few-rows GEMM serves (notes/inference.md)
+FEW_ROUTES_MAX = 8  # routes (T * k) up to which the few-rows GEMM serves (H100 crossover, notes/inference.md)
 
 
 class SparseMoE(nn.Module):
@@ -41,7 +42,7 @@ class SparseMoE(nn.Module):
     def __init__(self, router_EM: torch.Tensor, w1_EMN: torch.Tensor, w2_EFM: torch.Tensor, k: int,
                  score_func: str = "softmax", renormalize: bool = False, shared_w1_MN: Optional[torch.Tensor] = None,
                  shared_w2_FM: Optional[torch.Tensor] = None, prescale: bool = False, mode: str = "auto",
-                 backend: Optional[str] = None, gmm_backend: Optional[str] = None, few_rows_max: int = FEW_ROWS_MAX,
+                 backend: Optional[str] = None, gmm_backend: Optional[str] = None, few_routes_max: int = FEW_ROUTES_MAX,
                  dense_max: int = 0):
         super().__init__()
         E, M, N2 = w1_EMN.shape
@@ -63,7 +64,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.k, self.score_func, self.renormalize = E, k, score_func, renormalize
         self.shared, self.prescale, self.mode = shared_w1_MN is not None, prescale, mode
         self.backend, self.gmm_backend = backend, gmm_backend
-        self.few_rows_max, self.dense_max = few_rows_max, dense_max
+        self.few_routes_max, self.dense_max = few_routes_max, dense_max
         self.register_buffer("router", router_EM.contiguous(), persistent=False)
         self.register_buffer("w1", w1_EMN.contiguous(), persistent=False)
         self.register_buffer("w2", w2_EFM.contiguous(), persistent=False)
@@ -90,7 +91,7 @@ class SparseMoE(nn.Module):
             return "reference"
         if T <= self.dense_max and T * self.k >= self.num_experts:
             return "dense"
-        return "few_rows" if T <= self.few_rows_max and x_TM.is_cuda else "grouped"
+        return "few_rows" if T * self.k <= self.few_routes_max and x_TM.is_cuda else "grouped"
 
     @torch.no_grad()
     def forward(self, x_TM: torch.Tensor) -> torch.Tensor:
@@ -125,9 +126,7 @@ class SparseMoE(nn.Module):
     def _experts(self, rows_RM: torch.Tensor, counts: torch.Tensor, T: int, mode: str) -> torch.Tensor:
         if mode == "few_rows":
             from ..kernels.few_rows_gemm import few_rows_mm
-            used = min(self.num_experts, T * self.k) + self.shared
-            a = few_rows_mm(rows_RM, self.w1, counts, T, swiglu=True, groups_used=used)
-            return few_rows_mm(a, self.w2, counts, T, groups_used=used)
+            return few_rows_mm(few_rows_mm(rows_RM, self.w1, counts, T, swiglu=True), self.w2, counts, T)
         from ..kernels.swiglu import swiglu_forward
         gmm = choose_gmm_backend(rows_RM, self.w1, self.gmm_backend)
         offs = row_offsets(counts, rows_RM.shape[0]) if gmm in ("torch", "cutlass") else None

@@ -9,8 +9,8 @@ turbomoe.kernels.grouped_gemm (group g owns rows offset_g .. offset_g + counts[g
 Why a kernel beside the persistent one: at decode a group holds 1 to 64 rows, so the step is a read
 of the selected experts' weights. The grid is (N tiles, G, row tiles up to max_rows): a program
 whose group has no rows there returns at once, so only the weights of experts with tokens are read
-(selective loading), and narrow N tiles with a split of K give enough programs to pull the weights
-at the memory's speed when few experts are used. The split of K is deterministic: fp32 partials
+(selective loading), and a split of K gives enough programs to pull the weights at the memory's
+speed when few experts are used. The split of K is deterministic: fp32 partials
 [SPLIT_K, R, N'] summed in a fixed order by a second kernel (which also applies the activation).
 No launch depends on the counts' values: CUDA-graph capturable. Rows past sum(counts) are
 unspecified.
@@ -86,37 +86,25 @@ def _sum_splits_kernel(part_ptr, y_ptr, R, N, stride_pr, stride_ps, stride_yr, S
     tl.store(y_ptr + row * stride_yr + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def _programs_wanted(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: enough to exercise the split
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def few_rows_tiles(max_rows: int, N: int, K: int, groups_used: int, device: torch.device):
-    """(BLOCK_M, BLOCK_N, SPLIT, BLOCK_K, num_warps, num_stages): row tiles of 16 up to 64 rows; N
-    tiles of 64 (128-byte rows of bf16 weights), then a split of K (down to 256 columns a program)
-    until the memory system has enough programs, then narrower N tiles."""
+def few_rows_tiles(max_rows: int, N: int, K: int, device: torch.device):
+    """(BLOCK_M, BLOCK_N, SPLIT, BLOCK_K, num_warps, num_stages): row tiles of 16 up to 64 rows, N
+    tiles of 64 (128-byte rows of bf16 weights) and K split in up to 8 parts of at least 256: the
+    rule that was best or within 15% of the best of 12 tilings swept at the decode layers' shapes
+    with up to 8 routes (notes/inference.md)."""
     block_m = min(64, max(16, next_pow2(max_rows)))
-    m_tiles = triton.cdiv(max(max_rows, 1), block_m)
-    want = _programs_wanted(device)
-    block_n, split = 64, 1
-
-    def programs():
-        return triton.cdiv(N, block_n) * groups_used * m_tiles * split
-
-    while programs() < want and K // (2 * split) >= 256 and split < 16:
+    split = 1
+    while split < 8 and K // (2 * split) >= 256:
         split *= 2
-    while programs() < want and block_n > 16:
-        block_n //= 2
-    block_k = 128 if device.type == "cuda" else 16
-    return block_m, block_n, split, block_k, 4, 4
+    block_k = 128 if device.type == "cuda" else 16  # the interpreter: small tiles, several splits
+    if device.type != "cuda":
+        split = max(1, min(4, K // 32))
+    return block_m, 64, split, block_k, 4, 4
 
 
 def few_rows_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, max_rows: int,
-                swiglu: bool = False, groups_used: int = None, tiles=None) -> torch.Tensor:
+                swiglu: bool = False, tiles=None) -> torch.Tensor:
     """y [R, N] (N = w's last dim, or half of it with swiglu). max_rows: a bound on any group's
     count (at decode: the token count), fixed per shape so the launch is the same every step;
-    groups_used: how many groups are expected to have rows (sizes the tiles; default min(G, R));
     tiles: few_rows_tiles' tuple, to override its choice (the benchmark's sweep)."""
     R, K = x_RK.shape
     G, _, NW = w_GKN.shape
@@ -126,8 +114,7 @@ def few_rows_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
         return y
     if x_RK.stride(1) != 1:
         x_RK = x_RK.contiguous()
-    block_m, block_n, split, block_k, warps, stages = tiles or few_rows_tiles(max_rows, N, K, groups_used or min(G, R),
-                                                                              x_RK.device)
+    block_m, block_n, split, block_k, warps, stages = tiles or few_rows_tiles(max_rows, N, K, x_RK.device)
     k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, block_n), G, triton.cdiv(max(max_rows, 1), block_m) * split)
