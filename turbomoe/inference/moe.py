@@ -10,10 +10,10 @@ combine (+ shared expert).
 The gather and the combine are the training path's row kernels (push_rows / pull_rows: one writer
 per row, no atomics, so deterministic). The shared expert is group E of the same GEMMs and column k
 of the same combine, so it costs no launch of its own. Expert GEMMs, by token count T:
-  few_rows  T * k <= few_routes_max (8): turbomoe.kernels.few_rows_gemm (SwiGLU fused into the first
-            GEMM, only experts with tokens read, K split for enough programs)
-  grouped   beyond: the training path's grouped GEMM (CUTLASS or torch._grouped_mm) + SwiGLU kernel,
-            faster than the few-rows GEMM from 8 tokens (Qwen3 k = 8) or 16 (Scout k = 1) on the H100
+  few_rows  T * k <= few_routes_max (4): turbomoe.kernels.few_rows_gemm (SwiGLU fused into the first
+            GEMM, only experts with tokens read, K split for enough programs); on the H100 it won at
+            1 route (Scout T = 1: 85 vs 114 us), tied at 8 (Qwen3 T = 1) and lost from 8 on
+  grouped   beyond: the training path's grouped GEMM (CUTLASS or torch._grouped_mm) + SwiGLU kernel
   dense     T <= dense_max (off unless set): every expert on every token as batched GEMMs, combined
             with a dense [T, E] weight matrix (TensorRT-LLM's small-batch idea), no shuffling
 On the CPU the reference ops run ("reference": the same math in plain PyTorch).
@@ -30,7 +30,7 @@ from ..autograd.swiglu import swiglu_reference
 from .shuffling import index_shuffling
 
 MODES = ("auto", "few_rows", "grouped", "dense", "reference")
-FEW_ROUTES_MAX = 8  # routes (T * k) up to which the few-rows GEMM serves (H100 crossover, notes/inference.md)
+FEW_ROUTES_MAX = 4  # routes (T * k) up to which the few-rows GEMM serves (H100 crossover, notes/inference.md)
 
 
 class SparseMoE(nn.Module):
