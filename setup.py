@@ -5,13 +5,21 @@ EXTRAS = {
     "deepspeed": ["deepspeed==0.19.8"],
     "megatron": ["megatron-core==0.16.1"],
     "train": ["deepspeed==0.19.8", "pyyaml", "tqdm", "wandb"],
-    "export": ["safetensors"],
+    # Hugging Face directories (turbomoe.models.hf_checkpoint, python -m turbomoe.export): safetensors
+    # shards, the byte tokenizer's tokenizer.json; tqdm for the export's progress bar.
+    "export": ["safetensors", "tokenizers", "tqdm"],
+    # transformers' own MoE models on turbomoe (turbomoe.integrations.transformers), and the tests that
+    # load exported models with it.
+    "transformers": ["transformers>=5"],
     "bench": ["matplotlib"],
     # CUTLASS's C++ headers for the Hopper grouped GEMM (built on first use; torch._grouped_mm without).
     "cuda": ["nvidia-cutlass==4.2.0.0"],
 }
 # Everything the test suite touches: the integrations, the recipes and Megatron's indexed datasets.
 EXTRAS["dev"] = sorted({"pytest", "numpy", *EXTRAS["train"], *EXTRAS["megatron"], *EXTRAS["export"]})
+
+# The tests load exported models with transformers (>= 5) and run its models on turbomoe's experts.
+EXTRAS["dev"] = sorted({*EXTRAS["dev"], *EXTRAS["transformers"]})
 
 setup(
     name="turbomoe",

@@ -97,7 +97,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_engine(cfg, rank: int, ds_config: dict):
+def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     torch.manual_seed(cfg.train.seed)
     moe = cfg.moe
     model = Qwen3MoeForCausalLM(cfg.model, MoEArgs(moe.ep_size, moe.capacity_factor, moe.eval_capacity_factor,
@@ -114,6 +114,10 @@ def build_engine(cfg, rank: int, ds_config: dict):
     t = cfg.train
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731 (built on DeepSpeed's wrapped optimizer)
         opt, lambda step: lr_factor(step, t.warmup_steps, t.steps, t.min_lr_ratio))
+    # model.init_from: this rank's weights and experts, in place, before DeepSpeed copies them (its fp32
+    # masters); a resumed run's weights come from its checkpoint instead.
+    if cfg.init_from is not None and not resuming:
+        model.load_hf_weights(cfg.init_from, ep_rank)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config)
     actual = groups._get_expert_parallel_rank(f"ep_size_{moe.ep_size}")
     if actual != ep_rank:
@@ -161,7 +165,7 @@ def train(cfg, args, resume, samples):
         os.makedirs(cfg.log.dir, exist_ok=True)
         with open(os.path.join(cfg.log.dir, "ds_config.json"), "w") as f:
             json.dump(ds_config, f, indent=2)
-    engine, model = build_engine(cfg, rank, ds_config)
+    engine, model = build_engine(cfg, rank, ds_config, resuming=resume is not None)
 
     start_step = 0
     if resume is not None:

@@ -90,6 +90,7 @@ class RecipeConfig:
     checkpoint: CheckpointSection
     log: LogSection
     deepspeed: dict
+    init_from: Optional[str] = None  # model.init_from: a Hugging Face directory the weights start from
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -126,6 +127,31 @@ def apply_overrides(raw: dict, overrides: List[str]) -> dict:
     return raw
 
 
+def resolve_init_from(raw: dict, path: str):
+    """(raw, init_from): with model.init_from: HF_DIR, the model section becomes that checkpoint's
+    config.json (as ModelConfig keys); any other model key given must agree with it, except moe_impl,
+    which stays the recipe's choice."""
+    values = raw.get("model")
+    if not isinstance(values, dict) or "init_from" not in values:
+        return raw, None
+    values = dict(values)
+    init_from = values.pop("init_from")
+    try:
+        from turbomoe.models import hf_checkpoint as hf
+        model = hf.config_from_hf(hf.read_config(init_from), os.path.join(init_from, hf.CONFIG),
+                                  values.pop("moe_impl", "turbomoe"))
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{path}: model.init_from: {e}") from e
+    unknown = sorted(set(values) - set(model.to_dict()))
+    if unknown:
+        raise ConfigError(f"{path}: unknown model config keys {unknown}")
+    diff = {k: (v, getattr(model, k)) for k, v in values.items() if getattr(model, k) != v}
+    if diff:
+        raise ConfigError(f"{path}: model keys differ from model.init_from {init_from}'s config.json "
+                          f"(key: (config, checkpoint)): {diff}; drop them or make them agree")
+    return {**raw, "model": model.to_dict()}, init_from
+
+
 def load_config(path: str, overrides: List[str] = ()) -> RecipeConfig:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
@@ -134,6 +160,7 @@ def load_config(path: str, overrides: List[str] = ()) -> RecipeConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a mapping of sections")
     raw = apply_overrides(raw, list(overrides))
+    raw, init_from = resolve_init_from(raw, path)
     unknown = sorted(set(raw) - set(SECTIONS) - {"model", "deepspeed"})
     if unknown:
         raise ConfigError(f"{path}: unknown config section(s) {unknown}; known: "
@@ -149,6 +176,7 @@ def load_config(path: str, overrides: List[str] = ()) -> RecipeConfig:
         cfg.log.dir = os.path.join("runs", name)
     if cfg.checkpoint.dir is None:
         cfg.checkpoint.dir = os.path.join(cfg.log.dir, "checkpoints")
+    cfg.init_from = init_from
     validate(cfg)
     return cfg
 

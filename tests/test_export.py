@@ -1,7 +1,8 @@
 """python -m turbomoe.export: a tiny-cpu recipe run on 2 CPU ranks with ep_size 2 (each rank writes half
 the experts) -> export -> transformers loads it, and its loss on text the run never saw equals that of
 turbomoe's model read straight from the DeepSpeed files; fp32 masters reassembled from the ZeRO
-partitions; stock DeepSpeed MoE runs; bad input, each a clear error with nothing written."""
+partitions; a run started from the export (model.init_from) on stock DeepSpeed MoE, exported in turn;
+bad input, each a clear error with nothing written."""
 import os
 import shutil
 import subprocess
@@ -12,7 +13,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
-from test_recipes import launch  # noqa: E402
+from test_recipes import launch, records  # noqa: E402
 
 from turbomoe.export import COMPLETE, ExportError, RunCheckpoint, export, load_run_model, resolve_tag  # noqa: E402
 from turbomoe.models.hf_checkpoint import CheckpointReader  # noqa: E402
@@ -62,6 +63,22 @@ def test_fp32_masters_from_zero_partitions_equal_the_weights(run):
         assert torch.equal(masters[name], t), name
 
 
+def test_fp32_masters_of_a_bf16_run(tmp_path):
+    """A bf16 run (DeepSpeed's bf16 optimizer files) keeps fp32 masters finer than its bf16 weights:
+    --dtype fp32 exports them, and they round to exactly the weights the run computed with."""
+    launch(str(tmp_path), "--set", "train.precision=bf16", "--set", "train.steps=3", "--set", "train.warmup_steps=1",
+           "--set", "eval.every=3", "--set", "eval.batches=1", "--set", "checkpoint.every=3")
+    ckpt = RunCheckpoint(resolve_tag(str(tmp_path)))
+    masters = ckpt.fp32_masters()
+    for name, t in ckpt.tensors():
+        assert t.dtype == torch.bfloat16 and masters[name].dtype == torch.float32
+        assert torch.equal(masters[name].to(torch.bfloat16), t), name
+    assert any(not torch.equal(masters[name], t.float()) for name, t in ckpt.tensors())
+    export(str(tmp_path), str(tmp_path / "hf"), dtype="fp32", progress=False)
+    with CheckpointReader(str(tmp_path / "hf")) as reader:
+        assert torch.equal(reader.get("lm_head.weight"), masters["lm_head.weight"])
+
+
 def test_tag_and_checkpoint_dirs_and_bf16(run, tmp_path):
     tag = run / "checkpoints" / "global_step6"
     export(str(tag), str(tmp_path / "a"), progress=False)
@@ -73,15 +90,6 @@ def test_tag_and_checkpoint_dirs_and_bf16(run, tmp_path):
     model = load_run_model(str(run), step=6)
     with CheckpointReader(str(tmp_path / "a")) as a:
         assert torch.equal(a.get("lm_head.weight"), model.lm_head.weight.to(torch.bfloat16))
-
-
-def test_stock_deepspeed_moe_run_exports(tmp_path):
-    log_dir = tmp_path / "ds"
-    launch(str(log_dir), "--set", "model.moe_impl=deepspeed", "--set", "train.steps=3", "--set", "checkpoint.every=3",
-           "--set", "eval.every=3")
-    export(str(log_dir), str(tmp_path / "hf"), dtype="fp32", progress=False)
-    theirs, ours = held_out_losses(log_dir, tmp_path / "hf")
-    assert abs(theirs - ours) <= 1e-5 * ours
 
 
 # ---------------------------------------------------------------- bad input
@@ -115,3 +123,34 @@ def test_no_checkpoint_incomplete_tag_and_existing_output(run, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "already exists; pass --force" in proc.stderr
     assert os.listdir(tmp_path / "out") == []
+
+
+# ---------------------------------------------------------------- the recipe starts from an export
+
+
+def test_recipe_init_from_hf_dir_and_stock_deepspeed_export(run, tmp_path):
+    """model.init_from: the exported run, on 2 ranks with ep_size 2 (each rank reads its experts) and stock
+    DeepSpeed MoE layers: the new run's first validation (before any step, same data and seed) is the
+    source run's last one; and that stock-DeepSpeed run's own checkpoint exports too."""
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    from recipe_config import ConfigError, load_config
+    hf_dir = tmp_path / "hf"
+    export(str(run), str(hf_dir), dtype="fp32", progress=False)
+    tiny = os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml")
+    cfg = load_config(tiny, [f"model.init_from={hf_dir}"])  # tiny-cpu's model keys all agree with the export
+    assert cfg.init_from == str(hf_dir) and cfg.model.num_experts == 8
+    with pytest.raises(ConfigError, match=r"differ from model.init_from .*'hidden_size': \(64, 128\)"):
+        load_config(tiny, [f"model.init_from={hf_dir}", "model.hidden_size=64"])
+    with pytest.raises(ConfigError, match="config.json does not exist"):
+        load_config(tiny, [f"model.init_from={tmp_path / 'nowhere'}"])
+
+    log_dir = tmp_path / "finetune"
+    launch(str(log_dir), "--set", f"model.init_from={hf_dir}", "--set", "model.moe_impl=deepspeed",
+           "--set", "train.steps=2", "--set", "train.warmup_steps=1")
+    first = [r["valid_loss"] for r in records(log_dir, "valid")][0]
+    source_last = [r["valid_loss"] for r in records(run, "valid")][-1]
+    assert abs(first - source_last) <= 1e-5 * source_last
+
+    export(str(log_dir), str(tmp_path / "hf2"), dtype="fp32", progress=False)
+    theirs, ours = held_out_losses(log_dir, tmp_path / "hf2")
+    assert abs(theirs - ours) <= 1e-5 * ours

@@ -23,7 +23,8 @@ CONFIGS = {
     "untied_bias_mlp_only": dict(vocab_size=263, hidden_size=24, intermediate_size=40, moe_intermediate_size=12,
                                  num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, head_dim=8,
                                  num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], norm_topk_prob=True,
-                                 tie_word_embeddings=False, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+                                 tie_word_embeddings=False, attention_bias=True,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
     "tied_sparse_step": dict(vocab_size=67, hidden_size=20, intermediate_size=36, moe_intermediate_size=10,
                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
                              num_experts=7, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
@@ -80,8 +81,14 @@ def test_round_trip_through_transformers(tmp_path, name):
     assert type(back).__name__ == "Qwen3MoeForCausalLM"
     with torch.no_grad():
         assert torch.equal(back(ids).logits, expected)
+    has_tokenizer = ref.config.vocab_size >= ByteTokenizer.vocab_size  # else the byte tokenizer does not fit
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == (
-        ByteTokenizer.eos_id if ref.config.vocab_size >= ByteTokenizer.vocab_size else None)
+        ByteTokenizer.eos_id if has_tokenizer else None)
+    if has_tokenizer:
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+        assert tok("héllo\n")["input_ids"] == ByteTokenizer().encode("héllo\n").tolist()
+    else:
+        assert not (out / "tokenizer.json").exists()
 
 
 def test_fused_expert_layout_and_bf16(tmp_path):
@@ -100,7 +107,8 @@ def test_fused_expert_layout_and_bf16(tmp_path):
     ours.save_pretrained(str(per_expert), dtype=torch.bfloat16)
     bf16 = Qwen3MoeForCausalLM.from_pretrained(str(per_expert))  # dtype from config.json
     assert bf16.lm_head.weight.dtype == torch.bfloat16
-    assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(ours.state_dict().values(), bf16.state_dict().values()))
+    for a, b in zip(ours.state_dict().values(), bf16.state_dict().values()):
+        assert torch.equal(a.to(torch.bfloat16), b)
 
 
 def test_expert_parallel_rank_reads_its_experts(tmp_path):
@@ -160,7 +168,8 @@ def test_missing_and_truncated_shard(sharded):
 
 @pytest.mark.parametrize("changes, match", [
     (dict(model_type="mixtral"), "config.json: model_type is 'mixtral'"),
-    (dict(moe_intermediate_size=14), r"experts.0.gate_proj.weight has shape \[12, 24\], but config.json implies \[14, 24\]"),
+    (dict(moe_intermediate_size=14),
+     r"experts.0.gate_proj.weight has shape \[12, 24\], but config.json implies \[14, 24\]"),
     (dict(vocab_size=300), r"model.embed_tokens.weight has shape \[263, 24\], but config.json implies \[300, 24\]"),
     (dict(hidden_act="gelu"), "config.json: hidden_act 'gelu'"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "config.json: rope_parameters"),
@@ -203,3 +212,24 @@ def test_output_dir_exists_and_failed_write_leaves_nothing(tmp_path, sharded):
     with pytest.raises(RuntimeError, match="disk full"):
         save_dir(str(tmp_path / "half"), model.config, failing(), torch.float32)
     assert sorted(os.listdir(tmp_path)) == ["hf", "out"]  # neither the output nor its temporary directory
+
+
+def test_published_qwen3_30b_a3b_config():
+    """Qwen3-30B-A3B's config.json as published (transformers 4.51 fields: rope_theta, rope_scaling null,
+    torch_dtype, max_window_layers): read as written: 30.5B parameters, 3.35B active (published: 30.5B, 3.3B)."""
+    from turbomoe.models.hf_checkpoint import config_dtype, config_from_hf
+    raw = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+           "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+           "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+           "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+           "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+           "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+           "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+    cfg = config_from_hf(raw)
+    assert (cfg.rope_theta, cfg.head_dim, cfg.num_experts, cfg.norm_topk_prob) == (1e6, 128, 128, True)
+    assert config_dtype(raw) == torch.bfloat16
+    assert round(cfg.num_parameters() / 1e9, 1) == 30.5 and round(cfg.num_parameters(active=True) / 1e9, 2) == 3.35
+    with pytest.raises(CheckpointError, match="rope_scaling"):
+        config_from_hf({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

@@ -44,6 +44,7 @@ class ByteTokenizer:
 def _byte_symbols() -> dict:
     """GPT-2's byte -> printable unicode symbol map, which byte-level pre-tokenizers apply: printable
     Latin-1 bytes stand for themselves, the others for the code points from 256 up, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}

@@ -44,8 +44,8 @@ _INERT = {"architectures", "model_type", "transformers_version", "dtype", "torch
 _HANDLED = {"num_experts", "num_local_experts", "head_dim", "hidden_act", "attention_dropout", "rope_parameters",
             "rope_theta", "rope_scaling", "use_sliding_window", "sliding_window"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_OUR_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
+_OUR_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
 _OUR_TO_HF_LINEAR = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -148,6 +148,14 @@ class CheckpointReader:
         self.path = path
         index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
         self._stack = contextlib.ExitStack()
+        try:
+            self.weight_map = self._open(path, index, single)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _open(self, path: str, index: str, single: str) -> dict:
+        """Open every file (checking each is there and readable); returns the key -> file map."""
         if os.path.isfile(index):
             try:
                 with open(index) as f:
@@ -171,11 +179,12 @@ class CheckpointReader:
         if weight_map is None:
             weight_map = {k: SINGLE for k in self._handles[SINGLE].keys()}
         for name, handle in self._handles.items():
-            missing = sorted(k for k, v in weight_map.items() if v == name and k not in set(handle.keys()))
+            keys = set(handle.keys())
+            missing = sorted(k for k, v in weight_map.items() if v == name and k not in keys)
             if missing:
                 raise CheckpointError(f"{os.path.join(path, name)}: lacks tensors {missing[:5]} that {INDEX} "
                                       f"places there")
-        self.weight_map = weight_map
+        return weight_map
 
     def __enter__(self):
         return self
@@ -202,7 +211,8 @@ class CheckpointReader:
 
 
 def _source_of(name: str, reader: CheckpointReader, global_expert: Callable[[int], int], F: int):
-    """Where the checkpoint holds our parameter `name`: (key, expert row or None, slice of dim 0 or None)."""
+    """Where the checkpoint holds our parameter `name`: (key, expert row of a fused tensor or None, rows of
+    that expert's [2F, H] gate_up block or None)."""
     m = _OUR_EXPERT.match(name)
     if not m:
         return to_hf_name(name), None, None
@@ -215,7 +225,7 @@ def _source_of(name: str, reader: CheckpointReader, global_expert: Callable[[int
     return fused, j, None if ours == "w2" else slice(0, F) if ours == "w1" else slice(F, 2 * F)
 
 
-def _expected_keys(cfg: ModelConfig, reader: CheckpointReader, our_names: Iterable[str]) -> set:
+def _expected_keys(cfg: ModelConfig, our_names: Iterable[str]) -> set:
     """Every checkpoint key a whole model reads (all experts, any rank), for the unexpected-key check."""
     keys = {to_hf_name(n) for n in our_names if not _OUR_EXPERT.match(n)}
     for layer in cfg.moe_layers():
@@ -234,7 +244,7 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
     cfg = model.config
     num_local = cfg.num_experts // model.moe_args.ep_size
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    unexpected = sorted(set(reader.weight_map) - _expected_keys(cfg, reader, params))
+    unexpected = sorted(set(reader.weight_map) - _expected_keys(cfg, params))
     if unexpected:
         raise CheckpointError(f"{reader.path}: tensors {unexpected[:5]} ({len(unexpected)} in all) are not part of "
                               f"a Qwen3-MoE model with this config.json")

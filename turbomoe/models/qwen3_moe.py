@@ -223,8 +223,10 @@ class Qwen3MoeForCausalLM(nn.Module):
                     continue
                 if name.endswith(".bias"):  # attention biases start at zero, as Hugging Face's
                     p.zero_()
+                elif name.endswith("norm.weight"):
+                    p.fill_(1.0)
                 else:
-                    p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=dense) * std)
+                    p.copy_(torch.randn(p.shape, generator=dense) * std)
         self.model.embed_tokens.weight.copy_(torch.randn(self.model.embed_tokens.weight.shape, generator=dense) * std)
         self.model.norm.weight.fill_(1.0)
         if not self.config.tie_word_embeddings:
@@ -261,10 +263,28 @@ class Qwen3MoeForCausalLM(nn.Module):
         cfg = hf.config_from_hf(raw, os.path.join(path, hf.CONFIG), moe_impl)
         if ep_rank is None:
             ep_rank = hf.default_ep_rank(moe_args.ep_size)
-        with hf.CheckpointReader(path) as reader:  # opened (and checked) before the model is built
-            model = cls(cfg, moe_args).to(dtype or hf.config_dtype(raw))
-            hf.load_weights(model, reader, ep_rank)
-        return model.to(device).eval()
+        with hf.CheckpointReader(path):  # the files are checked before the model is built
+            pass
+        # Built on the meta device in the target dtype, then allocated where it runs: no fp32 copy and
+        # no random initialisation of weights that the checkpoint overwrites (every one of them).
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype or hf.config_dtype(raw))
+        try:
+            with torch.device("meta"):
+                model = cls(cfg, moe_args)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.to_empty(device=device or "cpu")
+        if cfg.tie_word_embeddings:  # to_empty gives every parameter a new tensor: tie them again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.load_hf_weights(path, ep_rank)
+        return model.eval()
+
+    def load_hf_weights(self, path: str, ep_rank: int = 0):
+        """Copy a Hugging Face directory's weights (this rank's experts) into this model, in place."""
+        from . import hf_checkpoint as hf
+        with hf.CheckpointReader(path) as reader:
+            hf.load_weights(self, reader, ep_rank)
 
     def save_pretrained(self, out_dir: str, *, dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
                         force: bool = False, tokenizer=None):

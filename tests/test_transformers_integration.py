@@ -1,0 +1,111 @@
+"""turbomoe in transformers' experts registry: the "turbomoe" experts of Qwen3-MoE, Mixtral and GPT-OSS
+(transposed weights, biases, its own gate) against transformers' "eager" loop, forward and backward
+(input, routing weights, expert weights and biases), in float64 on fresh random data, over odd sizes and edge cases (no tokens, one hot expert, fewer tokens than
+experts, empty experts); and a whole model switched with set_experts_implementation."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import turbomoe.integrations.transformers as tt  # noqa: E402
+
+
+def qwen3_experts(H=20, F=12, E=7):
+    cfg = transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=3)
+    return transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg), cfg
+
+
+def mixtral_experts(H=18, F=26, E=5):
+    cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=F, num_local_experts=E, num_experts_per_tok=2)
+    return transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg), cfg
+
+
+def gpt_oss_experts(H=22, F=14, E=6):
+    """Transposed weights ([E, H, 2F]), biases, and its own gate (interleaved, clamped)."""
+    cfg = transformers.GptOssConfig(hidden_size=H, intermediate_size=F, num_local_experts=E, num_experts_per_tok=2)
+    return transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(cfg), cfg
+
+
+def routes(S, E, k, g, hot=None):
+    """Distinct random experts per token (or expert `hot` first for every token) and positive weights."""
+    ids = torch.zeros(0, k, dtype=torch.long)
+    if S:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(S)])
+    if hot is not None and S:
+        ids[:, 0] = hot
+        ids[:, 1:] = (hot + 1 + torch.stack([torch.randperm(E - 1, generator=g)[:k - 1] for _ in range(S)])) % E
+    return ids, torch.rand(S, k, generator=g, dtype=torch.float64) + 0.1
+
+
+def run(experts, impl, x, ids, w):
+    experts.config._experts_implementation = impl
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    for p in experts.parameters():
+        p.grad = None
+    out = experts(x, ids, w)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+    if out.requires_grad:  # eager's output for no tokens is a constant (zeros)
+        (out * grad_out).sum().backward()
+    zero_if_none = lambda t, like: torch.zeros_like(like) if t is None else t.clone()  # noqa: E731
+    return (out, zero_if_none(x.grad, x), zero_if_none(w.grad, w),
+            [zero_if_none(p.grad, p) for p in experts.parameters()])
+
+
+@pytest.mark.parametrize("family", [qwen3_experts, mixtral_experts, gpt_oss_experts])
+@pytest.mark.parametrize("S, hot", [(37, None), (0, None), (2, None), (29, 2)])
+def test_experts_against_eager(family, S, hot):
+    tt.register()
+    g = torch.Generator().manual_seed(S * 31 + (hot or 0))
+    experts, cfg = family()
+    experts = experts.double()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+    E, k = experts.num_experts, cfg.num_experts_per_tok
+    x = torch.randn(S, cfg.hidden_size, generator=g, dtype=torch.float64)
+    ids, w = routes(S, E, k, g, hot)
+    if S == 2:
+        assert len(ids.unique()) < E  # fewer tokens than experts: some experts are empty
+    expected = run(experts, "eager", x, ids, w)
+    got = run(experts, "turbomoe", x, ids, w)
+    for a, b in zip(got[:3], expected[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for a, b in zip(got[3], expected[3]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_register_is_idempotent_and_switches_a_model():
+    assert tt.register() == tt.register() == "turbomoe"
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    assert ALL_EXPERTS_FUNCTIONS["turbomoe"] is tt.turbomoe_experts_forward
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=53, hidden_size=20, intermediate_size=28, moe_intermediate_size=10,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=10,
+                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
+    model = transformers.Qwen3MoeForCausalLM(cfg).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    ids = torch.randint(0, 53, (2, 9))
+
+    def loss_and_grads(impl):
+        model.set_experts_implementation(impl)
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref_loss, ref_grads = loss_and_grads("eager")
+    loss, grads = loss_and_grads("turbomoe")
+    assert model.config._experts_implementation == "turbomoe"
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_expert_parallel_experts_are_refused():
+    tt.register()
+    experts, cfg = qwen3_experts()
+    experts.config._experts_implementation = "turbomoe"
+    experts._is_expert_parallel = True
+    with pytest.raises(NotImplementedError, match="expert parallelism"):
+        experts(torch.randn(3, cfg.hidden_size), torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3))

@@ -1,0 +1,85 @@
+"""turbomoe as an experts implementation of transformers 5.x's MoE models (Qwen3-MoE, Mixtral, ...).
+
+    import turbomoe.integrations.transformers as tt
+    tt.register()                                   # idempotent
+    model.set_experts_implementation("turbomoe")    # or from_pretrained(..., experts_implementation="turbomoe")
+
+transformers' experts modules (Qwen3MoeExperts, MixtralExperts, ...) hold 3-D weights, gate_up_proj
+[E, 2F, H] and down_proj [E, H, F] (or their transposes, flagged is_transposed), and are called with
+the router's choices: x [S, H], top_k_index [S, k], top_k_weights [S, k]. This one runs them on
+turbomoe's dropless path, as turbomoe's own MoE layer does:
+  assign_slots -> scatter_tokens [S*k, H] expert-contiguous -> grouped GEMM (counts on the device,
+  no host sync on CUDA) -> SwiGLU -> grouped GEMM -> gather_tokens (score-weighted, fp32 sums)
+with hand-written backward passes for every op, including the gradient of the routing weights.
+"""
+import torch
+
+from .. import ops
+from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
+from ..autograd.swiglu import swiglu
+
+NAME = "turbomoe"
+
+
+def _grouped_linear(x_RK: torch.Tensor, w: torch.Tensor, bias, counts_E: torch.Tensor, transposed: bool):
+    """Expert e's rows of x times its weight: w [E, N, K] as nn.Linear stores it, or [E, K, N] transposed."""
+    w_EKN = w if transposed else w.transpose(1, 2)
+    offs_E = row_offsets(counts_E)
+    y_RN = grouped_mm(x_RK, w_EKN, counts_E, offs_G=offs_E)
+    if bias is None:
+        return y_RN
+    return add_group_bias(y_RN, bias, row_groups(offs_E, x_RK.shape[0]))
+
+
+def _activation(experts, h_R2F: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up through turbomoe's fused SwiGLU for the default [gate | up] layout with silu;
+    the module's own gate (interleaved layouts, clamped or other activations) otherwise."""
+    from transformers.activations import SiLUActivation
+    if not _flag(experts, "has_gate"):
+        return experts.act_fn(h_R2F)
+    silu = isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU))
+    default_gate = getattr(type(experts)._apply_gate, "__name__", None) == "_default_apply_gate"
+    if silu and _flag(experts, "is_concatenated") and default_gate:
+        return swiglu(h_R2F)
+    return experts._apply_gate(h_R2F)
+
+
+_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+          "has_post_expert_norm": False, "_is_expert_parallel": False}
+
+
+def _flag(experts, name: str) -> bool:
+    """use_experts_implementation's layout flags; releases before one was added had its default."""
+    return getattr(experts, name, _FLAGS[name])
+
+
+def turbomoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts-function signature: x [S, H], ids [S, k], weights [S, k] -> [S, H]."""
+    if _flag(self, "_is_expert_parallel"):
+        raise NotImplementedError("experts_implementation 'turbomoe' does not run transformers' expert "
+                                  "parallelism; use turbomoe's own MoE layers (turbomoe.models) for that")
+    if _flag(self, "has_post_expert_norm"):
+        raise NotImplementedError(f"{type(self).__name__} normalises each expert's output; experts_implementation "
+                                  f"'turbomoe' does not")
+    E = self.num_experts
+    s = ops.assign_slots(top_k_index, top_k_weights, E)  # dropless: rows [0, S*k), expert-contiguous
+    x_RH = ops.scatter_tokens(hidden_states, s)
+    gated, biased, transposed = _flag(self, "has_gate"), _flag(self, "has_bias"), _flag(self, "is_transposed")
+    up = self.gate_up_proj if gated else self.up_proj
+    up_bias = (self.gate_up_proj_bias if gated else self.up_proj_bias) if biased else None
+    h = _grouped_linear(x_RH, up, up_bias, s.kept_counts, transposed)
+    y_RH = _grouped_linear(_activation(self, h), self.down_proj, self.down_proj_bias if biased else None,
+                           s.kept_counts, transposed)
+    return ops.gather_tokens(y_RH, s, top_k_weights).to(hidden_states.dtype)
+
+
+def register() -> str:
+    """Add "turbomoe" to transformers' experts registry (again is a no-op); returns the name."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    if ALL_EXPERTS_FUNCTIONS.get(NAME) is not turbomoe_experts_forward:
+        ALL_EXPERTS_FUNCTIONS.register(NAME, turbomoe_experts_forward)
+    return NAME
+
+
+__all__ = ["register", "turbomoe_experts_forward", "NAME"]
