@@ -276,3 +276,39 @@ def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.T
     rows = y_RM.to(acc)[slots_SK.long().clamp_min(0)]  # [S, k, M]
     weighted = torch.where(keep[..., None], rows * w_SK[..., None], 0.0)
     return weighted.sum(dim=1).to(y_RM.dtype)
+
+
+class ShuffledRoutes(NamedTuple):
+    """index_shuffling's tables: the routing and its expert-contiguous permutation. With a shared
+    expert every token has one route more, column k, to expert E with score 1."""
+    expert_ids: torch.Tensor  # [T, k (+1)] int32, best first; -1 for a token with non-finite logits
+    scores: torch.Tensor  # [T, k (+1)] fp32 (fp64 for fp64 logits)
+    counts: torch.Tensor  # [E (+1)] int32, routes per expert
+    slots: torch.Tensor  # [T, k (+1)] int32, row of each route in expert-contiguous order; -1 if unrouted
+    row_routes: torch.Tensor  # [T * (k (+1))] int32, the route each row holds; -1 past sum(counts)
+
+
+def row_routes(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The inverse of slots: [num_rows] int32, the route s * k + j that owns each row, or -1."""
+    flat = slots_SK.reshape(-1).long()
+    keep = flat >= 0
+    routes = torch.full((num_rows, ), -1, dtype=torch.int32, device=slots_SK.device)
+    routes[flat[keep]] = torch.arange(flat.numel(), dtype=torch.int32, device=slots_SK.device)[keep]
+    return routes
+
+
+def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
+                    shared_expert: bool = False) -> ShuffledRoutes:
+    """Serving's routing step: top-k routing (as topk_gating: ties to the lower id, non-finite rows
+    route nowhere), per-expert counts, and the permutation of the routes into expert-contiguous rows
+    (dropless assign_slots: expert e owns rows from the sum of the counts before it, its routes in
+    token order), with its inverse row_routes. shared_expert: every token (routed or not) also takes
+    expert E with score 1, so the shared expert's rows come last and run in the same grouped GEMMs."""
+    T, E = logits_TE.shape
+    g = topk_gating(logits_TE, k, score_func, renormalize)
+    ids, scores = g.expert_ids, g.scores.detach()
+    if shared_expert:
+        ids = torch.cat([ids, torch.full((T, 1), E, dtype=ids.dtype, device=ids.device)], 1)
+        scores = torch.cat([scores, torch.ones(T, 1, dtype=scores.dtype, device=scores.device)], 1)
+    s = assign_slots(ids, scores, E + shared_expert)
+    return ShuffledRoutes(ids, scores, s.kept_counts, s.slots, row_routes(s.slots, s.num_rows))

@@ -21,10 +21,11 @@ import warnings
 
 import torch
 
+from .. import reference
 from ..reference import Slots, as_contiguous, aux_loss_coefficient, compute_dtype, hash32_int
 
 MAX_EXPERTS = 1024  # mirrors common.cuh, whose kernels check it too; read here without building them
-_SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu", "sampling.cu")
+_SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu", "sampling.cu", "shuffling.cu")
 _GMM_SOURCES = ("grouped_gemm_bindings.cpp", "grouped_gemm_nn.cu", "grouped_gemm_nt.cu")
 _POLICIES = {"position": 0, "rts": 1, "probs": 2}
 
@@ -141,3 +142,13 @@ def second_expert_backward(logits_SE, ids_S2, first_scores_S1, grad_scores_S2):
     """grad of logits [S, E] and of the first scores [S]."""
     return extension().second_expert_backward(logits_SE.contiguous(), ids_S2, first_scores_S1.contiguous(),
                                               as_contiguous(grad_scores_S2, logits_SE.dtype))
+
+
+ONE_BLOCK_MAX_TOKENS = 32  # index_shuffling's one-launch path up to this many tokens (notes/inference.md)
+
+
+def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
+                    shared_expert: bool = False, one_block_max: int = ONE_BLOCK_MAX_TOKENS):
+    """reference.index_shuffling on the GPU: one launch up to one_block_max tokens, two beyond."""
+    return reference.ShuffledRoutes(*extension().index_shuffling(logits_TE.contiguous(), k, shared_expert,
+                                                                 score_func == "sigmoid", renormalize, one_block_max))

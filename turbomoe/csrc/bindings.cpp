@@ -20,6 +20,8 @@ std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at
                                               const at::Tensor& rand);
 std::vector<at::Tensor> second_expert_backward(const at::Tensor& logits, const at::Tensor& ids,
                                                const at::Tensor& first_score, const at::Tensor& grad_scores);
+std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool shared, bool sigmoid, bool renorm,
+                                        int64_t one_block_max);
 }  // namespace turbomoe
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -30,4 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pull_rows", &turbomoe::pull_rows, "out[s] = sum_j (weight *) y[slots[s, j]]");
   m.def("second_expert_forward", &turbomoe::second_expert_forward, "Gumbel-max second expert of top-2 gating");
   m.def("second_expert_backward", &turbomoe::second_expert_backward, "grad of its scores -> grad of logits");
+  m.def("index_shuffling", &turbomoe::index_shuffling, "logits -> ids, scores, counts, slots, row_routes");
 }

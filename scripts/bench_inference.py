@@ -1,0 +1,379 @@
+"""Inference benchmark on one GPU, every peer in the same run, CUDA-graph replays (README "### Inference").
+
+  python scripts/bench_inference.py --out DIR [--sections shuffle,layer,generate] [--quick]
+
+shuffle   index shuffling (routing + counts + expert-contiguous permutation) at T x E =
+          128/2048/8192 x 16/128, top-1 sigmoid (Llama 4's routing, the setting of FBGEMM's kernel):
+          turbomoe cuda and triton (from bf16 logits) vs plain PyTorch (sigmoid + topk + bincount +
+          sort) and FBGEMM's torch.ops.fbgemm.index_shuffling (from bf16 scores)
+layer     the decode MoE layer at T = 1, 8, 16, 64, 256 tokens, bf16: Qwen3-30B-A3B's (E 128, k 8,
+          M 2048, F 768, softmax, renormalised) and a Llama-4-Scout TP8 shard (E 16, k 1, M 5120,
+          F 1024, sigmoid, input pre-scaled, one shared expert); turbomoe's SparseMoE in each mode vs
+          plain PyTorch (topk, sort, index_select, torch._grouped_mm, index_add_), transformers' own
+          block (eager: it syncs with the host) and the floor: bytes of the weights the step must
+          read (experts with tokens, the shared expert, the router) over the measured copy bandwidth
+generate  tokens/s of a ~1B-parameter random Qwen3-MoE (turbomoe.inference.Engine, CUDA-graph
+          decode) vs transformers' generate (eager, and static cache + torch.compile) at batch 1, 8, 64
+
+Times: the op captured REPS times in one CUDA graph, the graph replayed, CUDA-event medians / REPS
+(peers that cannot be captured: queued eager medians, marked). JSON and a log go to --out.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from turbomoe import csrc  # noqa: E402
+from turbomoe.inference import SparseMoE, index_shuffling  # noqa: E402
+from turbomoe.kernels.shuffling import index_shuffling as triton_shuffling  # noqa: E402
+
+REPS = 20
+
+
+def graph_us(fn, iters=30):
+    """Median us per call of fn replayed from a CUDA graph of REPS calls; None if it cannot be
+    captured (then eager_us)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            for _ in range(REPS):
+                fn()
+    except Exception as e:  # noqa: BLE001 (a peer that syncs with the host)
+        print(f"  (not capturable: {type(e).__name__}: {str(e)[:100]})")
+        torch.cuda.synchronize()
+        return None
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / REPS)
+    return statistics.median(times)
+
+
+def eager_us(fn, iters=50):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def timed_us(fn):
+    t = graph_us(fn)
+    return (t, "graph") if t is not None else (eager_us(fn), "eager")
+
+
+def copy_bandwidth_gbs():
+    """Device copy of 1 GiB: (read + write bytes) / time, the memory's practical ceiling."""
+    src = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    t = eager_us(lambda: dst.copy_(src), iters=20)
+    return 2 * src.numel() * 2 / (t * 1e-6) / 1e9
+
+
+def fbgemm_ops():
+    try:
+        import fbgemm_gpu.experimental.gen_ai  # noqa: F401
+        return torch.ops.fbgemm
+    except Exception as e:  # noqa: BLE001
+        print(f"FBGEMM gen_ai not available: {type(e).__name__}: {e}")
+        return None
+
+
+def torch_shuffling(scores_TE, k):
+    """Plain PyTorch: top-k, counts, and the expert-sorted permutation (stable: deterministic)."""
+    val, ids = scores_TE.topk(k, dim=1)
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=scores_TE.shape[1])
+    order = torch.sort(flat, stable=True).indices
+    return counts, flat[order], order // k, val
+
+
+def bench_shuffle(args, log):
+    fb = fbgemm_ops()
+    rows = []
+    for T in ([128, 2048] if args.quick else [1, 16, 128, 2048, 8192]):
+        for E in (16, 128):
+            logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
+            scores = torch.sigmoid(logits)
+            r = {"T": T, "E": E, "k": 1}
+            r["torch_us"], _ = timed_us(lambda: torch_shuffling(torch.sigmoid(logits), 1))
+            r["default_us"], _ = timed_us(lambda: index_shuffling(logits, 1, "sigmoid"))  # turbomoe's choice
+            r["cuda_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid"))
+            r["triton_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid"))
+            # each path forced, for the crossovers: one block (one launch) and two launches
+            r["cuda_one_block_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid", one_block_max=T))
+            r["cuda_two_launch_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid", one_block_max=0))
+            r["triton_one_block_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid", one_block_tiles=T))
+            r["triton_two_launch_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid", one_block_tiles=0))
+            if fb is not None:
+                try:
+                    r["fbgemm_us"], r["fbgemm_timing"] = timed_us(lambda: fb.index_shuffling(scores, top_k=1))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  FBGEMM index_shuffling failed at T={T} E={E}: {type(e).__name__}: {str(e)[:200]}")
+            rows.append(r)
+            log("shuffle " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows
+
+
+LAYERS = {
+    "qwen3-30b-a3b": dict(E=128, k=8, M=2048, F=768, score_func="softmax", renormalize=True, shared=False,
+                          prescale=False),
+    "scout-tp8": dict(E=16, k=1, M=5120, F=1024, score_func="sigmoid", renormalize=False, shared=True, prescale=True),
+}
+
+
+def plain_torch_moe(x, router, w1, w2, k, score_func, renormalize, shared_w1, shared_w2, prescale):
+    """MoE block in plain PyTorch on torch._grouped_mm: top-k, sort, index_select, two grouped GEMMs,
+    index_add_ (graph-capturable: no host sync)."""
+    T, M = x.shape
+    logits = F.linear(x, router).float()
+    p = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    sc, ids = p.topk(k, -1)
+    if renormalize:
+        sc = sc / sc.sum(-1, keepdim=True)
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    tok = order // k
+    counts = torch.bincount(flat, minlength=w1.shape[0]).to(torch.int32)
+    rows = x.index_select(0, tok)
+    s_rows = sc.reshape(-1)[order]
+    if prescale:
+        rows = (rows * s_rows[:, None]).to(x.dtype)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = torch._grouped_mm(rows, w1, offs=offs)
+    a = F.silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:]
+    y = torch._grouped_mm(a, w2, offs=offs)
+    if not prescale:
+        y = y * s_rows[:, None].to(y.dtype)
+    out = torch.zeros(T, M, device=x.device, dtype=torch.float32).index_add_(0, tok, y.float())
+    if shared_w1 is not None:
+        hs = x @ shared_w1
+        out += (F.silu(hs[:, :hs.shape[1] // 2]) * hs[:, hs.shape[1] // 2:]) @ shared_w2
+    return out.to(x.dtype)
+
+
+def hf_block(name, cfg, router, w1, w2, sw1, sw2):
+    """transformers' own MoE block with the same weights: Qwen3MoeSparseMoeBlock or Llama4TextMoe."""
+    E, M, F_ = cfg["E"], cfg["M"], cfg["F"]
+    if name.startswith("qwen3"):
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        c = Qwen3MoeConfig(hidden_size=M, moe_intermediate_size=F_, num_experts=E, num_experts_per_tok=cfg["k"],
+                           norm_topk_prob=cfg["renormalize"])
+        block = Qwen3MoeSparseMoeBlock(c)
+        block.gate.weight.data = router.clone()
+    else:
+        from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
+        from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+        c = Llama4TextConfig(hidden_size=M, intermediate_size=F_, num_local_experts=E, num_experts_per_tok=cfg["k"])
+        block = Llama4TextMoe(c)
+        block.router.weight.data = router.clone()
+        block.shared_expert.gate_proj.weight.data = sw1[:, :F_].t().contiguous()
+        block.shared_expert.up_proj.weight.data = sw1[:, F_:].t().contiguous()
+        block.shared_expert.down_proj.weight.data = sw2.t().contiguous()
+    experts = block.experts
+    if hasattr(experts, "gate_up_proj"):
+        gu = experts.gate_up_proj
+        # transformers stores gate_up either [E, 2F, M] (Qwen3 5.x) or [E, M, 2F] (Llama 4)
+        experts.gate_up_proj.data = (w1.transpose(1, 2) if gu.shape[1] == 2 * F_ else w1).contiguous()
+        experts.down_proj.data = (w2.transpose(1, 2) if experts.down_proj.shape[1] == M else w2).contiguous()
+    return block.to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def bench_layer(args, log, bandwidth):
+    rows = []
+    for name, cfg in LAYERS.items():
+        E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        dev = dict(device="cuda", dtype=torch.bfloat16)
+        router = torch.randn(E, M, generator=g, **dev) * M ** -0.5
+        w1 = torch.randn(E, M, 2 * F_, generator=g, **dev) * M ** -0.5
+        w2 = torch.randn(E, F_, M, generator=g, **dev) * F_ ** -0.5
+        sw1 = torch.randn(M, 2 * F_, generator=g, **dev) * M ** -0.5 if cfg["shared"] else None
+        sw2 = torch.randn(F_, M, generator=g, **dev) * F_ ** -0.5 if cfg["shared"] else None
+        kw = dict(score_func=cfg["score_func"], renormalize=cfg["renormalize"], shared_w1_MN=sw1, shared_w2_FM=sw2,
+                  prescale=cfg["prescale"])
+        moes = {mode: SparseMoE(router, w1, w2, k, mode=mode, dense_max=10 ** 9 if mode == "dense" else 0, **kw)
+                for mode in ("auto", "few_rows", "grouped", "dense")}
+        try:
+            hf = hf_block(name, cfg, router, w1, w2, sw1, sw2)
+        except Exception as e:  # noqa: BLE001
+            log(f"  transformers block unavailable for {name}: {type(e).__name__}: {e}")
+            hf = None
+        for T in ([1, 16, 64] if args.quick else [1, 8, 16, 64, 256]):
+            x = torch.randn(T, M, generator=g, **dev)
+            ids = F.linear(x, router).float().topk(k, -1).indices
+            used = int(torch.unique(ids).numel())
+            weight_bytes = (used + cfg["shared"]) * 3 * M * F_ * 2 + E * M * 2
+            r = {"layer": name, "T": T, "experts_used": used, "floor_us": weight_bytes / (bandwidth * 1e9) * 1e6}
+            for mode, moe in moes.items():
+                r[f"{mode}_us"], _ = timed_us(lambda: moe(x))
+            r["torch_us"], r["torch_timing"] = timed_us(lambda: plain_torch_moe(
+                x, router, w1, w2, k, cfg["score_func"], cfg["renormalize"], sw1, sw2, cfg["prescale"]))
+            if hf is not None:
+                with torch.no_grad():
+                    r["transformers_us"], r["transformers_timing"] = timed_us(lambda: hf(x[None]))
+            r["floor_fraction"] = r["floor_us"] / r["auto_us"]
+            rows.append(r)
+            log("layer " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows
+
+
+def bench_tune(args, log):
+    """The few-rows GEMM's tiles swept at the decode layers' shapes: (BLOCK_N, SPLIT) per GEMM, the
+    heuristic's choice beside the best (the data behind few_rows_tiles)."""
+    from turbomoe.kernels.few_rows_gemm import few_rows_mm, few_rows_tiles
+    rows_out = []
+    for name, cfg in LAYERS.items():
+        E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
+        G = E + cfg["shared"]
+        dev = dict(device="cuda", dtype=torch.bfloat16)
+        w1 = torch.randn(G, M, 2 * F_, **dev) * M ** -0.5
+        w2 = torch.randn(G, F_, M, **dev) * F_ ** -0.5
+        for T in (1, 8, 16, 64):
+            ids = torch.randn(T, E, device="cuda").topk(k, -1).indices
+            counts = torch.bincount(ids.reshape(-1), minlength=E).to(torch.int32)
+            if cfg["shared"]:
+                counts = torch.cat([counts, torch.tensor([T], dtype=torch.int32, device="cuda")])
+            used = int((counts > 0).sum())
+            R = T * (k + cfg["shared"])
+            for op, w, K, sw in (("w1", w1, M, True), ("w2", w2, F_, False)):
+                x = torch.randn(R, K, **dev)
+                N = w.shape[2] // 2 if sw else w.shape[2]
+                heur = few_rows_tiles(T, N, K, x.device)
+                bm = heur[0]
+                res = {}
+                for bn in (32, 64, 128):
+                    for split in (1, 2, 4, 8):
+                        if K // split < 128:
+                            continue
+                        tiles = (bm, bn, split, 128, 4, 4)
+                        res[(bn, split)] = graph_us(lambda: few_rows_mm(x, w, counts, T, sw, tiles=tiles))
+                t_heur = graph_us(lambda: few_rows_mm(x, w, counts, T, sw))
+                best = min(res, key=res.get)
+                bytes_ = used * K * w.shape[2] * 2
+                r = {"layer": name, "T": T, "gemm": op, "used": used, "heuristic": list(heur[1:3]), "heuristic_us": t_heur,
+                     "best": list(best), "best_us": res[best], "floor_us": bytes_ / 2.97e12 * 1e6,
+                     "all": {f"{a}x{b}": round(v, 1) for (a, b), v in res.items()}}
+                rows_out.append(r)
+                log("tune " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows_out
+
+
+GEN_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=640,
+                 num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+                 num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.02)
+
+
+def bench_generate(args, log, prompt_len=32, new_tokens=64):
+    """Tokens/s of generate (prefill + new_tokens greedy steps, all rows to the end) on a random ~1B
+    Qwen3-MoE saved by transformers and read by turbomoe.inference.load."""
+    import tempfile
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from turbomoe.inference import load
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEN_MODEL)).to(device="cuda", dtype=torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in hf.parameters())
+    path = tempfile.mkdtemp()
+    hf.save_pretrained(path)
+    batches = [1, 8] if args.quick else [1, 8, 64]
+    engine = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(batches),
+                  max_seq_len=prompt_len + new_tokens)
+    rows = []
+
+    def wall(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - t0
+
+    for B in batches:
+        ids = torch.randint(0, GEN_MODEL["vocab_size"], (B, prompt_len), device="cuda")
+        r = {"batch": B, "params": n_params, "prompt": prompt_len, "new_tokens": new_tokens}
+        engine.generate(ids, new_tokens)  # warm-up: kernels and this bucket's decode graph
+        ours, t = min((wall(lambda: engine.generate(ids, new_tokens)) for _ in range(3)), key=lambda o: o[1])
+        r["turbomoe_tok_s"] = B * new_tokens / t
+        hf_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+            theirs, t = wall(lambda: hf.generate(ids, **hf_kw))
+            r["transformers_eager_tok_s"] = B * new_tokens / t
+            r["same_tokens_as_eager"] = float((theirs == ours).float().mean())
+            if B in args.hf_compile_batches:
+                try:
+                    hf.generate(ids, cache_implementation="static", **hf_kw)  # compiles
+                    _, t = wall(lambda: hf.generate(ids, cache_implementation="static", **hf_kw))
+                    r["transformers_static_compiled_tok_s"] = B * new_tokens / t
+                except Exception as e:  # noqa: BLE001
+                    log(f"  transformers static-cache compiled generate failed: {type(e).__name__}: {str(e)[:200]}")
+        r["speedup_vs_eager"] = r["turbomoe_tok_s"] / r["transformers_eager_tok_s"]
+        rows.append(r)
+        log("generate " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="/tmp/bench_inference")
+    p.add_argument("--sections", default="shuffle,layer,generate", help="also: tune (the few-rows GEMM sweep)")
+    p.add_argument("--hf-compile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1],
+                   help="batch sizes at which to time transformers' static-cache compiled generate")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "bench_inference.log"), "a")
+
+    def log(s):
+        print(s, flush=True)
+        logf.write(s + "\n")
+        logf.flush()
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    result["copy_GBs"] = copy_bandwidth_gbs()
+    log(f"{result['device']} torch {result['torch']} {result['utc']} UTC, copy bandwidth {result['copy_GBs']:.0f} GB/s")
+    sections = args.sections.split(",")
+    if "shuffle" in sections:
+        result["shuffle"] = bench_shuffle(args, log)
+    if "layer" in sections:
+        result["layer"] = bench_layer(args, log, result["copy_GBs"])
+    if "tune" in sections:
+        result["tune"] = bench_tune(args, log)
+    if "generate" in sections:
+        result["generate"] = bench_generate(args, log)
+    with open(os.path.join(args.out, "bench_inference.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""turbomoe.inference: the CPU path (reference and dense modes) against a token-by-token fp64 oracle,
+input errors, and on a GPU the CUDA index shuffling and the SparseMoE block in bf16, eager and
+replayed from a CUDA graph."""
+import pytest
+import torch
+
+from conftest import needs_cuda
+from inference_cases import MOE_CASES, SHUFFLE_CASES, check_moe, check_shuffle
+from turbomoe import csrc
+from turbomoe.inference import SparseMoE, index_shuffling
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("mode", ["auto", "dense"])
+def test_sparse_moe_cpu(case, mode):
+    check_moe(*case, mode)  # auto on the CPU: the reference path
+
+
+def test_index_shuffling_reference_tables():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 1.0, 2.0], [float("nan"), 0.0, 0.0], [0.0, 5.0, 4.0]])
+    r = index_shuffling(logits, 2, shared_expert=True)
+    assert r.expert_ids.tolist() == [[1, 2, 3], [0, 2, 3], [-1, -1, 3], [1, 2, 3]]
+    assert r.counts.tolist() == [1, 2, 3, 4]
+    # expert 0: token 1; expert 1: tokens 0, 3; expert 2: tokens 0, 1, 3; shared (3): tokens 0..3
+    assert r.slots.tolist() == [[1, 3, 6], [0, 4, 7], [-1, -1, 8], [2, 5, 9]]
+    assert r.row_routes.tolist() == [3, 0, 9, 1, 4, 10, 2, 5, 8, 11, -1, -1]  # route t * 3 + j of each row
+    assert r.scores[:, 2].tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(k=0), "k must be"), (dict(k=9), "k must be"), (dict(score_func="relu"), "score_func"),
+])
+def test_index_shuffling_errors(bad, match):
+    args = dict(logits_TE=torch.randn(4, 16), k=2)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        index_shuffling(**args)
+
+
+def test_sparse_moe_errors():
+    r, w1, w2 = torch.randn(4, 8), torch.randn(4, 8, 6), torch.randn(4, 3, 8)
+    with pytest.raises(ValueError, match="router"):
+        SparseMoE(r, w1, torch.randn(4, 4, 8), 2)
+    with pytest.raises(ValueError, match="shared expert must have"):
+        SparseMoE(r, w1, w2, 2, shared_w1_MN=torch.randn(8, 4), shared_w2_FM=torch.randn(2, 8))
+    with pytest.raises(ValueError, match="both"):
+        SparseMoE(r, w1, w2, 2, shared_w1_MN=torch.randn(8, 6))
+    with pytest.raises(ValueError, match="prescale"):
+        SparseMoE(r, w1, w2, 2, prescale=True)
+    with pytest.raises(ValueError, match="mode"):
+        SparseMoE(r, w1, w2, 2, mode="fast")
+    with pytest.raises(ValueError, match=r"x must be \[T, 8\]"):
+        SparseMoE(r, w1, w2, 2)(torch.randn(3, 7))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", SHUFFLE_CASES)
+@pytest.mark.parametrize("one_block_max", [0, 512])  # the two-launch path, and one block where T allows
+def test_index_shuffling_cuda(case, one_block_max):
+    check_shuffle(csrc.index_shuffling, *case, "cuda", seed=7 * case[0] + case[1], one_block_max=one_block_max)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("one_block_max", [0, 4096])
+def test_index_shuffling_cuda_hot_expert_bf16_large(one_block_max):
+    check_shuffle(csrc.index_shuffling, 100, 16, 2, "softmax", True, True, "cuda", seed=3, hot=True,
+                  one_block_max=one_block_max)
+    check_shuffle(csrc.index_shuffling, 33, 32, 4, "softmax", False, False, "cuda", dtype=torch.bfloat16, seed=4,
+                  one_block_max=one_block_max)
+    check_shuffle(csrc.index_shuffling, 3001, 1000, 8, "softmax", True, True, "cuda", seed=5,
+                  one_block_max=one_block_max)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("mode", ["few_rows", "grouped", "dense"])
+def test_sparse_moe_cuda_bf16(case, mode):
+    T, E, k, M, F_, *rest = case
+    # bf16 sizes the GEMMs accept (K, N multiples of 8); tolerance of bf16 operands and outputs
+    check_moe(T, E, k, 64, 32, *rest, mode, "cuda", torch.bfloat16, tol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 16, 100])
+def test_sparse_moe_cuda_graph(T):
+    """The whole block captured in a CUDA graph (no host sync) and replayed on new inputs."""
+    from inference_cases import moe_weights
+    router, w1, w2, (sw1, sw2) = moe_weights(16, 128, 64, True, 0, "cuda", torch.bfloat16)
+    moe = SparseMoE(router, w1, w2, 2, renormalize=True, shared_w1_MN=sw1, shared_w2_FM=sw2)
+    x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+    moe(x)  # warm-up: builds and compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, moe(x), rtol=0, atol=0)

@@ -1,0 +1,42 @@
+"""The inference kernels (Triton index shuffling, few-rows grouped GEMM, SparseMoE on them) against
+the reference; on the CPU through the Triton interpreter (TRITON_INTERPRET=1, see scripts/test.sh),
+natively on a GPU."""
+import os
+
+import pytest
+import torch
+
+from inference_cases import MOE_CASES, SHUFFLE_CASES, check_few_rows, check_moe, check_shuffle
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 set before triton kernels are defined, or a GPU")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("case", SHUFFLE_CASES)
+@pytest.mark.parametrize("one_block_tiles", [0, 4])  # the two-launch path, and one program where T allows
+def test_index_shuffling(case, one_block_tiles):
+    from turbomoe.kernels.shuffling import index_shuffling
+    check_shuffle(index_shuffling, *case, DEVICE, seed=7 * case[0] + case[1], one_block_tiles=one_block_tiles)
+
+
+@pytest.mark.parametrize("one_block_tiles", [0, 4])
+def test_index_shuffling_one_hot_expert_and_bf16(one_block_tiles):
+    from turbomoe.kernels.shuffling import index_shuffling
+    check_shuffle(index_shuffling, 50, 16, 2, "softmax", True, True, DEVICE, seed=3, hot=True,
+                  one_block_tiles=one_block_tiles)
+    check_shuffle(index_shuffling, 33, 32, 4, "softmax", False, False, DEVICE, dtype=torch.bfloat16, seed=4,
+                  one_block_tiles=one_block_tiles)
+
+
+@pytest.mark.parametrize("counts,K,NW,swiglu", [([0, 3, 0, 1], 40, 24, False), ([5, 0, 0, 2, 1], 600, 48, True),
+                                                ([0, 0, 0], 40, 24, True), ([1], 700, 32, False),
+                                                ([17, 0, 3], 64, 40, True)])
+def test_few_rows_mm(counts, K, NW, swiglu):
+    check_few_rows(counts, K, NW, swiglu, DEVICE)
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("mode", ["few_rows", "grouped"])
+def test_sparse_moe_kernels(case, mode):
+    check_moe(*case, mode, DEVICE, backend="triton")

@@ -1,0 +1,277 @@
+// index_shuffling in CUDA (serving's routing step; spec: reference.index_shuffling): logits [T, E] ->
+// top-k ids [T, k], scores [T, k], counts [E], slots [T, k] (expert-contiguous rows, token order
+// within an expert) and row_routes [T * k] (the route each row holds, -1 past the routed total).
+//
+// A warp owns a token for the top-k (lane l holds columns l, l + 32, ...); counts go to shared
+// memory by integer atomics (same totals every run). Ranks go by chunks of CHUNK tokens in token
+// order: each expert gets a CHUNK-bit mask of the tokens that chose it (atomicOr), and a route's
+// rank is the expert's running base plus the popcount of the mask below its token: integer only,
+// deterministic. Up to one_block_max tokens one block does everything in one launch; beyond, one
+// block per TOPK_TOKENS tokens does the top-k and writes its histogram, then one block per chunk
+// sums the histograms before it (fixed order) and ranks its chunk. No host sync: graph-capturable.
+#include <cub/cub.cuh>
+
+#include "common.cuh"
+
+namespace turbomoe {
+
+constexpr int CHUNK = BLOCK_THREADS;       // tokens ranked per step, one a thread
+constexpr int MASK_WORDS = CHUNK / WARP;   // 32-bit words of an expert's token mask
+constexpr int SCAN_ITEMS = MAX_EXPERTS / BLOCK_THREADS;
+constexpr int TOPK_TOKENS = 32;            // tokens per block of the multi-block top-k: many blocks
+
+template <typename acc_t> struct ShuffleOut {
+  int32_t* ids;
+  acc_t* scores;
+  int32_t* counts;
+  int32_t* slots;
+  int32_t* routes;
+};
+
+// Top-k of token t (ties to the lower column) by warp; lane j < k writes choice j into a row of kr
+// routes, and with a shared expert (kr = k + 1) lane k writes its route (expert E, score 1). Adds
+// the chosen experts to counts (shared memory). Softmax or sigmoid in acc_t; rows with a
+// non-finite logit route nowhere (ids -1, scores 0), except to the shared expert.
+template <typename scalar_t, typename acc_t, int CPL>
+__device__ void topk_token(const scalar_t* __restrict__ logits, int64_t t, int E, int k, int kr, bool sigmoid,
+                           bool renorm, ShuffleOut<acc_t> out, int* counts) {
+  const int lane = threadIdx.x % WARP;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  acc_t x[CPL];
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = lane + WARP * i;
+    x[i] = c < E ? static_cast<acc_t>(logits[t * E + c]) : neg_inf;
+    bad |= c < E && !isfinite(x[i]);
+  }
+  const bool valid = !__any_sync(FULL_MASK, bad);
+  acc_t mx = neg_inf;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) mx = max(mx, x[i]);
+  mx = warp_max(mx);
+  acc_t den = 0;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) den += (lane + WARP * i < E) ? exp(x[i] - mx) : acc_t(0);
+  den = warp_sum(den);
+  acc_t p[CPL];
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const bool cell = lane + WARP * i < E;
+    p[i] = !cell ? neg_inf : sigmoid ? acc_t(1) / (acc_t(1) + exp(-x[i])) : exp(x[i] - mx) / den;
+  }
+  int my_id = -1;
+  acc_t my_score = 0;
+  if (valid) {
+    for (int j = 0; j < k; ++j) {
+      acc_t bv = neg_inf;
+      int bc = INT_MAX;
+#pragma unroll
+      for (int i = 0; i < CPL; ++i) {
+        const int c = lane + WARP * i;
+        if (c < E && (p[i] > bv || (p[i] == bv && c < bc))) {
+          bv = p[i];
+          bc = c;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const acc_t ov = __shfl_xor_sync(FULL_MASK, bv, o);
+        const int oc = __shfl_xor_sync(FULL_MASK, bc, o);
+        if (ov > bv || (ov == bv && oc < bc)) {
+          bv = ov;
+          bc = oc;
+        }
+      }
+      if (lane == bc % WARP) {
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) if (i == bc / WARP) p[i] = neg_inf;  // taken
+        atomicAdd(&counts[bc], 1);
+      }
+      if (lane == j) {
+        my_id = bc;
+        my_score = bv;
+      }
+    }
+    if (renorm) {
+      acc_t total = warp_sum(lane < k ? my_score : acc_t(0));
+      my_score = my_score / (total > 0 ? total : acc_t(1));  // IEEE: a lone route weighs exactly 1
+    }
+  }
+  if (lane == k && kr > k) {
+    my_id = E;
+    my_score = 1;
+    atomicAdd(&counts[E], 1);
+  }
+  if (lane < kr) {
+    out.ids[t * kr + lane] = my_id;
+    out.scores[t * kr + lane] = my_score;
+  }
+}
+
+// Exclusive scan of v[0..E) in place (E <= MAX_EXPERTS); returns the total. All threads call it.
+__device__ int exclusive_scan(int* v, int E) {
+  using Scan = cub::BlockScan<int, BLOCK_THREADS>;
+  __shared__ typename Scan::TempStorage storage;
+  int items[SCAN_ITEMS];
+  __syncthreads();  // v was written by other threads
+#pragma unroll
+  for (int i = 0; i < SCAN_ITEMS; ++i) {
+    const int e = threadIdx.x * SCAN_ITEMS + i;
+    items[i] = e < E ? v[e] : 0;
+  }
+  int total;
+  Scan(storage).ExclusiveSum(items, items, total);
+#pragma unroll
+  for (int i = 0; i < SCAN_ITEMS; ++i) {
+    const int e = threadIdx.x * SCAN_ITEMS + i;
+    if (e < E) v[e] = items[i];
+  }
+  __syncthreads();
+  return total;
+}
+
+// Slots and row_routes of tokens t0 .. t0 + CHUNK; base[e] (shared) is expert e's next free row
+// and moves past this chunk's routes.
+template <typename acc_t>
+__device__ void rank_chunk(int64_t t0, int64_t T, int E, int k, ShuffleOut<acc_t> out, int* base, uint32_t* masks) {
+  for (int i = threadIdx.x; i < E * MASK_WORDS; i += BLOCK_THREADS) masks[i] = 0;
+  __syncthreads();
+  const int64_t t = t0 + threadIdx.x;
+  const int word = threadIdx.x / WARP, bit = threadIdx.x % WARP;
+  int ids[MAX_K];
+  for (int j = 0; j < k; ++j) {
+    ids[j] = t < T ? out.ids[t * k + j] : -1;
+    if (ids[j] >= 0) atomicOr(&masks[ids[j] * MASK_WORDS + word], 1u << bit);
+  }
+  __syncthreads();
+  for (int j = 0; j < k; ++j) {
+    const int e = ids[j];
+    if (t >= T) break;
+    int slot = -1;
+    if (e >= 0) {
+      slot = base[e] + __popc(masks[e * MASK_WORDS + word] & ((1u << bit) - 1u));
+      for (int w = 0; w < word; ++w) slot += __popc(masks[e * MASK_WORDS + w]);
+      out.routes[slot] = static_cast<int32_t>(t * k + j);
+    }
+    out.slots[t * k + j] = slot;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += BLOCK_THREADS) {
+    int n = 0;
+    for (int w = 0; w < MASK_WORDS; ++w) n += __popc(masks[e * MASK_WORDS + w]);
+    base[e] += n;
+  }
+  __syncthreads();
+}
+
+__device__ void clear_rows(int32_t* routes, int64_t r0, int64_t r1, int64_t total) {
+  for (int64_t r = max(r0, total) + threadIdx.x; r < r1; r += BLOCK_THREADS) routes[r] = -1;
+}
+
+template <typename scalar_t, typename acc_t, int CPL>
+__global__ void __launch_bounds__(BLOCK_THREADS)
+shuffle_one_block_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool shared, bool sigmoid,
+                         bool renorm, ShuffleOut<acc_t> out) {
+  __shared__ int base[MAX_EXPERTS];
+  extern __shared__ uint32_t masks[];  // [ec, MASK_WORDS]
+  const int ec = E + shared, kr = k + shared;  // count columns, routes per token
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] = 0;
+  __syncthreads();
+  for (int64_t t = threadIdx.x / WARP; t < T; t += WARPS_PER_BLOCK)
+    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, kr, sigmoid, renorm, out, base);
+  __syncthreads();  // ids in global memory and the counts are complete for the whole block
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) out.counts[e] = base[e];
+  const int total = exclusive_scan(base, ec);
+  for (int64_t t0 = 0; t0 < T; t0 += CHUNK) rank_chunk<acc_t>(t0, T, ec, kr, out, base, masks);
+  clear_rows(out.routes, 0, T * kr, total);
+}
+
+template <typename scalar_t, typename acc_t, int CPL>
+__global__ void __launch_bounds__(BLOCK_THREADS)
+shuffle_topk_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool shared, bool sigmoid,
+                    bool renorm, ShuffleOut<acc_t> out, int32_t* __restrict__ hist) {
+  __shared__ int counts[MAX_EXPERTS];
+  const int ec = E + shared;
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) counts[e] = 0;
+  __syncthreads();
+  const int64_t t1 = min(T, int64_t(blockIdx.x + 1) * TOPK_TOKENS);
+  for (int64_t t = int64_t(blockIdx.x) * TOPK_TOKENS + threadIdx.x / WARP; t < t1; t += WARPS_PER_BLOCK)
+    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, k + shared, sigmoid, renorm, out, counts);
+  __syncthreads();
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) hist[int64_t(blockIdx.x) * ec + e] = counts[e];
+}
+
+template <typename acc_t>
+__global__ void __launch_bounds__(BLOCK_THREADS)
+shuffle_rank_kernel(int64_t T, int ec, int kr, int topk_blocks, ShuffleOut<acc_t> out, const int32_t* __restrict__ hist) {
+  __shared__ int base[MAX_EXPERTS];
+  __shared__ int before[MAX_EXPERTS];
+  extern __shared__ uint32_t masks[];
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] = before[e] = 0;
+  __syncthreads();
+  // Every thread adds a strided share of the histograms: integer sums, the same whatever the order.
+  const int64_t prior_end = int64_t(blockIdx.x) * (CHUNK / TOPK_TOKENS) * ec;
+  for (int64_t i = threadIdx.x; i < int64_t(topk_blocks) * ec; i += BLOCK_THREADS) {
+    const int h = hist[i], e = static_cast<int>(i % ec);
+    if (h) {
+      atomicAdd(&base[e], h);
+      if (i < prior_end) atomicAdd(&before[e], h);
+    }
+  }
+  __syncthreads();
+  if (blockIdx.x == 0)
+    for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) out.counts[e] = base[e];
+  const int total = exclusive_scan(base, ec);
+  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] += before[e];
+  __syncthreads();
+  const int64_t t0 = int64_t(blockIdx.x) * CHUNK;
+  rank_chunk<acc_t>(t0, T, ec, kr, out, base, masks);
+  clear_rows(out.routes, t0 * kr, min(T, t0 + CHUNK) * kr, total);
+}
+
+// Returns ids, scores, counts, slots, row_routes.
+std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool shared, bool sigmoid, bool renorm,
+                                        int64_t one_block_max) {
+  check_2d(logits, "logits");
+  const int64_t T = logits.size(0);
+  const int E = logits.size(1);
+  TORCH_CHECK(E >= 1 && E + shared <= MAX_EXPERTS && k >= 1 && k <= std::min(E, MAX_K),
+              "index_shuffling: bad E or k");
+  const int ec = E + shared;
+  const int64_t kr = k + shared;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto opts = logits.options();
+  at::Tensor ids = at::empty({T, kr}, opts.dtype(at::kInt));
+  at::Tensor scores = at::empty({T, kr}, opts.dtype(acc));
+  at::Tensor counts = at::empty({ec}, opts.dtype(at::kInt));
+  at::Tensor slots = at::empty({T, kr}, opts.dtype(at::kInt));
+  at::Tensor routes = at::empty({T * kr}, opts.dtype(at::kInt));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const size_t mask_bytes = size_t(ec) * MASK_WORDS * sizeof(uint32_t);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "turbomoe_index_shuffling", [&] {
+    using acc_t = typename Acc<scalar_t>::type;
+    ShuffleOut<acc_t> out{ids.data_ptr<int32_t>(), scores.data_ptr<acc_t>(), counts.data_ptr<int32_t>(),
+                          slots.data_ptr<int32_t>(), routes.data_ptr<int32_t>()};
+    TURBOMOE_DISPATCH_CPL(E, [&] {
+      if (T <= one_block_max) {
+        shuffle_one_block_kernel<scalar_t, acc_t, CPL><<<1, BLOCK_THREADS, mask_bytes, stream>>>(
+            logits.data_ptr<scalar_t>(), T, E, k, shared, sigmoid, renorm, out);
+        TURBOMOE_CHECK_LAUNCH();
+      } else {
+        const int topk_blocks = cdiv(T, TOPK_TOKENS);
+        at::Tensor hist = at::empty({topk_blocks, ec}, opts.dtype(at::kInt));
+        shuffle_topk_kernel<scalar_t, acc_t, CPL><<<topk_blocks, BLOCK_THREADS, 0, stream>>>(
+            logits.data_ptr<scalar_t>(), T, E, k, shared, sigmoid, renorm, out, hist.data_ptr<int32_t>());
+        TURBOMOE_CHECK_LAUNCH();
+        shuffle_rank_kernel<acc_t><<<cdiv(T, CHUNK), BLOCK_THREADS, mask_bytes, stream>>>(
+            T, ec, kr, topk_blocks, out, hist.data_ptr<int32_t>());
+        TURBOMOE_CHECK_LAUNCH();
+      }
+    });
+  });
+  return {ids, scores, counts, slots, routes};
+}
+
+}  // namespace turbomoe

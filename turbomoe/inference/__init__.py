@@ -1,0 +1,7 @@
+"""Serving on the shuffled (expert-contiguous) layout: index_shuffling, the SparseMoE block, and the
+generation engine (load, Engine.generate)."""
+from .engine import Engine, load
+from .moe import SparseMoE
+from .shuffling import index_shuffling
+
+__all__ = ["index_shuffling", "SparseMoE", "Engine", "load"]

@@ -1,0 +1,240 @@
+"""Generation with a static KV cache on turbomoe's Qwen3-MoE model, MoE blocks on SparseMoE.
+
+    engine = turbomoe.inference.load("path/to/hf_dir", device="cuda", dtype=torch.bfloat16)
+    out = engine.generate(input_ids_BT, max_new_tokens=64, attention_mask=mask_BT)   # [B, T + n]
+
+Prefill runs the whole (left-padded) prompt once; each decode step runs one token per row against
+the cache. The cache is static ([max_batch, G, max_seq_len, D] per layer, allocated on the first
+generate) and a cache slot is the column of the padded sequence, the same for every row, so a step
+writes its keys with one index_copy_ at a device index and attends over every slot under a mask of
+the slots that hold real tokens: no shape depends on the step, and on CUDA the decode step of each
+batch-size bucket is captured once as a CUDA graph and replayed. Rotary positions count each row's
+real tokens (left padding shifts nothing), as transformers' generate does. The dense parts (embedding,
+norms, attention projections, dense MLPs, lm_head) are the model's own modules; each MoE layer's
+router and experts are restacked into a SparseMoE (the model's expert modules are then dropped).
+On the CPU the same code runs the reference ops.
+"""
+import json
+import os
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..models.hf_names import to_hf_state_dict
+from ..models.qwen3_moe import apply_rotary, rotary_cos_sin
+from .moe import SparseMoE
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Engine:
+    """model: a turbomoe Qwen3MoeForCausalLM (moe_impl turbomoe or deepspeed) on its device and dtype.
+    max_batch: the largest batch (rounded up to a bucket); max_seq_len: prompt + new tokens (default
+    the model's max_position_embeddings); cuda_graphs: capture the decode step per bucket on CUDA."""
+
+    def __init__(self, model, max_batch: int = 64, max_seq_len: Optional[int] = None, cuda_graphs: bool = True,
+                 buckets: Sequence[int] = BUCKETS, **moe_kw):
+        cfg = model.config
+        self.config = cfg
+        self.max_seq_len = max_seq_len or cfg.max_position_embeddings
+        if self.max_seq_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        self.buckets = tuple(b for b in sorted(buckets) if b < max_batch) + (max_batch, )
+        self.max_batch = max_batch
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        inner = model.model
+        self.embed, self.norm, self.lm_head = inner.embed_tokens, inner.norm, model.lm_head
+        self.layers = list(inner.layers)
+        sd = to_hf_state_dict(model.state_dict())
+        self.moes = {}
+        for i, layer in enumerate(self.layers):
+            if layer.is_moe:
+                self.moes[i] = SparseMoE.from_hf_state_dict(sd, f"model.layers.{i}.mlp.", cfg.num_experts,
+                                                           cfg.num_experts_per_tok, cfg.norm_topk_prob, **moe_kw)
+        del sd
+        for i in self.moes:  # the experts now live in the SparseMoE: free the model's copy
+            self.layers[i].mlp = None
+        self.cos, self.sin = rotary_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta, self.device)
+        self.cache = None
+        self.graphs = {}
+
+    # ---- buffers -------------------------------------------------------------------------------
+    def _allocate(self):
+        """The static KV cache and the decode step's inputs, once (checked arguments first)."""
+        if self.cache is not None:
+            return
+        cfg, B, L = self.config, self.max_batch, self.max_seq_len
+        kw = dict(device=self.device, dtype=self.dtype)
+        shape = (B, cfg.num_key_value_heads, L, cfg.head_dim)
+        self.cache = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in self.layers]
+        self.valid = torch.zeros(B, L, dtype=torch.bool, device=self.device)  # slot holds a real token
+        self.tokens = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    # ---- the model -----------------------------------------------------------------------------
+    def _forward(self, x_BTH, pos_BT, slots_T, mask_B1TL, L: int):
+        """Decoder layers over x; writes keys/values at cache slots; attends over slots [0, L)."""
+        B, T, _ = x_BTH.shape
+        cos, sin = self.cos[pos_BT][:, None], self.sin[pos_BT][:, None]  # [B, 1, T, D]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x_BTH)
+            q = attn.q_norm(attn.q_proj(h).view(B, T, attn.num_heads, attn.head_dim)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
+            v = attn.v_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            kc, vc = self.cache[i]
+            kc[:B].index_copy_(2, slots_T, k)
+            vc[:B].index_copy_(2, slots_T, v)
+            o = F.scaled_dot_product_attention(q, kc[:B, :, :L], vc[:B, :, :L], attn_mask=mask_B1TL,
+                                               enable_gqa=attn.num_heads != attn.num_kv_heads)
+            x_BTH = x_BTH + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            h = layer.post_attention_layernorm(x_BTH)
+            if i in self.moes:
+                x_BTH = x_BTH + self.moes[i](h.reshape(B * T, -1)).view(B, T, -1)
+            else:
+                x_BTH = x_BTH + layer.mlp(h)
+        return self.lm_head(self.norm(x_BTH[:, -1])).float()  # [B, V] logits of the last position
+
+    @torch.no_grad()
+    def _prefill(self, ids_BT, mask_BT):
+        B, T = ids_BT.shape
+        Bb = self._bucket(B)  # rows B..Bb of the bucket's graph are dummies: no real token, position 0
+        self.valid[:Bb].zero_()
+        self.positions[:Bb].zero_()
+        self.valid[:B, :T] = mask_BT
+        pos = (mask_BT.long().cumsum(1) - 1).clamp_min(0)
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        # Keys: earlier real tokens; a pad query also sees itself (no empty softmax row).
+        mask = (causal & mask_BT[:, None, :]) | torch.eye(T, dtype=torch.bool, device=self.device)
+        slots = torch.arange(T, device=self.device)
+        logits = self._forward(self.embed(ids_BT), pos, slots, mask[:, None], T)
+        self.positions[:B] = mask_BT.sum(1)
+        return logits
+
+    def _decode_step(self, B: int):
+        """One token per row at cache slot self.slot; reads self.tokens/positions[:B]."""
+        self.valid[:B].index_fill_(1, self.slot, True)
+        x = self.embed(self.tokens[:B])[:, None]
+        return self._forward(x, self.positions[:B, None], self.slot, self.valid[:B, None, None, :], self.max_seq_len)
+
+    def _bucket(self, B: int) -> int:
+        return next(b for b in self.buckets if b >= B)
+
+    @torch.no_grad()
+    def _decode(self, B: int):
+        if not self.use_graphs:
+            return self._decode_step(B)
+        if B not in self.graphs:
+            # Warm-up outside the capture (kernel compilation, autotuning, lazy allocations).
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self._decode_step(B)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=getattr(self, "_pool", None)):
+                out = self._decode_step(B)
+            self._pool = graph.pool()
+            self.graphs[B] = (graph, out)
+        graph, out = self.graphs[B]
+        graph.replay()
+        return out
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _check(self, input_ids, attention_mask, max_new_tokens):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long,
+                                                                                                     torch.int32):
+            raise ValueError("input_ids must be an integer tensor [B, T]")
+        B, T = input_ids.shape
+        if B < 1 or T < 1:
+            raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if B > self.max_batch:
+            raise ValueError(f"batch {B} exceeds the engine's largest batch bucket {self.max_batch} (Engine(max_batch=...))")
+        if T + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds the KV cache's "
+                             f"max_seq_len {self.max_seq_len}")
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (B, T):
+                raise ValueError(f"attention_mask must have the shape of input_ids {(B, T)}, got "
+                                 f"{tuple(attention_mask.shape)}")
+            m = attention_mask.to("cpu", torch.bool)
+            if not bool(m[:, -1].all()) or bool((m[:, 1:] < m[:, :-1]).any()):
+                raise ValueError("attention_mask must be left padding: zeros, then ones up to the last column")
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0, eos_token_id=None, attention_mask: Optional[torch.Tensor] = None,
+                 pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """[B, T + n] tokens: the prompt, then up to max_new_tokens per row; a row that produced
+        eos_token_id (an int or a list) gets pad_token_id (default: the first eos) after it, and
+        generation stops when every row has. Greedy unless do_sample (temperature, top_p)."""
+        self._check(input_ids, attention_mask, max_new_tokens)
+        if do_sample and not (temperature > 0 and 0 < top_p <= 1):
+            raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        self._allocate()
+        B, T = input_ids.shape
+        ids = input_ids.to(self.device, torch.long)
+        mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
+                else attention_mask.to(self.device, torch.bool))
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos_t = torch.tensor(eos, dtype=torch.long, device=self.device)
+        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        out = [ids]
+        logits = self._prefill(ids, mask)
+        Bb = self._bucket(B)
+        for step in range(max_new_tokens):
+            tok = self._select(logits[:B], do_sample, temperature, top_p, generator)
+            tok = torch.where(done, pad, tok)
+            out.append(tok[:, None])
+            if len(eos):
+                done |= torch.isin(tok, eos_t)
+                if bool(done.all()):  # one host sync a step, only when stopping at EOS
+                    break
+            if step + 1 == max_new_tokens:
+                break
+            self.tokens[:B] = tok
+            self.slot.fill_(T + step)
+            logits = self._decode(Bb)
+            self.positions[:Bb] += 1
+        return torch.cat(out, 1)
+
+    @staticmethod
+    def _select(logits_BV, do_sample, temperature, top_p, generator):
+        if not do_sample:
+            return logits_BV.argmax(-1)
+        probs = torch.softmax(logits_BV / temperature, -1)
+        if top_p < 1:
+            # transformers' top-p: keep the smallest set of most likely tokens whose mass reaches top_p.
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _check_model_dir(model_dir: str):
+    config = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
+    with open(config) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type != "qwen3_moe":
+        raise ValueError(f"{config}: model_type is {model_type!r}; turbomoe.inference serves 'qwen3_moe' models")
+
+
+def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **engine_kw) -> Engine:
+    """An Engine for a Hugging Face Qwen3-MoE directory, read by Qwen3MoeForCausalLM.from_pretrained.
+    device: default CUDA where available; dtype: default the checkpoint's."""
+    from ..models import Qwen3MoeForCausalLM
+    _check_model_dir(model_dir)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
+    return Engine(model.eval(), **engine_kw)

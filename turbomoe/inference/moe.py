@@ -1,0 +1,151 @@
+"""The serving MoE block, no autograd: router -> index_shuffling -> gather rows -> grouped GEMMs ->
+combine (+ shared expert).
+
+    x [T, M] -> logits = x @ router^T [T, E]
+             -> index_shuffling: ids, scores, counts, slots (+ the shared expert as route k, expert E)
+             -> rows [T * k', M]: row slots[t, j] = x[t] (times its score with prescale: Llama 4)
+             -> y = (silu(rows @ w1_gate) * rows @ w1_up) @ w2, grouped by expert, counts on the device
+             -> out[t] = sum_j w[t, j] * y[slots[t, j]] in fp32 (w = scores, or 1 with prescale)
+
+The gather and the combine are the training path's row kernels (push_rows / pull_rows: one writer
+per row, no atomics, so deterministic). The shared expert is group E of the same GEMMs and column k
+of the same combine, so it costs no launch of its own. Expert GEMMs, by token count T:
+  few_rows  T * k <= few_routes_max (4): turbomoe.kernels.few_rows_gemm (SwiGLU fused into the first
+            GEMM, only experts with tokens read, K split for enough programs); on the H100 it won at
+            1 route (Scout T = 1: 85 vs 114 us), tied at 8 (Qwen3 T = 1) and lost from 8 on
+  grouped   beyond: the training path's grouped GEMM (CUTLASS or torch._grouped_mm) + SwiGLU kernel
+  dense     T <= dense_max (off unless set): every expert on every token as batched GEMMs, combined
+            with a dense [T, E] weight matrix (TensorRT-LLM's small-batch idea), no shuffling
+On the CPU the reference ops run ("reference": the same math in plain PyTorch).
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops, reference
+from ..autograd.grouped_gemm import _reference_mm, choose_gmm_backend, mm_forward, row_offsets
+from ..autograd.swiglu import swiglu_reference
+from .shuffling import index_shuffling
+
+MODES = ("auto", "few_rows", "grouped", "dense", "reference")
+FEW_ROUTES_MAX = 4  # routes (T * k) up to which the few-rows GEMM serves (H100 crossover, notes/inference.md)
+
+
+class SparseMoE(nn.Module):
+    """router [E, M]; w1 [E, M, 2F] = [gate | up]; w2 [E, F, M]; optional shared expert
+    shared_w1 [M, 2F], shared_w2 [F, M] (same F); k experts per token; softmax or sigmoid scores,
+    renormalised over the k when asked; prescale multiplies the expert input by the score instead
+    of the output (Llama 4's top-1)."""
+
+    def __init__(self, router_EM: torch.Tensor, w1_EMN: torch.Tensor, w2_EFM: torch.Tensor, k: int,
+                 score_func: str = "softmax", renormalize: bool = False, shared_w1_MN: Optional[torch.Tensor] = None,
+                 shared_w2_FM: Optional[torch.Tensor] = None, prescale: bool = False, mode: str = "auto",
+                 backend: Optional[str] = None, gmm_backend: Optional[str] = None, few_routes_max: int = FEW_ROUTES_MAX,
+                 dense_max: int = 0):
+        super().__init__()
+        E, M, N2 = w1_EMN.shape
+        if router_EM.shape != (E, M) or w2_EFM.shape != (E, N2 // 2, M) or N2 % 2:
+            raise ValueError(f"router [E, M], w1 [E, M, 2F], w2 [E, F, M] expected, got {tuple(router_EM.shape)}, "
+                             f"{tuple(w1_EMN.shape)}, {tuple(w2_EFM.shape)}")
+        if (shared_w1_MN is None) != (shared_w2_FM is None):
+            raise ValueError("a shared expert needs both shared_w1 and shared_w2")
+        if shared_w1_MN is not None:
+            if shared_w1_MN.shape != (M, N2) or shared_w2_FM.shape != (N2 // 2, M):
+                raise ValueError(f"the shared expert must have the routed experts' shapes [M, 2F] = [{M}, {N2}] and "
+                                 f"[F, M], got {tuple(shared_w1_MN.shape)} and {tuple(shared_w2_FM.shape)}")
+            w1_EMN = torch.cat([w1_EMN, shared_w1_MN[None]])  # group E: the shared expert's rows come last
+            w2_EFM = torch.cat([w2_EFM, shared_w2_FM[None]])
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if prescale and k != 1:
+            raise ValueError("prescale (the score applied to the expert input) needs k = 1")
+        self.num_experts, self.k, self.score_func, self.renormalize = E, k, score_func, renormalize
+        self.shared, self.prescale, self.mode = shared_w1_MN is not None, prescale, mode
+        self.backend, self.gmm_backend = backend, gmm_backend
+        self.few_routes_max, self.dense_max = few_routes_max, dense_max
+        self.register_buffer("router", router_EM.contiguous(), persistent=False)
+        self.register_buffer("w1", w1_EMN.contiguous(), persistent=False)
+        self.register_buffer("w2", w2_EFM.contiguous(), persistent=False)
+
+    @classmethod
+    def from_hf_state_dict(cls, sd: dict, prefix: str, num_experts: int, k: int, renormalize: bool, **kw):
+        """A Qwen3-MoE block from Hugging Face names (prefix 'model.layers.N.mlp.': gate.weight,
+        experts.J.{gate,up,down}_proj.weight); the expert tensors are stacked (copied)."""
+        def w(name):
+            key = prefix + name
+            if key not in sd:
+                raise KeyError(f"missing weight {key}")
+            return sd[key]
+        gate_up = [torch.cat([w(f"experts.{j}.gate_proj.weight"), w(f"experts.{j}.up_proj.weight")]).t()
+                   for j in range(num_experts)]
+        down = [w(f"experts.{j}.down_proj.weight").t() for j in range(num_experts)]
+        return cls(w("gate.weight"), torch.stack(gate_up), torch.stack(down), k, renormalize=renormalize, **kw)
+
+    def choose_mode(self, x_TM: torch.Tensor) -> str:
+        if self.mode != "auto":
+            return self.mode
+        T = x_TM.shape[0]
+        if not x_TM.is_cuda and ops.choose_backend(x_TM, self.backend) == "reference":
+            return "reference"
+        if T <= self.dense_max and T * self.k >= self.num_experts:
+            return "dense"
+        return "few_rows" if T * self.k <= self.few_routes_max and x_TM.is_cuda else "grouped"
+
+    @torch.no_grad()
+    def forward(self, x_TM: torch.Tensor) -> torch.Tensor:
+        if x_TM.dim() != 2 or x_TM.shape[1] != self.w1.shape[1]:
+            raise ValueError(f"x must be [T, {self.w1.shape[1]}], got {tuple(x_TM.shape)}")
+        x_TM = x_TM.contiguous()
+        logits = F.linear(x_TM, self.router)
+        mode = self.choose_mode(x_TM)
+        if mode == "dense":
+            return self._dense(x_TM, logits)
+        backend = "reference" if mode == "reference" else self.backend
+        r = index_shuffling(logits, self.k, self.score_func, self.renormalize, self.shared, backend)
+        T, M = x_TM.shape
+        R = r.slots.numel()
+        if mode == "reference":
+            rows = reference.scatter_tokens(x_TM, r.slots, R)
+            if self.prescale:
+                routed = r.row_routes >= 0
+                rows = rows * torch.where(routed, r.scores.reshape(-1)[r.row_routes.clamp_min(0).long()], 0)[:, None]
+                rows = rows.to(x_TM.dtype)
+            y = _reference_mm(swiglu_reference(_reference_mm(rows, self.w1, r.counts)), self.w2, r.counts)
+            weights = torch.ones_like(r.scores) if self.prescale else r.scores
+            return reference.gather_tokens(y, r.slots, weights)
+        impl = ops._impl(ops.choose_backend(x_TM, self.backend, self.num_experts + self.shared))
+        rows = torch.empty(R, M, dtype=x_TM.dtype, device=x_TM.device)
+        impl.push_rows(x_TM, r.slots, rows, r.counts, None, scores_SK=r.scores if self.prescale else None)
+        y = self._experts(rows, r.counts, T, mode)
+        out = torch.empty_like(x_TM)
+        impl.pull_rows(y, r.slots, out, None if self.prescale else r.scores)
+        return out
+
+    def _experts(self, rows_RM: torch.Tensor, counts: torch.Tensor, T: int, mode: str) -> torch.Tensor:
+        if mode == "few_rows":
+            from ..kernels.few_rows_gemm import few_rows_mm
+            return few_rows_mm(few_rows_mm(rows_RM, self.w1, counts, T, swiglu=True), self.w2, counts, T)
+        from ..kernels.swiglu import swiglu_forward
+        gmm = choose_gmm_backend(rows_RM, self.w1, self.gmm_backend)
+        offs = row_offsets(counts, rows_RM.shape[0]) if gmm in ("torch", "cutlass") else None
+        a = swiglu_forward(mm_forward(rows_RM, self.w1, counts, gmm, offs))
+        return mm_forward(a, self.w2, counts, gmm, offs)
+
+    def _dense(self, x_TM: torch.Tensor, logits_TE: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token (batched GEMMs), combined by a dense [T, E'] weight matrix."""
+        g = ops.topk_gating(logits_TE, self.k, self.score_func, self.renormalize, backend=self.backend)
+        T, E = logits_TE.shape
+        ids = g.expert_ids.long().clamp_min(0)
+        routed = g.expert_ids >= 0
+        w_TE = x_TM.new_zeros(T, E + self.shared, dtype=torch.float32).scatter_(1, ids, torch.where(routed, g.scores.float(), 0.0))
+        chosen_TE = torch.zeros_like(w_TE).scatter_(1, ids, routed.float())
+        if self.shared:
+            w_TE[:, E] = chosen_TE[:, E] = 1.0
+        xs = x_TM.expand(self.w1.shape[0], *x_TM.shape)
+        if self.prescale:  # the score scales the input; the output is summed unweighted over the chosen
+            xs = (xs * w_TE.t()[:, :, None]).to(x_TM.dtype)
+            w_TE = chosen_TE
+        y_ETM = torch.bmm(swiglu_reference(torch.bmm(xs, self.w1)), self.w2)
+        return torch.einsum("te,etm->tm", w_TE, y_ETM.float()).to(x_TM.dtype)

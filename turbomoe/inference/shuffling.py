@@ -1,0 +1,43 @@
+"""index_shuffling, serving's routing step: logits [T, E] -> ShuffledRoutes (ids, scores, counts,
+slots, row_routes); the spec is turbomoe.reference.index_shuffling.
+
+Backends as turbomoe.ops: "cuda" (turbomoe/csrc/shuffling.cu), "triton"
+(turbomoe/kernels/shuffling.py), "reference" (the CPU path). The default on the GPU: the CUDA kernel's
+one launch up to csrc.ONE_BLOCK_MAX_TOKENS tokens (a decode step), the Triton kernels' two launches
+beyond. No host sync, deterministic.
+"""
+from typing import Optional
+
+import torch
+
+from .. import csrc, reference
+from ..ops import MAX_K, SCORE_FUNCS, _check_float, choose_backend
+from ..reference import ShuffledRoutes
+
+
+def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
+                    shared_expert: bool = False, backend: Optional[str] = None) -> ShuffledRoutes:
+    """Top-k routing (ties to the lower expert id; rows with NaN/Inf route nowhere), counts [E] and
+    the expert-contiguous permutation of the T * k routes: slots [T, k] (row of each route, expert
+    e's rows in token order after the rows of experts < e) and row_routes [T * k] (its inverse).
+    shared_expert: every token also takes expert E with score 1 (its rows come last), so a shared
+    expert runs in the same grouped GEMMs and combine as the routed ones."""
+    _check_float("logits", logits_TE, 2)
+    E = logits_TE.shape[1]
+    if E < 1:
+        raise ValueError("logits must have at least one expert column")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(E, MAX_K):
+        raise ValueError(f"k must be an int in [1, min(E, {MAX_K})] = [1, {min(E, MAX_K)}], got {k!r}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    backend = choose_backend(logits_TE, backend, E + shared_expert)
+    if backend == "cuda" and logits_TE.shape[0] > csrc.ONE_BLOCK_MAX_TOKENS:
+        # Beyond one block the Triton kernels' two launches were faster on the H100 at every size
+        # measured (notes/inference.md); the CUDA kernel's one launch wins below.
+        backend = "triton"
+    if backend == "cuda":
+        return csrc.index_shuffling(logits_TE, k, score_func, renormalize, shared_expert)
+    if backend == "triton":
+        from ..kernels.shuffling import index_shuffling as triton_shuffling
+        return triton_shuffling(logits_TE, k, score_func, renormalize, shared_expert)
+    return reference.index_shuffling(logits_TE, k, score_func, renormalize, shared_expert)

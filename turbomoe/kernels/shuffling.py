@@ -1,0 +1,178 @@
+"""Triton index shuffling (serving's routing step): logits [T, E] -> top-k ids and scores, counts [E],
+and the permutation of the T * k routes into expert-contiguous rows (slots [T, k] and its inverse
+row_routes [T * k]); the spec is reference.index_shuffling.
+
+Up to ONE_BLOCK_TILES tiles of tokens (BLOCK_T tokens each, 256 down to 4 as E grows), one program does it all in one launch: a pass of top-k over
+the tiles (counting per expert in registers), then a pass that ranks each route among its expert's
+routes in token order (a cumsum over a one-hot tile, carried from tile to tile). Beyond, two
+launches: one program per tile does the top-k and writes its expert histogram; then each program
+sums the histograms of the tiles before it (fixed order) and ranks its own tile. Integer ranks, no
+atomics: deterministic. Nothing is read on the host, so both paths are CUDA-graph capturable.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import ShuffledRoutes
+from .gating import _row_probs
+from .launch import acc_dtype, next_pow2, tl_dtype
+
+ONE_BLOCK_TILES = 1  # the single-program path up to this many tiles of tokens (measured: notes/inference.md)
+
+
+@triton.jit
+def _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K: tl.constexpr, KP: tl.constexpr,
+               SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
+               RENORM: tl.constexpr, ACC: tl.constexpr):
+    """Top-k of tokens t0 .. t0 + BLOCK_T (ties to the lower id), stored in rows of K + SHARED
+    (the shared expert's column: expert E, score 1); returns their counts [BLOCK_E]."""
+    rows = t0 + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    kcol = tl.arange(0, KP)
+    probs, _, _, valid, cells = _row_probs(logits_ptr, rows, cols, T, E, stride_t, SIGMOID, ACC)
+    sel = tl.where(cells, probs, float("-inf"))
+    ids_t = tl.full([BLOCK_T, KP], -1, tl.int32)
+    sc_t = tl.zeros([BLOCK_T, KP], ACC)
+    chosen = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+    for j in tl.static_range(K):
+        best = tl.max(sel, axis=1)
+        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        hit = (cols[None, :] == idx[:, None]) & cells
+        sc_t = tl.where(kcol[None, :] == j, tl.sum(tl.where(hit, probs, 0.0), axis=1)[:, None], sc_t)
+        ids_t = tl.where(kcol[None, :] == j, tl.where(valid, idx, -1)[:, None], ids_t)
+        sel = tl.where(hit, float("-inf"), sel)
+        chosen += hit.to(tl.int32)
+    if SHARED:
+        ids_t = tl.where(kcol[None, :] == K, E, ids_t)
+        sc_t = tl.where(kcol[None, :] == K, 1.0, sc_t)
+        chosen += ((cols[None, :] == E) & (rows < T)[:, None]).to(tl.int32)
+    if RENORM:
+        total = tl.sum(tl.where(kcol[None, :] < K, sc_t, 0.0), axis=1)
+        total = tl.where(total > 0, total, 1.0)[:, None]
+        if ACC == tl.float32:
+            normed = tl.div_rn(sc_t, total)  # IEEE: a lone route weighs exactly 1, as in the reference
+        else:
+            normed = sc_t / total
+        sc_t = tl.where(kcol[None, :] < K, normed, sc_t)
+    out = rows[:, None] * (K + SHARED) + kcol[None, :]
+    omask = (rows < T)[:, None] & (kcol < K + SHARED)[None, :]
+    tl.store(ids_ptr + out, ids_t, mask=omask)
+    tl.store(scores_ptr + out, sc_t, mask=omask)
+    return tl.sum(chosen, axis=0)
+
+
+@triton.jit
+def _rank_tile(ids_ptr, slots_ptr, routes_ptr, t0, T, start, K: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_E: tl.constexpr):
+    """Slots of tokens t0 .. t0 + BLOCK_T: start[e] (the first free row of expert e) plus the routes
+    of e earlier in the tile; row_routes at those rows. A token chooses an expert at most once, so
+    token order is route order within an expert. Returns the tile's counts [BLOCK_E]."""
+    toks = t0 + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    cols = tl.arange(0, BLOCK_E)
+    cnt = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+    for j in tl.static_range(K):
+        e = tl.load(ids_ptr + toks * K + j, mask=tmask, other=-1)
+        cnt += (e[:, None] == cols[None, :]).to(tl.int32)
+    row_of = tl.cumsum(cnt, axis=0) - cnt + start[None, :]  # [BLOCK_T, BLOCK_E]
+    for j in tl.static_range(K):
+        e = tl.load(ids_ptr + toks * K + j, mask=tmask, other=-1)
+        slot = tl.sum(tl.where(e[:, None] == cols[None, :], row_of, 0), axis=1)
+        routed = e >= 0
+        tl.store(slots_ptr + toks * K + j, tl.where(routed, slot, -1), mask=tmask)
+        tl.store(routes_ptr + slot, toks * K + j, mask=tmask & routed)
+    return tl.sum(cnt, axis=0)
+
+
+@triton.jit
+def _clear_rows(routes_ptr, r0, r1, total, BLOCK_R: tl.constexpr):
+    """row_routes = -1 for rows r0 .. r1 past the routed total."""
+    for r in range(r0, r1, BLOCK_R):
+        rows = r + tl.arange(0, BLOCK_R)
+        tl.store(routes_ptr + rows, tl.full([BLOCK_R], -1, tl.int32), mask=(rows >= total) & (rows < r1))
+
+
+# Below, K counts the routes of a token (k, plus 1 with a shared expert) and EC the count columns
+# (E, plus 1); the top-k tile takes the routed k and E.
+@triton.jit(do_not_specialize=["T", "E", "stride_t"])
+def _shuffle_one_block_kernel(logits_ptr, ids_ptr, scores_ptr, counts_ptr, slots_ptr, routes_ptr, T, E, stride_t,
+                              K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
+    cols = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        counts += _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K - SHARED, KP, SHARED, BLOCK_T,
+                             BLOCK_E, SIGMOID, RENORM, ACC)
+    tl.store(counts_ptr + cols, counts, mask=cols < E + SHARED)
+    tl.debug_barrier()  # the rank pass reads the ids other threads of this program stored
+    start = tl.cumsum(counts, axis=0) - counts
+    for t0 in range(0, T, BLOCK_T):
+        start += _rank_tile(ids_ptr, slots_ptr, routes_ptr, t0, T, start, K, BLOCK_T, BLOCK_E)
+    _clear_rows(routes_ptr, 0, T * K, tl.sum(counts, axis=0), BLOCK_T * KP)
+
+
+@triton.jit(do_not_specialize=["T", "E", "stride_t"])
+def _topk_blocks_kernel(logits_ptr, ids_ptr, scores_ptr, hist_ptr, T, E, stride_t, K: tl.constexpr,
+                        KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                        SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    counts = _topk_tile(logits_ptr, ids_ptr, scores_ptr, pid * BLOCK_T, T, E, stride_t, K - SHARED, KP, SHARED,
+                        BLOCK_T, BLOCK_E, SIGMOID, RENORM, ACC)
+    tl.store(hist_ptr + pid * (E + SHARED) + cols, counts, mask=cols < E + SHARED)
+
+
+@triton.jit(do_not_specialize=["T", "EC", "nblocks"])
+def _rank_blocks_kernel(ids_ptr, hist_ptr, counts_ptr, slots_ptr, routes_ptr, T, EC, nblocks, K: tl.constexpr,
+                        KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    totals = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)  # routes of each expert in the tiles before this one
+    for b0 in range(0, nblocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        h = tl.load(hist_ptr + b[:, None] * EC + cols[None, :], mask=(b < nblocks)[:, None] & (cols < EC)[None, :],
+                    other=0)
+        totals += tl.sum(h, axis=0)
+        before += tl.sum(tl.where((b < pid)[:, None], h, 0), axis=0)
+    if pid == 0:
+        tl.store(counts_ptr + cols, totals, mask=cols < EC)
+    start = tl.cumsum(totals, axis=0) - totals + before
+    _rank_tile(ids_ptr, slots_ptr, routes_ptr, pid * BLOCK_T, T, start, K, BLOCK_T, BLOCK_E)
+    r0 = pid * BLOCK_T * K
+    _clear_rows(routes_ptr, r0, tl.minimum(r0 + BLOCK_T * K, T * K), tl.sum(totals, axis=0), BLOCK_T * KP)
+
+
+def _tile(E: int):
+    """(BLOCK_T, BLOCK_E, num_warps): about 4096 cells of [tokens, experts] per tile."""
+    block_e = next_pow2(E)
+    block_t = max(1, min(256, 4096 // block_e))
+    return block_t, block_e, 8 if block_t * block_e >= 4096 else 4
+
+
+def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
+                    shared_expert: bool = False, one_block_tiles: int = ONE_BLOCK_TILES) -> ShuffledRoutes:
+    T, E = logits_TE.shape
+    dev = logits_TE.device
+    logits = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
+    acc = acc_dtype(logits.dtype)
+    sh = int(shared_expert)
+    kr, ec = k + sh, E + sh  # routes per token, count columns
+    ids = torch.empty(T, kr, dtype=torch.int32, device=dev)
+    scores = torch.empty(T, kr, dtype=acc, device=dev)
+    counts = torch.empty(ec, dtype=torch.int32, device=dev)
+    slots = torch.empty(T, kr, dtype=torch.int32, device=dev)
+    routes = torch.empty(T * kr, dtype=torch.int32, device=dev)
+    block_t, block_e, warps = _tile(ec)
+    meta = dict(K=kr, KP=next_pow2(kr), BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
+    gate = dict(SHARED=sh, SIGMOID=score_func == "sigmoid", RENORM=renormalize, ACC=tl_dtype(acc))
+    nblocks = triton.cdiv(T, block_t)
+    if nblocks <= one_block_tiles:
+        _shuffle_one_block_kernel[(1, )](logits, ids, scores, counts, slots, routes, T, E, logits.stride(0), **meta,
+                                         **gate)
+    else:
+        hist = torch.empty(nblocks, ec, dtype=torch.int32, device=dev)
+        _topk_blocks_kernel[(nblocks, )](logits, ids, scores, hist, T, E, logits.stride(0), **meta, **gate)
+        _rank_blocks_kernel[(nblocks, )](ids, hist, counts, slots, routes, T, ec, nblocks,
+                                         BLOCK_B=max(1, min(64, 4096 // block_e)), **meta)
+    return ShuffledRoutes(ids, scores, counts, slots, routes)
