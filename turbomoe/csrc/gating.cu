@@ -90,6 +90,7 @@ gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__
         const int c = lane + WARP * i;
         psum[i] += probs[i];
         sel[i] = c < E ? probs[i] + (bias ? bias[c] : acc_t(0)) : neg_inf;
+        sel[i] = isnan(sel[i]) ? neg_inf : sel[i];  // a NaN bias ranks as -inf, as in the reference
       }
       for (int j = 0; j < k; ++j) {
         // Largest selection value, ties to the lower column: a total order, so all lanes agree.

@@ -59,17 +59,19 @@ def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, parti
     sel = probs
     if HAS_BIAS:
         sel = sel + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(ACC)[None, :]
-    sel = tl.where(cells, sel, float("-inf"))
+    # A NaN selection value (a NaN bias) ranks as -inf, as in the reference.
+    sel = tl.where(cells & (sel == sel), sel, float("-inf"))
     ids_t = tl.full([BLOCK_S, KP], -1, tl.int32)
     sc_t = tl.zeros([BLOCK_S, KP], ACC)
     chosen = tl.zeros([BLOCK_S, BLOCK_E], tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(sel, axis=1)
+        # Among the experts not chosen yet (a mask, not -inf: -inf is a value an expert may hold).
+        avail = cells & (chosen == 0)
+        best = tl.max(tl.where(avail, sel, float("-inf")), axis=1)
         # The lowest column among equal maxima: ties go to the lower expert id.
-        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        idx = tl.min(tl.where(avail & (sel == best[:, None]), cols[None, :], BLOCK_E), axis=1)
         hit = (cols[None, :] == idx[:, None]) & cells
         score = tl.sum(tl.where(hit, probs, 0.0), axis=1)
-        sel = tl.where(hit, float("-inf"), sel)
         ids_t = tl.where(kcol[None, :] == j, tl.where(valid, idx, -1)[:, None], ids_t)
         sc_t = tl.where(kcol[None, :] == j, score[:, None], sc_t)
         chosen += hit.to(tl.int32)
