@@ -80,7 +80,7 @@ def _check_index(name: str, t: torch.Tensor, shape=None):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
-def _check_int(name: str, value, low: int, high: Optional[int] = None):
+def check_int(name: str, value, low: int, high: Optional[int] = None):
     """value is a Python int (not a bool: True is not a count) in [low, high]."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -88,14 +88,14 @@ def _check_int(name: str, value, low: int, high: Optional[int] = None):
         raise ValueError(f"{name} must be in [{low}, {'inf' if high is None else high}], got {value}")
 
 
-def _check_bool(name: str, value):
+def check_bool(name: str, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_seed(seed):
     """An RTS seed: a Python int (its low 32 bits mix the hash); 1.5, None and "7" are errors."""
-    _check_int("seed", seed, -(1 << 63), (1 << 64) - 1)
+    check_int("seed", seed, -(1 << 63), (1 << 64) - 1)
 
 
 def debug_checks(t: torch.Tensor) -> bool:
@@ -133,8 +133,8 @@ def topk_gating(logits_SE: torch.Tensor,
         raise ValueError("logits must have at least one expert column")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(E, MAX_K):
         raise ValueError(f"k must be an int in [1, min(E, {MAX_K})] = [1, {min(E, MAX_K)}], got {k!r}")
-    _check_bool("renormalize", renormalize)
-    _check_bool("check_finite", check_finite)
+    check_bool("renormalize", renormalize)
+    check_bool("check_finite", check_finite)
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     if selection_bias_E is not None:
@@ -203,9 +203,9 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     if scores_SK.shape != expert_ids_SK.shape:
         raise ValueError(f"scores {tuple(scores_SK.shape)} and expert_ids {tuple(expert_ids_SK.shape)} differ")
     _check_same_device(expert_ids=expert_ids_SK, scores=scores_SK)
-    _check_int("num_experts", num_experts, 1, _INT32_MAX)
+    check_int("num_experts", num_experts, 1, _INT32_MAX)
     if capacity is not None:
-        _check_int("capacity (None for dropless)", capacity, 0, _INT32_MAX // num_experts)
+        check_int("capacity (None for dropless)", capacity, 0, _INT32_MAX // num_experts)
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     check_seed(seed)
@@ -252,7 +252,7 @@ def _unpack_slots(slots, num_rows, S: int, like: torch.Tensor):
         raise ValueError(f"slots must be [S, k] with S = {S} tokens, got {tuple(table.shape)}")
     if table.shape[1] > MAX_K:
         raise ValueError(f"slots may have at most {MAX_K} columns (k), got {table.shape[1]}")
-    _check_int("num_rows", num_rows, 0, _INT32_MAX)
+    check_int("num_rows", num_rows, 0, _INT32_MAX)
     _check_same_device(tokens=like, slots=table)
     return table, num_rows, kept, cap
 
@@ -293,7 +293,7 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor, renormaliz
     combine after capacity, reference.renormalize_kept), formed inside the kernels, so the
     gradient reaches the raw scores with no extra ops.
     """
-    _check_bool("renormalize", renormalize)
+    check_bool("renormalize", renormalize)
     _check_float("y", y_RM, 2)
     _check_float("scores", scores_SK, 2)
     table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
