@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import HAS_CUDA, assert_uniform, rel_err, rts_keep_frequencies
+from conftest import HAS_CUDA, assert_uniform, rel_err, require_cuda_backend, rts_keep_frequencies
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not HAS_CUDA and not INTERPRET:
@@ -33,8 +33,8 @@ INTERPRETER_BUDGET = 300_000  # elements a case may move under the interpreter
 
 @pytest.fixture(params=KERNEL_BACKENDS)
 def backend(request):
-    if request.param == "cuda" and not ops.csrc.available():
-        pytest.skip("the CUDA extension could not be built here")
+    if request.param == "cuda":
+        require_cuda_backend()
     return request.param
 
 
@@ -322,8 +322,7 @@ def test_rts_uniform(backend):
 def test_second_expert_cuda_matches_reference(S, E, dtype):
     """Same uniforms: the same experts (the noise is rounded as torch rounds it), scores and
     gradients of logits and first scores; rows with non-finite logits route nowhere."""
-    if not ops.csrc.available():
-        pytest.skip("the CUDA extension could not be built here")
+    require_cuda_backend()
     torch.manual_seed(S + E)
     logits = make_logits(S, E, dtype)
     if S > 5:
@@ -343,8 +342,7 @@ def test_second_expert_cuda_matches_reference(S, E, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
 def test_gradcheck_second_expert_cuda():
-    if not ops.csrc.available():
-        pytest.skip("the CUDA extension could not be built here")
+    require_cuda_backend()
     from turbomoe.autograd.sampling import SecondExpert
     torch.manual_seed(0)
     logits = make_logits(6, 5, torch.float64).requires_grad_()
