@@ -11,6 +11,7 @@ import triton.language as tl
 
 from ..reference import aux_loss_coefficient
 from .launch import acc_dtype, next_pow2, tl_dtype
+from .rows import _column  # column j of a [rows, KP] tile
 
 
 @triton.jit
@@ -138,6 +139,7 @@ def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_
     # d loss / d probs. The aux term: d/dp_se of coef * sum_e (sum_s p_se / S) * ce_e, scaled by
     # 1/S per element here, before any sum.
     grad_p = tl.zeros_like(probs)
+    direct = tl.zeros_like(probs)  # terms already taken through d probs / d logits
     if HAS_AUX:
         g_aux = tl.load(g_aux_ptr).to(ACC)
         ce = tl.load(ce_ptr + cols, mask=cols < E, other=0.0).to(ACC)
@@ -148,26 +150,33 @@ def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_
         g_t = tl.load(grad_scores_ptr + rows[:, None] * K + kcol[None, :], mask=kmask, other=0.0).to(ACC)
         e_t = tl.load(ids_ptr + rows[:, None] * K + kcol[None, :], mask=kmask, other=-1)
         if RENORM:
-            # score_j = r_j / D, D = sum of the k chosen probs r. As a sum of differences,
-            # dr_i = sum_j r_j (g_i - g_j) / D^2 cancels exactly where it should (k = 1).
+            # score_j = s_j = r_j / D, D = sum of the k chosen probs r. Through the logits directly:
+            # d/dl_i = s_i (g_i - sum_j s_j g_j) (softmax: a softmax over the chosen logits), times
+            # (1 - r_i) for sigmoid; never r / D^2, whose D^2 underflows in fp32 (NaN) when the
+            # bias steers the choice to experts of tiny probability. Exactly 0 for k = 1.
             r_t = tl.zeros([BLOCK_S, KP], ACC)
             for j in tl.static_range(K):
                 e_j = tl.sum(tl.where(kcol[None, :] == j, e_t, 0), axis=1)
                 r_j = tl.sum(tl.where(cols[None, :] == e_j[:, None], probs, 0.0), axis=1)
                 r_t = tl.where(kcol[None, :] == j, r_j[:, None], r_t)
             denom = tl.sum(r_t, axis=1)
-            denom = tl.where(denom > 0, denom, 1.0)
+            s_t = r_t / tl.where(denom > 0, denom, 1.0)[:, None]
+            sg = tl.sum(s_t * g_t, axis=1)
         for i in tl.static_range(K):
             g_i = tl.sum(tl.where(kcol[None, :] == i, g_t, 0.0), axis=1)
             e_i = tl.sum(tl.where(kcol[None, :] == i, e_t, 0), axis=1)
             if RENORM:
-                g_i = tl.sum(r_t * (g_i[:, None] - g_t), axis=1) / (denom * denom)
-            grad_p += tl.where(cols[None, :] == e_i[:, None], g_i[:, None], 0.0)
+                d_i = _column(s_t, kcol, i) * (g_i - sg)
+                if SIGMOID:
+                    d_i = d_i * (1.0 - _column(r_t, kcol, i))
+                direct += tl.where(cols[None, :] == e_i[:, None], d_i[:, None], 0.0)
+            else:
+                grad_p += tl.where(cols[None, :] == e_i[:, None], g_i[:, None], 0.0)
 
     if SIGMOID:
-        grad_l = grad_p * probs * (1.0 - probs)
+        grad_l = grad_p * probs * (1.0 - probs) + direct
     else:
-        grad_l = probs * (grad_p - tl.sum(probs * grad_p, axis=1)[:, None])
+        grad_l = probs * (grad_p - tl.sum(probs * grad_p, axis=1)[:, None]) + direct
     if HAS_Z:
         # z-loss = sum_s lse_s^2 / S: d/dlogits = (2 / S) * lse * softmax.
         g_z = tl.load(g_z_ptr).to(ACC)
