@@ -34,6 +34,9 @@ def hf_twin(model, cfg):
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **{k: v for k, v in cfg.to_dict().items() if k != "moe_impl"}))
     ours = to_hf_state_dict(dict(model.named_parameters()))
+    if set(hf.state_dict()) == set(ours):  # transformers 4: one module per expert, our names
+        hf.load_state_dict({n: p.detach() for n, p in ours.items()}, strict=True)
+        return hf.to(next(model.parameters()).dtype)
     sd, experts = {}, {}
     for name, p in ours.items():
         if ".mlp.experts." in name:  # model.layers.L.mlp.experts.J.{gate,up,down}_proj.weight
@@ -74,7 +77,7 @@ def test_forward_matches_hugging_face():
     ref_loss.backward()
     grads = to_hf_state_dict({n: p.grad for n, p in model.named_parameters()})
     for name, p in hf.named_parameters():
-        if name.endswith("experts.gate_up_proj"):
+        if name.endswith("experts.gate_up_proj"):  # transformers 5: experts fused
             prefix = name[:-len("gate_up_proj")]
             ours = torch.stack([torch.cat([grads[f"{prefix}{e}.gate_proj.weight"], grads[f"{prefix}{e}.up_proj.weight"]])
                                 for e in range(cfg.num_experts)])

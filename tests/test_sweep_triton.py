@@ -7,13 +7,15 @@ tolerance, NaN and +-Inf in the same places. The slot, scatter and gather steps 
 gating's own ids and scores on both sides, so a near-tie that fp32 breaks one way and fp64 the
 other (checked to be a near-tie) cannot make the later steps differ.
 
-Size: TURBOMOE_SWEEP_CASES cases (default 40: the Triton interpreter on the CPU, about a second a
-case), at TURBOMOE_SWEEP_SIZE "small" (default) or "gpu" (S up to 4096, E up to 1500, M up to 512):
+Size: TURBOMOE_SWEEP_CASES cases (default 40: the Triton interpreter on the CPU, about 10 s in all),
+at TURBOMOE_SWEEP_SIZE "small" (default) or "gpu" (S up to 4096, E up to 1500, M up to 512), within
+TURBOMOE_SWEEP_SECONDS if set (later cases skip):
     TURBOMOE_SWEEP_CASES=400 TURBOMOE_SWEEP_SIZE=gpu pytest -s tests/test_sweep_triton.py
 prints how many cases ran and how many hit a near-tie (-s shows it).
 """
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -35,7 +37,8 @@ SIZES = dict(S=[0, 1, 2, 3, 5, 7, 16, 33, 100] + ([257, 1000, 4096] if GPU_SIZE 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float64: 1e-9}
 BACKENDS = ["triton", pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else ["triton"]
-STATS = {"cases": 0, "near_ties": 0, "skipped_cuda_E": 0}
+SECONDS = float(os.environ.get("TURBOMOE_SWEEP_SECONDS", "inf"))  # a time budget: later cases skip
+STATS = {"cases": 0, "near_ties": 0, "skipped_cuda_E": 0, "skipped_time": 0, "start": time.monotonic()}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +47,8 @@ def report():
     print(f"\nsweep: {STATS['cases']} cases ran ({CASES} drawn per backend, size "
           f"{'gpu' if GPU_SIZE else 'small'}); {STATS['near_ties']} had a gating near-tie (choices checked "
           f"equally valid, gradients of those rows not compared); {STATS['skipped_cuda_E']} skipped on cuda "
-          f"(E > {ops.csrc.MAX_EXPERTS})")
+          f"(E > {ops.csrc.MAX_EXPERTS}); {STATS['skipped_time']} skipped past TURBOMOE_SWEEP_SECONDS; "
+          f"{time.monotonic() - STATS['start']:.0f} s")
 
 
 def draw(i: int) -> dict:
@@ -200,6 +204,9 @@ def check_rows(c, backend, gen, g):
 @pytest.mark.parametrize("i", range(CASES))
 def test_sweep(i, backend):
     c = draw(i)
+    if time.monotonic() - STATS["start"] > SECONDS:
+        STATS["skipped_time"] += 1
+        pytest.skip("past the sweep's time budget (TURBOMOE_SWEEP_SECONDS)")
     if backend == "cuda":
         require_cuda_backend()
         if c["E"] > ops.csrc.MAX_EXPERTS:
