@@ -33,11 +33,10 @@ class MoELayer(nn.Module):
                  expert_bias: bool = False, shared_ffn_hidden_size: int = 0, backend: Optional[str] = None,
                  gmm_backend: Optional[str] = None, seed: int = 0, device=None, dtype=None):
         super().__init__()
-        for name, value, low in (("hidden_size", hidden_size, 1), ("ffn_hidden_size", ffn_hidden_size, 1),
-                                 ("num_experts", num_experts, 1), ("k", k, 1), ("min_capacity", min_capacity, 0),
-                                 ("shared_ffn_hidden_size", shared_ffn_hidden_size, 0)):
-            ops.check_int(name, value, low)
-        for name, value in (("renormalize", renormalize), ("bias", bias), ("expert_bias", expert_bias)):
+        # The sizes, k and renormalize are checked by the router and the experts.
+        ops.check_int("min_capacity", min_capacity, 0)
+        ops.check_int("shared_ffn_hidden_size", shared_ffn_hidden_size, 0)
+        for name, value in (("bias", bias), ("expert_bias", expert_bias)):
             ops.check_bool(name, value)
         if capacity_factor is not None and (not isinstance(capacity_factor, (int, float))
                                             or isinstance(capacity_factor, bool) or not capacity_factor > 0):
