@@ -63,7 +63,12 @@ def aux_loss_coefficient(num_experts: int, k: int) -> float:
     k = 1 and k = 2 count only first choices in ce and use coef = E; general k counts every choice
     and uses coef = E / k.
     """
-    return num_experts / (1 if k <= 2 else k)
+    return num_experts / aux_loss_divisor(k)
+
+
+def aux_loss_divisor(k: int) -> int:
+    """aux_loss_coefficient = E / aux_loss_divisor(k) (the kernels form it so in fp64)."""
+    return 1 if k <= 2 else k
 
 
 def topk_gating(logits_SE: torch.Tensor,

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import aux_loss_coefficient
+from ..reference import aux_loss_coefficient, aux_loss_divisor
 from .launch import acc_dtype, next_pow2, tl_dtype
 from .rows import _column  # column j of a [rows, KP] tile
 
@@ -93,11 +93,23 @@ def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, parti
     tl.store(scores_ptr + out, sc_t, mask=omask)
 
 
+@triton.jit
+def _aux_coefficient(coef, E, COEF_DIV: tl.constexpr, ACC: tl.constexpr):
+    """reference.aux_loss_coefficient = E / COEF_DIV (aux_loss_divisor). A float argument reaches a
+    kernel as fp32, so in fp64 it is formed here (64 / 6 rounded to fp32 was 3e-8 off: the sweep on
+    the GPU)."""
+    if ACC == tl.float64:
+        coef = E.to(tl.float64) / COEF_DIV
+    return coef
+
+
 @triton.jit(do_not_specialize=["nblocks", "S", "E"])
 def _gating_stats_kernel(partial_ptr, counts_ptr, ce_ptr, aux_ptr, z_ptr, nblocks, S, E, coef,
-                         FIRST_ONLY: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr):
+                         FIRST_ONLY: tl.constexpr, COEF_DIV: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_E: tl.constexpr, ACC: tl.constexpr):
     """One program: sums the per-block partials in a fixed order (deterministic) into counts [E],
     ce [E] (the aux loss's fraction of routes), aux and z."""
+    coef = _aux_coefficient(coef, E, COEF_DIV, ACC)
     cols = tl.arange(0, BLOCK_E)
     blocks = tl.arange(0, BLOCK_B)
     cmask = cols < E
@@ -129,8 +141,9 @@ def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_
                        grad_logits_ptr, S, E, stride_s, coef,
                        K: tl.constexpr, KP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
                        SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_GS: tl.constexpr, HAS_AUX: tl.constexpr,
-                       HAS_Z: tl.constexpr, ACC: tl.constexpr):
+                       HAS_Z: tl.constexpr, COEF_DIV: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
+    coef = _aux_coefficient(coef, E, COEF_DIV, ACC)
     rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_E)
     rmask = rows < S
@@ -215,7 +228,8 @@ def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: 
     else:
         partials.zero_()
     _gating_stats_kernel[(1, )](partials, counts, stats, stats[E:], stats[E + 1:], max(nblocks, 1), max(S, 1), E,
-                                aux_loss_coefficient(E, k), FIRST_ONLY=k <= 2, BLOCK_B=max(1, 4096 // block_e),
+                                aux_loss_coefficient(E, k), FIRST_ONLY=k <= 2, COEF_DIV=aux_loss_divisor(k),
+                                BLOCK_B=max(1, 4096 // block_e),
                                 BLOCK_E=block_e, ACC=tl_dtype(acc))
     return ids, scores, counts, stats[:E], lse, stats[E], stats[E + 1]
 
@@ -234,5 +248,6 @@ def gating_backward(logits_SE, ids, grad_scores, lse, ce_E, g_aux, g_z, sigmoid:
             g_aux if g_aux is not None else lse, g_z if g_z is not None else lse, grad, S, E, logits_SE.stride(0),
             aux_loss_coefficient(E, k), K=k, KP=next_pow2(k), BLOCK_S=block_s, BLOCK_E=block_e, SIGMOID=sigmoid,
             RENORM=renormalize, HAS_GS=grad_scores is not None, HAS_AUX=g_aux is not None, HAS_Z=g_z is not None,
+            COEF_DIV=aux_loss_divisor(k),
             ACC=tl_dtype(acc_dtype(logits_SE.dtype)), num_warps=4 if block_s * block_e <= 4096 else 8)
     return grad
