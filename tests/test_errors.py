@@ -204,3 +204,6 @@ def test_duplicate_slots_are_rejected_where_checked(backend, dev, monkeypatch):
         ops.gather_tokens(torch.randn(3, 4, device=dev), slots, torch.rand(2, 2, device=dev), backend=backend)
     with pytest.raises(ValueError, match="same buffer row"):
         ops.scatter_tokens(torch.randn(2, 4, device=dev), slots, 3, backend=backend)
+    # Entries that route nowhere share no row, whatever their value.
+    nowhere = torch.tensor([[0, 2**32 + 1], [2**32 + 1, 5]], device=dev)
+    assert (ops.scatter_tokens(torch.ones(2, 4, device=dev), nowhere, 3, backend=backend)[1:] == 0).all()

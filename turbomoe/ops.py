@@ -101,7 +101,7 @@ def check_seed(seed):
 def debug_checks(t: torch.Tensor) -> bool:
     """Whether checks that read tensor values run: always for CPU tensors (no device to wait for),
     on a GPU only in debug mode (TURBOMOE_DEBUG=1), since reading a value there is a host sync."""
-    return not t.is_cuda or os.environ.get("TURBOMOE_DEBUG") == "1"
+    return t.device.type == "cpu" or os.environ.get("TURBOMOE_DEBUG") == "1"
 
 
 def _check_same_device(**tensors):
@@ -227,10 +227,10 @@ def _narrow_index(t: torch.Tensor, bound: int) -> torch.Tensor:
     return torch.where((t >= 0) & (t < bound), t, -1).to(torch.int32)
 
 
-def _check_distinct_rows(table: torch.Tensor):
-    """The bare-slots precondition: no two routes share a buffer row. Checked where reading values
-    costs no host sync (debug_checks)."""
-    rows = table[table >= 0]
+def _check_distinct_rows(table: torch.Tensor, num_rows: int):
+    """The bare-slots precondition: no two routes share a buffer row (entries outside [0, num_rows)
+    route nowhere, so they share none). Checked where reading values costs no host sync (debug_checks)."""
+    rows = table[(table >= 0) & (table < num_rows)]
     if rows.numel() != torch.unique(rows).numel():
         raise ValueError("slots: two routes name the same buffer row; a slots table must hold distinct rows "
                          "(or -1), as assign_slots makes them")
@@ -264,7 +264,7 @@ def _bare_table(table: torch.Tensor, num_rows: int, kept: Optional[torch.Tensor]
     if kept is not None:
         return table
     if debug_checks(table):
-        _check_distinct_rows(table)
+        _check_distinct_rows(table, num_rows)
     return _narrow_index(table, num_rows) if table.dtype == torch.int64 else table
 
 
