@@ -76,6 +76,7 @@ def test_config_errors(tmp_path):
     ("data.seq_len=2.5", "data.seq_len must be an int"),
     ("model.num_experts_per_tok=12", r"model.num_experts_per_tok must be in \[1, 8\]"),
     ("model.num_experts=16", r"model.num_experts_per_tok must be in \[1, 8\]"),  # with per_tok 9 below
+    ("model.num_experts=4", r"num_experts_per_tok \(8\) exceeds num_experts \(4\)"),  # with per_tok 8
     ("moe.min_capacity=-1", r"moe.min_capacity must be in \[0, inf\]"),
     ("log.wandb=maybe", "log.wandb must be true or false"),
     ("model.norm_topk_prob=1", "model.norm_topk_prob must be true or false"),
@@ -90,7 +91,8 @@ def test_every_value_typed_and_range_checked(override, message):
     """Each key's type and range are checked when the config loads, before any work (failed before:
     the first three ended in a raw TypeError; per_tok above 8, min_capacity -1 and wandb 'maybe'
     passed validation and failed, or not, after the process group was up)."""
-    extra = ["model.num_experts_per_tok=9"] if override == "model.num_experts=16" else []
+    extra = {"model.num_experts=16": ["model.num_experts_per_tok=9"],
+             "model.num_experts=4": ["model.num_experts_per_tok=8"]}.get(override, [])
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, [override, *extra])
 

@@ -126,6 +126,7 @@ def topk_gating(logits_SE: torch.Tensor,
 
     Rows of logits that hold NaN or Inf route nowhere (ids -1, scores 0, no gradient) on every
     backend, with no host sync. check_finite=True raises ValueError instead (a host sync on GPU).
+    A NaN in selection_bias ranks that expert as -inf; S = 0 gives aux = z = 0 (reference.topk_gating).
     """
     _check_float("logits", logits_SE, 2)
     S, E = logits_SE.shape
@@ -273,7 +274,9 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     """x [S, M] -> expert buffer [num_rows, M]; rows no route reaches are zero.
 
     slots: the Slots from assign_slots (it carries num_rows and the kept counts, which locate the
-    empty rows without another pass), or a bare [S, k] int tensor together with num_rows.
+    empty rows without another pass), or a bare [S, k] int tensor together with num_rows. In a bare
+    table an entry outside [0, num_rows) routes nowhere; two routes may not name one row (checked
+    on CPU tensors, and on a GPU with TURBOMOE_DEBUG=1).
     """
     _check_float("x", x_SM, 2)
     table, num_rows, kept, cap = _unpack_slots(slots, num_rows, x_SM.shape[0], x_SM)

@@ -80,8 +80,9 @@ def topk_gating(logits_SE: torch.Tensor,
 
     probs = softmax(logits) or sigmoid(logits), in fp32. The k experts with the largest
     probs (+ selection_bias, which steers the choice but not the score) are chosen, best first,
-    ties to the lower expert id. Rows whose logits are not all finite route nowhere (ids -1,
-    scores 0) and add nothing to the losses or counts.
+    ties to the lower expert id; a NaN selection value ranks as -inf. Rows whose logits are not all
+    finite route nowhere (ids -1, scores 0) and add nothing to the losses or counts. The losses are
+    means over max(S, 1) tokens: 0 when S = 0.
     """
     S, E = logits_SE.shape
     acc = compute_dtype(logits_SE.dtype)
