@@ -38,7 +38,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float64: 1e-9}
 BACKENDS = ["triton", pytest.param("cuda", marks=pytest.mark.gpu)] if HAS_CUDA else ["triton"]
 SECONDS = float(os.environ.get("TURBOMOE_SWEEP_SECONDS", "inf"))  # a time budget: later cases skip
-STATS = {"cases": 0, "near_ties": 0, "skipped_cuda_E": 0, "skipped_time": 0, "start": time.monotonic()}
+STATS = {"cases": 0, "near_ties": 0, "underflow_rows": 0, "skipped_cuda_E": 0, "skipped_time": 0,
+         "start": time.monotonic()}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,7 +47,8 @@ def report():
     yield
     print(f"\nsweep: {STATS['cases']} cases ran ({CASES} drawn per backend, size "
           f"{'gpu' if GPU_SIZE else 'small'}); {STATS['near_ties']} had a gating near-tie (choices checked "
-          f"equally valid, gradients of those rows not compared); {STATS['skipped_cuda_E']} skipped on cuda "
+          f"equally valid, gradients of those rows not compared); {STATS['underflow_rows']} rows' renormalised "
+          f"scores underflowed in the compute dtype (not compared); {STATS['skipped_cuda_E']} skipped on cuda "
           f"(E > {ops.csrc.MAX_EXPERTS}); {STATS['skipped_time']} skipped past TURBOMOE_SWEEP_SECONDS; "
           f"{time.monotonic() - STATS['start']:.0f} s")
 
@@ -97,6 +99,20 @@ def selection(logits64, bias64, score_func):
     return torch.nan_to_num(sel, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
+def renorm_underflow(logits, ids, c):
+    """Rows whose renormalised scores the kernels cannot form: every chosen probability underflows
+    in the compute dtype (a bias steered the row to experts of probability < 1e-38 in fp32), so the
+    kernels give 0 where fp64 gives a ratio. A known limit (notes/robustness.md); counted here."""
+    if not c["renormalize"]:
+        return torch.zeros(logits.shape[0], dtype=torch.bool)
+    acc = ref.compute_dtype(c["dtype"])
+    probs = (torch.softmax if c["score_func"] == "softmax" else lambda t, dim: torch.sigmoid(t))(logits.to(acc), 1)
+    chosen = probs.gather(1, ids.long().clamp_min(0))
+    under = (ids >= 0).all(dim=1) & (chosen < torch.finfo(acc).tiny).all(dim=1)
+    STATS["underflow_rows"] += int(under.sum())
+    return under
+
+
 def check_gating(c, backend, gen):
     S, E, k, dtype = c["S"], c["E"], c["k"], c["dtype"]
     logits = torch.round(torch.randn(S, E, generator=gen) * c["scale"] * 64) / 64
@@ -121,7 +137,7 @@ def check_gating(c, backend, gen):
         got_v = sel.gather(1, ids[rows].long().clamp_min(0)).sort(dim=1).values
         want_v = sel.gather(1, want.expert_ids[rows].long().clamp_min(0)).sort(dim=1).values
         assert torch.allclose(got_v, want_v, rtol=0, atol=1e-5), (got_v, want_v)
-    keep = ~rows
+    keep = ~rows & ~renorm_underflow(logits, want.expert_ids, c)
     tol = TOL[dtype] if dtype != torch.float64 else 1e-10
     assert_close("scores", got.scores.cpu()[keep], want.scores[keep], max(tol, 1e-5) if dtype != torch.float64 else tol)
     loss_tol = 1e-4 if dtype != torch.float64 else 1e-10
