@@ -7,9 +7,11 @@ on the command line overrides any key (the value is parsed as YAML).
 """
 import copy
 import dataclasses
+import math
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import yaml
 
@@ -103,14 +105,107 @@ SECTIONS = {"moe": MoESection, "data": DataSection, "train": TrainSection, "eval
             "checkpoint": CheckpointSection, "log": LogSection}
 
 
-def _section(cls, name: str, values: dict):
+class Rule(NamedTuple):
+    """The values a key may take beyond its type: low <= v <= high, or low < v / v < high where
+    open; or one of choices."""
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple = ()
+
+
+# Every key's type comes from its dataclass annotation; its range or choices from here.
+POSITIVE, NON_NEGATIVE, FRACTION = Rule(1), Rule(0), Rule(0, 1)
+RULES = {
+    "model": {name: POSITIVE for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "decoder_sparse_step",
+        "max_position_embeddings")} | {
+        # turbomoe's routing serves k <= 8 (ops.MAX_K)
+        "num_experts_per_tok": Rule(1, 8),
+        "rope_theta": Rule(0, low_open=True), "rms_norm_eps": Rule(0, low_open=True),
+        "initializer_range": Rule(0, low_open=True)},
+    "moe": {"ep_size": POSITIVE, "capacity_factor": Rule(0, low_open=True),
+            "eval_capacity_factor": Rule(0, low_open=True), "min_capacity": NON_NEGATIVE,
+            "aux_loss_coef": NON_NEGATIVE},
+    "data": {"source": Rule(choices=SOURCES), "seq_len": POSITIVE, "valid_fraction": Rule(0, 1, True, True),
+             "max_tokens": NON_NEGATIVE},
+    "train": {"seed": Rule(0, 2**63 - 1), "steps": POSITIVE, "micro_batch_size": POSITIVE, "grad_accum": POSITIVE,
+              "lr": Rule(0, low_open=True), "min_lr_ratio": FRACTION, "warmup_steps": NON_NEGATIVE,
+              "weight_decay": NON_NEGATIVE, "betas": Rule(0, 1, high_open=True), "eps": Rule(0, low_open=True),
+              "grad_clip": NON_NEGATIVE, "zero_stage": Rule(choices=(0, 1, 2)),
+              "precision": Rule(choices=("auto", "bf16", "fp32")), "peak_tflops": Rule(0, low_open=True)},
+    "eval": {"every": POSITIVE, "batches": POSITIVE},
+    "checkpoint": {"every": NON_NEGATIVE, "keep": POSITIVE},
+    "log": {"wandb_mode": Rule(choices=("online", "offline", "disabled")), "every": POSITIVE},
+}
+
+
+def _type_name(tp) -> str:
+    return {int: "an int", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _typed(key: str, value, tp):
+    """value checked against the annotation tp (int, float, bool, str, Optional[...], List[...]);
+    returns it, an int widened to float where a float is due. Raises ConfigError naming the key."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:  # Optional[X]: null allowed
+        return None if value is None else _typed(key, value, next(a for a in args if a is not type(None)))
+    if origin in (list, List):
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {type(value).__name__} {value!r}")
+        return [_typed(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)] if args else value
+    ok = {int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool),
+          bool: isinstance(value, bool), str: isinstance(value, str)}.get(tp, True)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:
+            value, ok = float(value), True
+        except ValueError:
+            pass
+    if not ok:
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"{key} must be finite, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _in_rule(key: str, value, rule: Rule):
+    for v in (value if isinstance(value, list) else [value]):
+        if v is None:
+            continue
+        if rule.choices and v not in rule.choices:
+            raise ConfigError(f"{key} must be one of {list(rule.choices)}, got {v!r}")
+        low_bad = rule.low is not None and (v <= rule.low if rule.low_open else v < rule.low)
+        high_bad = rule.high is not None and (v >= rule.high if rule.high_open else v > rule.high)
+        if low_bad or high_bad:
+            lo = "-inf" if rule.low is None else rule.low
+            hi = "inf" if rule.high is None else rule.high
+            bounds = f"{'(' if rule.low_open else '['}{lo}, {hi}{')' if rule.high_open else ']'}"
+            raise ConfigError(f"{key} must be in {bounds}, got {v!r}")
+
+
+def check_values(cls, name: str, values: dict) -> dict:
+    """Every key of a section: known, of its annotated type, in its RULES range; before any work."""
     if not isinstance(values, dict):
         raise ConfigError(f"config section {name!r} must be a mapping, got {type(values).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in config section {name!r}; known keys: {sorted(known)}")
-    return cls(**values)
+    hints = typing.get_type_hints(cls)
+    rules = RULES.get(name, {})
+    out = {}
+    for key, value in values.items():
+        out[key] = _typed(f"{name}.{key}", value, hints[key])
+        if key in rules:
+            _in_rule(f"{name}.{key}", out[key], rules[key])
+    return out
+
+
+def _section(cls, name: str, values: dict):
+    return cls(**check_values(cls, name, values))
 
 
 def apply_overrides(raw: dict, overrides: List[str]) -> dict:
@@ -169,12 +264,17 @@ def load_config(path: str, overrides: List[str] = ()) -> RecipeConfig:
         raise ConfigError(f"{path}: unknown config section(s) {unknown}; known: "
                           f"{sorted(list(SECTIONS) + ['model', 'deepspeed'])}")
     try:
-        model = ModelConfig.from_dict(raw.get("model") or {})
+        model = ModelConfig.from_dict(check_values(ModelConfig, "model", raw.get("model") or {}))
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}: {e}") from e
     name = os.path.splitext(os.path.basename(path))[0]
     sections = {k: _section(cls, k, raw.get(k) or {}) for k, cls in SECTIONS.items()}
-    cfg = RecipeConfig(name=name, model=model, deepspeed=raw.get("deepspeed") or {}, **sections)
+    ds = raw.get("deepspeed") or {}
+    if not isinstance(ds, dict):
+        raise ConfigError(f"config section 'deepspeed' must be a mapping, got {type(ds).__name__}")
+    cfg = RecipeConfig(name=name, model=model, deepspeed=ds, **sections)
     if cfg.log.dir is None:
         cfg.log.dir = os.path.join("runs", name)
     if cfg.checkpoint.dir is None:
@@ -190,33 +290,20 @@ def _require(ok: bool, message: str):
 
 
 def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
-    """Checks that need no data and no process group; world_size adds the parallel layout's checks."""
+    """Checks that need no data and no process group: every key's type and range (check_values,
+    again here for configs built in code), then the rules between keys; world_size adds the
+    parallel layout's checks."""
+    for name, cls in dict(SECTIONS, model=ModelConfig).items():
+        section = getattr(cfg, name)
+        check_values(cls, name, {f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
     m, moe, d, t = cfg.model, cfg.moe, cfg.data, cfg.train
-    _require(isinstance(moe.ep_size, int) and moe.ep_size >= 1, f"moe.ep_size must be an int >= 1, got {moe.ep_size!r}")
     _require(m.num_experts % moe.ep_size == 0,
              f"moe.ep_size {moe.ep_size} does not divide model.num_experts {m.num_experts}")
-    for name in ("capacity_factor", "eval_capacity_factor"):
-        value = getattr(moe, name)
-        _require(value is None or value > 0, f"moe.{name} must be > 0 or null (dropless), got {value!r}")
-    _require(moe.aux_loss_coef >= 0, f"moe.aux_loss_coef must be >= 0, got {moe.aux_loss_coef}")
-    _require(d.source in SOURCES, f"data.source must be one of {SOURCES}, got {d.source!r}")
-    _require(isinstance(d.paths, list), f"data.paths must be a list, got {d.paths!r}")
     _require(d.source == "stdlib" or d.paths, f"data.source {d.source!r} needs data.paths")
-    _require(1 <= d.seq_len <= m.max_position_embeddings,
+    _require(d.seq_len <= m.max_position_embeddings,
              f"data.seq_len {d.seq_len} must be in [1, model.max_position_embeddings = {m.max_position_embeddings}]")
-    _require(0 < d.valid_fraction < 1, f"data.valid_fraction must be in (0, 1), got {d.valid_fraction}")
-    for name in ("steps", "micro_batch_size", "grad_accum"):
-        _require(isinstance(getattr(t, name), int) and getattr(t, name) >= 1, f"train.{name} must be an int >= 1")
-    _require(0 <= t.warmup_steps < t.steps, f"train.warmup_steps {t.warmup_steps} must be in [0, train.steps)")
-    _require(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, "train.lr must be > 0 and train.min_lr_ratio in [0, 1]")
+    _require(t.warmup_steps < t.steps, f"train.warmup_steps {t.warmup_steps} must be in [0, train.steps)")
     _require(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas!r}")
-    _require(t.zero_stage in (0, 1, 2), f"train.zero_stage must be 0, 1 or 2, got {t.zero_stage!r}")
-    _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto, bf16 or fp32, got {t.precision!r}")
-    _require(cfg.eval.every >= 1 and cfg.eval.batches >= 1, "eval.every and eval.batches must be >= 1")
-    _require(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every must be >= 0, checkpoint.keep >= 1")
-    _require(isinstance(cfg.log.every, int) and cfg.log.every >= 1, f"log.every must be an int >= 1, got {cfg.log.every!r}")
-    _require(cfg.log.wandb_mode in (None, "online", "offline", "disabled"),
-             f"log.wandb_mode must be online, offline, disabled or null, got {cfg.log.wandb_mode!r}")
     if world_size is not None:
         _require(world_size % moe.ep_size == 0,
                  f"moe.ep_size {moe.ep_size} does not divide the world size {world_size} (ranks started by the launcher)")

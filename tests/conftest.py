@@ -1,6 +1,7 @@
 import glob
 import math
 import os
+import shutil
 import time
 
 import pytest
@@ -8,6 +9,29 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def require_cuda_backend():
+    """For a test of the cuda backend: skip where the machine cannot build it (no nvcc), but fail
+    where it has nvcc and the build failed: a broken kernel must not pass as a skipped test."""
+    from turbomoe import csrc
+    if csrc.available():
+        return
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    if shutil.which("nvcc") or os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        pytest.fail("nvcc is here but the turbomoe CUDA extension did not build (see the warning)")
+    pytest.skip("no nvcc: the CUDA extension cannot be built here")
+
+
+def kernel_backends():
+    """The op backends this process can run: the reference always; triton on a GPU or under
+    TRITON_INTERPRET=1 (tests/*_triton.py); cuda on a GPU."""
+    names = ["reference"]
+    if HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1":
+        names.append("triton")
+    if HAS_CUDA:
+        names.append(pytest.param("cuda", marks=pytest.mark.gpu))
+    return names
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import HAS_CUDA, assert_uniform, rel_err, rts_keep_frequencies
+from conftest import HAS_CUDA, assert_uniform, rel_err, require_cuda_backend, rts_keep_frequencies
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not HAS_CUDA and not INTERPRET:
@@ -33,8 +33,8 @@ INTERPRETER_BUDGET = 300_000  # elements a case may move under the interpreter
 
 @pytest.fixture(params=KERNEL_BACKENDS)
 def backend(request):
-    if request.param == "cuda" and not ops.csrc.available():
-        pytest.skip("the CUDA extension could not be built here")
+    if request.param == "cuda":
+        require_cuda_backend()
     return request.param
 
 
@@ -233,14 +233,21 @@ def test_edge_cases_finite(case, dtype, backend):
     S, E, k, C, M = {"one_hot_expert": (64, 8, 2, 20, 32), "S_below_E": (3, 64, 2, 1, 32),
                      "S_is_1": (1, 8, 2, 1, 32), "far_over_capacity": (200, 4, 1, 2, 32),
                      "empty_experts": (16, 128, 1, 4, 32)}[case]
+    """The kernels against the reference in float64 on each edge case: the same slots, and the
+    output and gradients within the dtype's tolerance (before, only finiteness was checked)."""
     logits = make_logits(S, E, dtype)
     if case in ("one_hot_expert", "far_over_capacity"):
         logits[:, 0] = 30
     for cap in (C, None):
-        out, gl, gx, slots = moe_step(logits, torch.randn(S, M, device=DEV).to(dtype), k, cap, backend)
-        assert torch.isfinite(out).all() and torch.isfinite(gl).all() and torch.isfinite(gx).all()
+        x = torch.randn(S, M, device=DEV).to(dtype)
+        got = moe_step(logits, x, k, cap, backend)
+        want = moe_step(logits.double(), x.double(), k, cap, "reference")
+        assert torch.equal(got[3], want[3])
+        for name, a, b in zip(("out", "grad logits", "grad x"), got[:3], want[:3]):
+            # fp32 kernels against fp64: 2.4e-5 seen on an H100 for grad logits at E = 128
+            assert rel_err(a, b) < (1e-4 if dtype == torch.float32 else 1e-2), (name, rel_err(a, b))
         if cap is not None:
-            kept = slots[slots >= 0]
+            kept = got[3][got[3] >= 0]
             assert kept.numel() <= E * cap
 
 
@@ -322,8 +329,7 @@ def test_rts_uniform(backend):
 def test_second_expert_cuda_matches_reference(S, E, dtype):
     """Same uniforms: the same experts (the noise is rounded as torch rounds it), scores and
     gradients of logits and first scores; rows with non-finite logits route nowhere."""
-    if not ops.csrc.available():
-        pytest.skip("the CUDA extension could not be built here")
+    require_cuda_backend()
     torch.manual_seed(S + E)
     logits = make_logits(S, E, dtype)
     if S > 5:
@@ -343,8 +349,7 @@ def test_second_expert_cuda_matches_reference(S, E, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
 def test_gradcheck_second_expert_cuda():
-    if not ops.csrc.available():
-        pytest.skip("the CUDA extension could not be built here")
+    require_cuda_backend()
     from turbomoe.autograd.sampling import SecondExpert
     torch.manual_seed(0)
     logits = make_logits(6, 5, torch.float64).requires_grad_()

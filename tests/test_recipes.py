@@ -57,7 +57,7 @@ def test_config_errors(tmp_path):
         load_config(str(bad))
     with pytest.raises(ConfigError, match="unknown key.*stpes.*'train'"):
         load_config(TINY, ["train.stpes=3"])
-    with pytest.raises(ConfigError, match="unknown model config keys.*hidden"):
+    with pytest.raises(ConfigError, match="unknown key.*hidden.*'model'"):
         load_config(TINY, ["model.hidden=3"])
     with pytest.raises(ConfigError, match="ep_size 3 does not divide model.num_experts 8"):
         load_config(TINY, ["moe.ep_size=3"])
@@ -69,6 +69,39 @@ def test_config_errors(tmp_path):
         load_config(str(tmp_path / "nope.yaml"))
     with pytest.raises(ConfigError, match="log.every must be an int >= 1, got 0"):
         load_config(TINY, ["log.every=0"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("moe.capacity_factor=abc", "moe.capacity_factor must be a number, got str 'abc'"),
+    ("train.lr=abc", "train.lr must be a number"),
+    ("data.seq_len=abc", "data.seq_len must be an int"),
+    ("data.seq_len=2.5", "data.seq_len must be an int"),
+    ("model.num_experts_per_tok=12", r"model.num_experts_per_tok must be in \[1, 8\]"),
+    ("model.num_experts=16", r"model.num_experts_per_tok must be in \[1, 8\]"),  # with per_tok 9 below
+    ("model.num_experts=4", r"num_experts_per_tok \(8\) exceeds num_experts \(4\)"),  # with per_tok 8
+    ("moe.min_capacity=-1", r"moe.min_capacity must be in \[0, inf\]"),
+    ("log.wandb=maybe", "log.wandb must be true or false"),
+    ("model.norm_topk_prob=1", "model.norm_topk_prob must be true or false"),
+    ("model.rope_theta=-1", r"model.rope_theta must be in \(0"),
+    ("train.betas=[0.9, 1.5]", r"train.betas must be in \[0, 1\)"),
+    ("train.eps=.inf", "train.eps must be finite"),
+    ("data.paths=[1]", r"data.paths\[0\] must be a string"),
+    ("checkpoint.keep=0", "checkpoint.keep must be in"),
+    ("train.zero_stage=3", r"train.zero_stage must be one of \[0, 1, 2\]"),
+])
+def test_every_value_typed_and_range_checked(override, message):
+    """Each key's type and range are checked when the config loads, before any work (failed before:
+    the first three ended in a raw TypeError; per_tok above 8, min_capacity -1 and wandb 'maybe'
+    passed validation and failed, or not, after the process group was up)."""
+    extra = {"model.num_experts=16": ["model.num_experts_per_tok=9"],
+             "model.num_experts=4": ["model.num_experts_per_tok=8"]}.get(override, [])
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, [override, *extra])
+
+
+def test_numbers_yaml_reads_as_strings_are_accepted():
+    """YAML 1.1 reads 1e-3 (no dot) as a string; a float key takes it as the number it spells."""
+    assert load_config(TINY, ["train.lr=1e-3"]).train.lr == 1e-3
 
 
 def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):

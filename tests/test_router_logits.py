@@ -43,7 +43,17 @@ def test_gradcheck():
     assert torch.autograd.gradcheck(lambda a, b: fp32_logits(a, b).double(), (x, w), eps=1e-3, atol=1e-3, rtol=1e-3)
 
 
-def test_cpu_equals_f_linear_bits():
-    x = torch.randn(64, 32).bfloat16()
-    w = torch.randn(4, 32).bfloat16()
-    assert torch.equal(fp32_logits(x, w), torch.mm(x.float(), w.float().t()))
+@pytest.mark.parametrize("S,M,E", [(64, 32, 4), (37, 96, 8), (1000, 256, 64)])
+def test_cpu_equals_f_linear_bits(S, M, E):
+    """On the CPU, the logits and both gradients are bit for bit those of F.linear on fp32 copies
+    (DeepSpeed's gate), the gradients rounded once to bf16. (Before, the test compared the op's
+    own expression, torch.mm of fp32 copies, with itself.)"""
+    torch.manual_seed(S)
+    x, w, g = torch.randn(S, M).bfloat16(), torch.randn(E, M).bfloat16(), torch.randn(S, E)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = fp32_logits(xa, wa)
+    out.backward(g)
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = F.linear(xb.float(), wb.float())
+    ref.backward(g)
+    assert torch.equal(out, ref) and torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)

@@ -30,10 +30,24 @@ def check(R, F_, dtype, device, tol, run=None):
     assert rel_err(dh, hr.grad) < tol
 
 
+def closed_form_backward(h, da):
+    """dh of a = silu(gate) * up, as the kernels' backward writes it (turbomoe/kernels/swiglu.py)."""
+    gate, up = h.chunk(2, dim=-1)
+    s = torch.sigmoid(gate)
+    return torch.cat([da * up * s * (1 + gate * (1 - s)), da * gate * s], dim=-1)
+
+
 def test_reference_gradcheck():
+    """The reference (the CPU path of swiglu) by gradcheck, and the closed form that the hand-written
+    backward implements against its autograd gradient. The hand-written backward itself runs in
+    tests/test_swiglu_triton.py (interpreter) and test_gpu (before, this test only gradchecked the
+    reference through torch autograd and never reached the formula of the hand-written backward)."""
     h = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(swiglu, (h,))
+    assert torch.autograd.gradcheck(swiglu_reference, (h,))
     assert torch.equal(swiglu(h.detach()), F.silu(h[:, :5]) * h[:, 5:])
+    da = torch.randn(4, 5, dtype=torch.float64)
+    swiglu_reference(h).backward(da)
+    assert rel_err(closed_form_backward(h.detach(), da), h.grad) < 1e-14
 
 
 def test_bad_input():

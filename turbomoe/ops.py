@@ -80,6 +80,30 @@ def _check_index(name: str, t: torch.Tensor, shape=None):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def check_int(name: str, value, low: int, high: Optional[int] = None):
+    """value is a Python int (not a bool: True is not a count) in [low, high]."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low}, {'inf' if high is None else high}], got {value}")
+
+
+def check_bool(name: str, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_seed(seed):
+    """An RTS seed: a Python int (its low 32 bits mix the hash); 1.5, None and "7" are errors."""
+    check_int("seed", seed, -(1 << 63), (1 << 64) - 1)
+
+
+def debug_checks(t: torch.Tensor) -> bool:
+    """Whether checks that read tensor values run: always for CPU tensors (no device to wait for),
+    on a GPU only in debug mode (TURBOMOE_DEBUG=1), since reading a value there is a host sync."""
+    return t.device.type == "cpu" or os.environ.get("TURBOMOE_DEBUG") == "1"
+
+
 def _check_same_device(**tensors):
     device = None
     for t in tensors.values():
@@ -102,6 +126,7 @@ def topk_gating(logits_SE: torch.Tensor,
 
     Rows of logits that hold NaN or Inf route nowhere (ids -1, scores 0, no gradient) on every
     backend, with no host sync. check_finite=True raises ValueError instead (a host sync on GPU).
+    A NaN in selection_bias ranks that expert as -inf; S = 0 gives aux = z = 0 (reference.topk_gating).
     """
     _check_float("logits", logits_SE, 2)
     S, E = logits_SE.shape
@@ -109,6 +134,8 @@ def topk_gating(logits_SE: torch.Tensor,
         raise ValueError("logits must have at least one expert column")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(E, MAX_K):
         raise ValueError(f"k must be an int in [1, min(E, {MAX_K})] = [1, {min(E, MAX_K)}], got {k!r}")
+    check_bool("renormalize", renormalize)
+    check_bool("check_finite", check_finite)
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     if selection_bias_E is not None:
@@ -177,16 +204,37 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     if scores_SK.shape != expert_ids_SK.shape:
         raise ValueError(f"scores {tuple(scores_SK.shape)} and expert_ids {tuple(expert_ids_SK.shape)} differ")
     _check_same_device(expert_ids=expert_ids_SK, scores=scores_SK)
-    if not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
-        raise ValueError(f"capacity must be None (dropless) or an int >= 0, got {capacity!r}")
+    check_int("num_experts", num_experts, 1, _INT32_MAX)
+    if capacity is not None:
+        check_int("capacity (None for dropless)", capacity, 0, _INT32_MAX // num_experts)
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    check_seed(seed)
     backend = choose_backend(expert_ids_SK, backend, num_experts)
     if backend == "reference":
         return reference.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
+    if expert_ids_SK.dtype == torch.int64:
+        # The kernels index in int32: an id outside [0, E) routes nowhere, so map it to -1 here
+        # rather than let the narrowing wrap 2**32 + 1 to expert 1 (one elementwise op, no sync).
+        expert_ids_SK = _narrow_index(expert_ids_SK, num_experts)
     return _impl(backend).assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
+
+
+_INT32_MAX = (1 << 31) - 1
+
+
+def _narrow_index(t: torch.Tensor, bound: int) -> torch.Tensor:
+    """int32 copy of an index table: entries outside [0, bound) become -1 (route nowhere)."""
+    return torch.where((t >= 0) & (t < bound), t, -1).to(torch.int32)
+
+
+def _check_distinct_rows(table: torch.Tensor, num_rows: int):
+    """The bare-slots precondition: no two routes share a buffer row (entries outside [0, num_rows)
+    route nowhere, so they share none). Checked where reading values costs no host sync (debug_checks)."""
+    rows = table[(table >= 0) & (table < num_rows)]
+    if rows.numel() != torch.unique(rows).numel():
+        raise ValueError("slots: two routes name the same buffer row; a slots table must hold distinct rows "
+                         "(or -1), as assign_slots makes them")
 
 
 def _unpack_slots(slots, num_rows, S: int, like: torch.Tensor):
@@ -203,10 +251,22 @@ def _unpack_slots(slots, num_rows, S: int, like: torch.Tensor):
     _check_index("slots", table)
     if table.dim() != 2 or table.shape[0] != S:
         raise ValueError(f"slots must be [S, k] with S = {S} tokens, got {tuple(table.shape)}")
-    if not isinstance(num_rows, int) or num_rows < 0:
-        raise ValueError(f"num_rows must be an int >= 0, got {num_rows!r}")
+    if table.shape[1] > MAX_K:
+        raise ValueError(f"slots may have at most {MAX_K} columns (k), got {table.shape[1]}")
+    check_int("num_rows", num_rows, 0, _INT32_MAX)
     _check_same_device(tokens=like, slots=table)
     return table, num_rows, kept, cap
+
+
+def _bare_table(table: torch.Tensor, num_rows: int, kept: Optional[torch.Tensor]) -> torch.Tensor:
+    """After the shape checks. A bare table (kept None): entries outside [0, num_rows) route
+    nowhere on every backend (reference.routed_slots), int64 ones mapped before the kernels narrow
+    them to int32; distinct rows checked where debug_checks. A Slots' table is assign_slots' own."""
+    if kept is not None:
+        return table
+    if debug_checks(table):
+        _check_distinct_rows(table, num_rows)
+    return _narrow_index(table, num_rows) if table.dtype == torch.int64 else table
 
 
 def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
@@ -214,10 +274,13 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     """x [S, M] -> expert buffer [num_rows, M]; rows no route reaches are zero.
 
     slots: the Slots from assign_slots (it carries num_rows and the kept counts, which locate the
-    empty rows without another pass), or a bare [S, k] int tensor together with num_rows.
+    empty rows without another pass), or a bare [S, k] int tensor together with num_rows. In a bare
+    table an entry outside [0, num_rows) routes nowhere; two routes may not name one row (checked
+    on CPU tensors, and on a GPU with TURBOMOE_DEBUG=1).
     """
     _check_float("x", x_SM, 2)
     table, num_rows, kept, cap = _unpack_slots(slots, num_rows, x_SM.shape[0], x_SM)
+    table = _bare_table(table, num_rows, kept)
     backend = choose_backend(x_SM, backend)
     if backend == "reference":
         return reference.scatter_tokens(x_SM, table, num_rows)
@@ -233,14 +296,14 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor, renormaliz
     combine after capacity, reference.renormalize_kept), formed inside the kernels, so the
     gradient reaches the raw scores with no extra ops.
     """
-    if not isinstance(renormalize, bool):
-        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    check_bool("renormalize", renormalize)
     _check_float("y", y_RM, 2)
     _check_float("scores", scores_SK, 2)
     table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
     if table.shape != scores_SK.shape:
         raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
     _check_same_device(y=y_RM, scores=scores_SK)  # slots were checked against y
+    table = _bare_table(table, y_RM.shape[0], kept)
     backend = choose_backend(y_RM, backend)
     if backend == "reference":
         return reference.gather_tokens(y_RM, table, scores_SK, renormalize)

@@ -63,7 +63,12 @@ def aux_loss_coefficient(num_experts: int, k: int) -> float:
     k = 1 and k = 2 count only first choices in ce and use coef = E; general k counts every choice
     and uses coef = E / k.
     """
-    return num_experts / (1 if k <= 2 else k)
+    return num_experts / aux_loss_divisor(k)
+
+
+def aux_loss_divisor(k: int) -> int:
+    """aux_loss_coefficient = E / aux_loss_divisor(k) (the kernels form it so in fp64)."""
+    return 1 if k <= 2 else k
 
 
 def topk_gating(logits_SE: torch.Tensor,
@@ -75,8 +80,9 @@ def topk_gating(logits_SE: torch.Tensor,
 
     probs = softmax(logits) or sigmoid(logits), in fp32. The k experts with the largest
     probs (+ selection_bias, which steers the choice but not the score) are chosen, best first,
-    ties to the lower expert id. Rows whose logits are not all finite route nowhere (ids -1,
-    scores 0) and add nothing to the losses or counts.
+    ties to the lower expert id; a NaN selection value ranks as -inf. Rows whose logits are not all
+    finite route nowhere (ids -1, scores 0) and add nothing to the losses or counts. The losses are
+    means over max(S, 1) tokens: 0 when S = 0.
     """
     S, E = logits_SE.shape
     acc = compute_dtype(logits_SE.dtype)
@@ -87,6 +93,9 @@ def topk_gating(logits_SE: torch.Tensor,
     probs = probs * finite_S[:, None]
 
     select = probs if selection_bias_E is None else probs + selection_bias_E.to(acc)
+    # A NaN selection value (a NaN bias) ranks as -inf: such an expert is chosen only after every
+    # expert with a number. +0.0 and -0.0 are equal.
+    select = torch.nan_to_num(select, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     # Stable descending sort: among equal values the lower expert id comes first.
     ids = torch.sort(select.detach(), dim=1, descending=True, stable=True).indices[:, :k]
     scores = probs.gather(1, ids)
@@ -98,11 +107,12 @@ def topk_gating(logits_SE: torch.Tensor,
     onehot_SKE = torch.nn.functional.one_hot(ids.clamp_min(0), E) * (ids >= 0)[..., None]
     counts = onehot_SKE.sum(dim=(0, 1))
     counted = onehot_SKE[:, :1] if k <= 2 else onehot_SKE
-    ce = counted.sum(dim=(0, 1)).to(acc) / S
-    me = probs.sum(dim=0) / S
+    n = max(S, 1)  # S = 0: the means of nothing are 0 (aux and z losses 0, with zero gradient)
+    ce = counted.sum(dim=(0, 1)).to(acc) / n
+    me = probs.sum(dim=0) / n
     aux = aux_loss_coefficient(E, k) * (me * ce).sum()
     lse = torch.logsumexp(logits, dim=1) * finite_S
-    z = (lse * lse).sum() / S
+    z = (lse * lse).sum() / n
     return GatingOutput(ids.to(torch.int32), scores, counts.to(torch.int32), aux, z)
 
 
@@ -204,7 +214,7 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     kept, chosen by the drop policy:
       position  first come, first choices of every token before any second choice (DeepSpeed top-2)
       rts       a uniformly random subset, seeded (DeepSpeed's random token selection)
-      probs     the highest scores (ties to the earlier route)
+      probs     the highest scores (ties to the earlier route; a NaN score ranks as -inf, -0.0 as +0.0)
     Kept routes are placed in token order.
     """
     S, k = expert_ids_SK.shape
@@ -228,8 +238,9 @@ def assign_slots(expert_ids_SK: torch.Tensor,
         else:
             if drop_policy == "rts":
                 prio = rts_priority(S * k, seed, ids.device)  # smaller is kept first
-            else:  # probs: higher score first
-                prio = -scores_SK.detach().reshape(-1).float()
+            else:  # probs: higher score first; a NaN score ranks as -inf (dropped first), -0.0 == +0.0
+                prio = -torch.nan_to_num(scores_SK.detach().reshape(-1).float(), nan=float("-inf"),
+                                         posinf=float("inf"), neginf=float("-inf"))
             # Rank of each route among the routes of its expert, by priority then route index.
             order = torch.sort(prio, stable=True).indices
             sorted_onehot = onehot_RE[order]
@@ -246,10 +257,18 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     return Slots(slots.view(S, k).to(torch.int32), kept_counts.to(torch.int32), num_rows, capacity)
 
 
+def routed_slots(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The bare-slots rule of every backend: an entry outside [0, num_rows) routes nowhere (as an
+    expert id outside [0, E) does), whatever its width; it becomes -1. Distinct rows are the
+    caller's precondition (ops checks it where that costs no host sync)."""
+    slots = slots_SK.long()
+    return torch.where((slots >= 0) & (slots < num_rows), slots, -1)
+
+
 def scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Expert buffer [num_rows, M]: row slots[s, j] holds x[s]; rows no route reaches are zero."""
     S, k = slots_SK.shape
-    flat = slots_SK.long().reshape(-1)
+    flat = routed_slots(slots_SK, num_rows).reshape(-1)
     keep = flat >= 0
     src = torch.arange(S, device=x_SM.device).repeat_interleave(k)[keep]
     buf = x_SM.new_zeros(num_rows, x_SM.shape[1])
@@ -269,11 +288,14 @@ def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.T
     """out[s] = sum over kept routes j of w[s, j] * y[slots[s, j]], accumulated in fp32, with
     w = scores, or renormalize_kept(scores, slots) when renormalize."""
     acc = compute_dtype(y_RM.dtype)
+    slots_SK = routed_slots(slots_SK, y_RM.shape[0])
     keep = (slots_SK >= 0)
     w_SK = scores_SK.to(acc)
     if renormalize:
         w_SK = renormalize_kept(w_SK, slots_SK)
-    rows = y_RM.to(acc)[slots_SK.long().clamp_min(0)]  # [S, k, M]
+    # A zero row after the buffer stands for "nowhere" (-1), so an empty buffer needs no special case.
+    y_pad = torch.cat([y_RM.to(acc), y_RM.new_zeros(1, y_RM.shape[1], dtype=acc)])
+    rows = y_pad[torch.where(keep, slots_SK, y_RM.shape[0])]  # [S, k, M]
     weighted = torch.where(keep[..., None], rows * w_SK[..., None], 0.0)
     return weighted.sum(dim=1).to(y_RM.dtype)
 

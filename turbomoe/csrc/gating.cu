@@ -90,6 +90,7 @@ gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__
         const int c = lane + WARP * i;
         psum[i] += probs[i];
         sel[i] = c < E ? probs[i] + (bias ? bias[c] : acc_t(0)) : neg_inf;
+        sel[i] = isnan(sel[i]) ? neg_inf : sel[i];  // a NaN bias ranks as -inf, as in the reference
       }
       for (int j = 0; j < k; ++j) {
         // Largest selection value, ties to the lower column: a total order, so all lanes agree.
@@ -225,13 +226,14 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
   if (row >= S) return;  // a whole warp leaves together
   acc_t probs[CPL], softmax[CPL];
   const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL>(logits, row, E, sigmoid, probs, softmax);
-  acc_t grad_p[CPL];
+  acc_t grad_p[CPL], direct[CPL];  // direct: terms already taken through d probs / d logits
   // The aux term d/dp_se of coef * sum_e (sum_s p_se / S) * ce_e, scaled by 1/S before any sum.
   const acc_t aux_scale = g_aux ? *g_aux * coef / S : acc_t(0);
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
     const int c = lane + WARP * i;
     grad_p[i] = (g_aux && c < E) ? aux_scale * ce[c] : acc_t(0);
+    direct[i] = 0;
   }
   if (grad_scores && rp.valid) {
     acc_t g[MAX_K], r[MAX_K];
@@ -247,23 +249,25 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
       }
     }
     denom = denom > 0 ? denom : acc_t(1);
+    // With renorm, score_i = s_i = r_i / D, taken through the logits directly: d/dl_i =
+    // s_i (g_i - sum_j s_j g_j), times (1 - r_i) for sigmoid; never r / D^2, whose D^2 underflows
+    // (NaN) when the bias steers the choice to experts of tiny probability. Exactly 0 for k = 1.
+    acc_t sg = 0;
+#pragma unroll
+    for (int j = 0; j < MAX_K; ++j) {
+      if (renorm && j < k) sg += r[j] / denom * g[j];
+    }
 #pragma unroll
     for (int i = 0; i < MAX_K; ++i) {
-      if (i < k && e[i] >= 0) {
-        acc_t gi = g[i];
-        if (renorm) {
-          // score_i = r_i / D: dr_i = sum_j r_j (g_i - g_j) / D^2, a sum of differences that
-          // cancels exactly where it should (k = 1).
-          acc_t s = 0;
+      if (i < k && e[i] >= 0 && lane == e[i] % WARP) {
+        acc_t d = renorm ? r[i] / denom * (g[i] - sg) : acc_t(0);
+        if (renorm && sigmoid) d *= acc_t(1) - r[i];
 #pragma unroll
-          for (int j = 0; j < MAX_K; ++j) {
-            if (j < k) s += r[j] * (g[i] - g[j]);
+        for (int q = 0; q < CPL; ++q) {
+          if (q == e[i] / WARP) {
+            if (renorm) direct[q] += d;
+            else grad_p[q] += g[i];
           }
-          gi = s / (denom * denom);
-        }
-        if (lane == e[i] % WARP) {
-#pragma unroll
-          for (int q = 0; q < CPL; ++q) grad_p[q] += (q == e[i] / WARP) ? gi : acc_t(0);
         }
       }
     }
@@ -281,7 +285,7 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
     const int c = lane + WARP * i;
     if (c < E) {
       acc_t gl = sigmoid ? grad_p[i] * probs[i] * (acc_t(1) - probs[i]) : probs[i] * (grad_p[i] - dot);
-      gl += z_scale * softmax[i];
+      gl += z_scale * softmax[i] + direct[i];
       grad[int64_t(row) * E + c] = static_cast<scalar_t>(rp.valid ? gl : acc_t(0));
     }
   }

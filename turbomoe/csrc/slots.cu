@@ -153,7 +153,9 @@ struct Priority {
   __device__ __forceinline__ uint32_t operator()(int64_t r) const {
     if (policy == RTS) return hash32(static_cast<uint32_t>(r) ^ seed_mix);
     if (policy == POSITION) return static_cast<uint32_t>((r % K) * S + r / K);
-    const uint32_t b = __float_as_uint(scores[r]);
+    // As the reference: a NaN score ranks as -inf, and -0.0 as +0.0 (equal scores tie).
+    const float v = scores[r];
+    const uint32_t b = __float_as_uint(isnan(v) ? -INFINITY : (v == 0.0f ? 0.0f : v));
     const uint32_t ordered = b >= 0x80000000u ? 0xFFFFFFFFu - b : (b | 0x80000000u);
     return 0xFFFFFFFFu - ordered;
   }

@@ -129,8 +129,9 @@ class TurboMOELayer(MOELayer):
             buf_ECM = _AllToAll.apply(self.ep_group, buf_ECM) if self.ep_size > 1 else buf_ECM.contiguous()
         if tp > 1 and expert_tp:
             buf_ECM = gather_tokens(buf_ECM, dim=1)
-        x_GECM = buf_ECM.reshape(self.ep_size, self.num_local_experts, -1, M)
-        y_ECM = run_experts(self.experts, self.expert_fast_path, x_GECM).reshape(E, -1, M)
+        C = buf_ECM.shape[1]  # named, not -1: C = 0 (no tokens, min_capacity 0) has no inferable dim
+        x_GECM = buf_ECM.reshape(self.ep_size, self.num_local_experts, C, M)
+        y_ECM = run_experts(self.experts, self.expert_fast_path, x_GECM).reshape(E, C, M)
         if tp > 1 and expert_tp:
             y_ECM = drop_tokens(y_ECM, dim=1)
         with _timed(self, SECOND_ALLTOALL_TIMER, "time_salltoall"):

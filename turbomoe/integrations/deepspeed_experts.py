@@ -228,7 +228,7 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups) -> t
     if kind == "swiglu":
         # [gate | up] per expert: one GEMM for both, then turbomoe's fused SwiGLU.
         h = groups.matmul(x, stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in experts]))
-        a = swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+        a = swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], h.shape[-1] // 2)  # not -1: rows may be 0
         return _grouped_linear(a, [e.w2 for e in experts], groups)
     act: Callable = experts[0][1]
     return _grouped_linear(act(_grouped_linear(x, [e[0] for e in experts], groups)), [e[2] for e in experts], groups)
@@ -253,4 +253,4 @@ def run_experts(experts_module: nn.Module, kind: Optional[str], x_GECM: torch.Te
     G, E, C, M = x_GECM.shape
     x_ECM = x_GECM.transpose(0, 1).reshape(E, G * C, M)
     y_ECM = grouped_mlp(kind, experts_module.deepspeed_experts, x_ECM, EqualGroups())
-    return y_ECM.reshape(E, G, C, -1).transpose(0, 1)
+    return y_ECM.reshape(E, G, C, y_ECM.shape[-1]).transpose(0, 1)  # not -1: C may be 0

@@ -9,8 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import aux_loss_coefficient
+from ..reference import aux_loss_coefficient, aux_loss_divisor
 from .launch import acc_dtype, next_pow2, tl_dtype
+from .rows import _column  # column j of a [rows, KP] tile
 
 
 @triton.jit
@@ -59,17 +60,19 @@ def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, parti
     sel = probs
     if HAS_BIAS:
         sel = sel + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(ACC)[None, :]
-    sel = tl.where(cells, sel, float("-inf"))
+    # A NaN selection value (a NaN bias) ranks as -inf, as in the reference.
+    sel = tl.where(cells & (sel == sel), sel, float("-inf"))
     ids_t = tl.full([BLOCK_S, KP], -1, tl.int32)
     sc_t = tl.zeros([BLOCK_S, KP], ACC)
     chosen = tl.zeros([BLOCK_S, BLOCK_E], tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(sel, axis=1)
+        # Among the experts not chosen yet (a mask, not -inf: -inf is a value an expert may hold).
+        avail = cells & (chosen == 0)
+        best = tl.max(tl.where(avail, sel, float("-inf")), axis=1)
         # The lowest column among equal maxima: ties go to the lower expert id.
-        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        idx = tl.min(tl.where(avail & (sel == best[:, None]), cols[None, :], BLOCK_E), axis=1)
         hit = (cols[None, :] == idx[:, None]) & cells
         score = tl.sum(tl.where(hit, probs, 0.0), axis=1)
-        sel = tl.where(hit, float("-inf"), sel)
         ids_t = tl.where(kcol[None, :] == j, tl.where(valid, idx, -1)[:, None], ids_t)
         sc_t = tl.where(kcol[None, :] == j, score[:, None], sc_t)
         chosen += hit.to(tl.int32)
@@ -90,11 +93,23 @@ def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, parti
     tl.store(scores_ptr + out, sc_t, mask=omask)
 
 
+@triton.jit
+def _aux_coefficient(coef, E, COEF_DIV: tl.constexpr, ACC: tl.constexpr):
+    """reference.aux_loss_coefficient = E / COEF_DIV (aux_loss_divisor). A float argument reaches a
+    kernel as fp32, so in fp64 it is formed here (64 / 6 rounded to fp32 was 3e-8 off: the sweep on
+    the GPU)."""
+    if ACC == tl.float64:
+        coef = E.to(tl.float64) / COEF_DIV
+    return coef
+
+
 @triton.jit(do_not_specialize=["nblocks", "S", "E"])
 def _gating_stats_kernel(partial_ptr, counts_ptr, ce_ptr, aux_ptr, z_ptr, nblocks, S, E, coef,
-                         FIRST_ONLY: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr):
+                         FIRST_ONLY: tl.constexpr, COEF_DIV: tl.constexpr, BLOCK_B: tl.constexpr,
+                         BLOCK_E: tl.constexpr, ACC: tl.constexpr):
     """One program: sums the per-block partials in a fixed order (deterministic) into counts [E],
     ce [E] (the aux loss's fraction of routes), aux and z."""
+    coef = _aux_coefficient(coef, E, COEF_DIV, ACC)
     cols = tl.arange(0, BLOCK_E)
     blocks = tl.arange(0, BLOCK_B)
     cmask = cols < E
@@ -126,8 +141,9 @@ def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_
                        grad_logits_ptr, S, E, stride_s, coef,
                        K: tl.constexpr, KP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
                        SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_GS: tl.constexpr, HAS_AUX: tl.constexpr,
-                       HAS_Z: tl.constexpr, ACC: tl.constexpr):
+                       HAS_Z: tl.constexpr, COEF_DIV: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
+    coef = _aux_coefficient(coef, E, COEF_DIV, ACC)
     rows = pid * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_E)
     rmask = rows < S
@@ -136,6 +152,7 @@ def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_
     # d loss / d probs. The aux term: d/dp_se of coef * sum_e (sum_s p_se / S) * ce_e, scaled by
     # 1/S per element here, before any sum.
     grad_p = tl.zeros_like(probs)
+    direct = tl.zeros_like(probs)  # terms already taken through d probs / d logits
     if HAS_AUX:
         g_aux = tl.load(g_aux_ptr).to(ACC)
         ce = tl.load(ce_ptr + cols, mask=cols < E, other=0.0).to(ACC)
@@ -146,26 +163,33 @@ def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_
         g_t = tl.load(grad_scores_ptr + rows[:, None] * K + kcol[None, :], mask=kmask, other=0.0).to(ACC)
         e_t = tl.load(ids_ptr + rows[:, None] * K + kcol[None, :], mask=kmask, other=-1)
         if RENORM:
-            # score_j = r_j / D, D = sum of the k chosen probs r. As a sum of differences,
-            # dr_i = sum_j r_j (g_i - g_j) / D^2 cancels exactly where it should (k = 1).
+            # score_j = s_j = r_j / D, D = sum of the k chosen probs r. Through the logits directly:
+            # d/dl_i = s_i (g_i - sum_j s_j g_j) (softmax: a softmax over the chosen logits), times
+            # (1 - r_i) for sigmoid; never r / D^2, whose D^2 underflows in fp32 (NaN) when the
+            # bias steers the choice to experts of tiny probability. Exactly 0 for k = 1.
             r_t = tl.zeros([BLOCK_S, KP], ACC)
             for j in tl.static_range(K):
                 e_j = tl.sum(tl.where(kcol[None, :] == j, e_t, 0), axis=1)
                 r_j = tl.sum(tl.where(cols[None, :] == e_j[:, None], probs, 0.0), axis=1)
                 r_t = tl.where(kcol[None, :] == j, r_j[:, None], r_t)
             denom = tl.sum(r_t, axis=1)
-            denom = tl.where(denom > 0, denom, 1.0)
+            s_t = r_t / tl.where(denom > 0, denom, 1.0)[:, None]
+            sg = tl.sum(s_t * g_t, axis=1)
         for i in tl.static_range(K):
             g_i = tl.sum(tl.where(kcol[None, :] == i, g_t, 0.0), axis=1)
             e_i = tl.sum(tl.where(kcol[None, :] == i, e_t, 0), axis=1)
             if RENORM:
-                g_i = tl.sum(r_t * (g_i[:, None] - g_t), axis=1) / (denom * denom)
-            grad_p += tl.where(cols[None, :] == e_i[:, None], g_i[:, None], 0.0)
+                d_i = _column(s_t, kcol, i) * (g_i - sg)
+                if SIGMOID:
+                    d_i = d_i * (1.0 - _column(r_t, kcol, i))
+                direct += tl.where(cols[None, :] == e_i[:, None], d_i[:, None], 0.0)
+            else:
+                grad_p += tl.where(cols[None, :] == e_i[:, None], g_i[:, None], 0.0)
 
     if SIGMOID:
-        grad_l = grad_p * probs * (1.0 - probs)
+        grad_l = grad_p * probs * (1.0 - probs) + direct
     else:
-        grad_l = probs * (grad_p - tl.sum(probs * grad_p, axis=1)[:, None])
+        grad_l = probs * (grad_p - tl.sum(probs * grad_p, axis=1)[:, None]) + direct
     if HAS_Z:
         # z-loss = sum_s lse_s^2 / S: d/dlogits = (2 / S) * lse * softmax.
         g_z = tl.load(g_z_ptr).to(ACC)
@@ -204,7 +228,8 @@ def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: 
     else:
         partials.zero_()
     _gating_stats_kernel[(1, )](partials, counts, stats, stats[E:], stats[E + 1:], max(nblocks, 1), max(S, 1), E,
-                                aux_loss_coefficient(E, k), FIRST_ONLY=k <= 2, BLOCK_B=max(1, 4096 // block_e),
+                                aux_loss_coefficient(E, k), FIRST_ONLY=k <= 2, COEF_DIV=aux_loss_divisor(k),
+                                BLOCK_B=max(1, 4096 // block_e),
                                 BLOCK_E=block_e, ACC=tl_dtype(acc))
     return ids, scores, counts, stats[:E], lse, stats[E], stats[E + 1]
 
@@ -223,5 +248,6 @@ def gating_backward(logits_SE, ids, grad_scores, lse, ce_E, g_aux, g_z, sigmoid:
             g_aux if g_aux is not None else lse, g_z if g_z is not None else lse, grad, S, E, logits_SE.stride(0),
             aux_loss_coefficient(E, k), K=k, KP=next_pow2(k), BLOCK_S=block_s, BLOCK_E=block_e, SIGMOID=sigmoid,
             RENORM=renormalize, HAS_GS=grad_scores is not None, HAS_AUX=g_aux is not None, HAS_Z=g_z is not None,
+            COEF_DIV=aux_loss_divisor(k),
             ACC=tl_dtype(acc_dtype(logits_SE.dtype)), num_warps=4 if block_s * block_e <= 4096 else 8)
     return grad

@@ -28,8 +28,8 @@ def _route_tile(ids_ptr, sel_ptr, n, S, K, E, C, pid, CHOICE_MAJOR: tl.constexpr
         r = (i % S) * K + i // S
     else:
         r = i
-    e = tl.load(ids_ptr + r, mask=i < n, other=-1).to(tl.int32)
-    e = tl.where((e >= 0) & (e < E), e, -1)
+    e = tl.load(ids_ptr + r, mask=i < n, other=-1)
+    e = tl.where((e >= 0) & (e < E), e, -1).to(tl.int32)  # range-checked before narrowing
     if HAS_SEL:
         e = tl.where(tl.load(sel_ptr + r, mask=i < n, other=C) < C, e, -1)
     cols = tl.arange(0, BLOCK_E)
@@ -105,7 +105,11 @@ def _priority_key_kernel(ids_ptr, scores_ptr, key_ptr, n, E, seed_mix, BLOCK: tl
     e = tl.where((e >= 0) & (e < E), e, E)
     if BY_SCORE:
         # Order-preserving map of fp32 bits to uint32, inverted so that higher scores come first.
-        bits = tl.load(scores_ptr + offs, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+        # As the reference: NaN ranks as -inf, and -0.0 as +0.0 (equal scores tie).
+        score = tl.load(scores_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        score = tl.where(score == score, score, float("-inf"))
+        score = tl.where(score == 0.0, 0.0, score)
+        bits = score.to(tl.int32, bitcast=True)
         bits = bits.to(tl.int64) & 0xFFFFFFFF
         ordered = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
         prio = 0xFFFFFFFF - ordered

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
 from ..autograd.swiglu import swiglu
 
@@ -23,6 +24,9 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
                  bias: bool = False, gmm_backend: Optional[str] = None, device=None, dtype=None):
         super().__init__()
+        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                            ("ffn_hidden_size", ffn_hidden_size)):
+            ops.check_int(name, value, 1)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size

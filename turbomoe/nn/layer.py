@@ -33,10 +33,17 @@ class MoELayer(nn.Module):
                  expert_bias: bool = False, shared_ffn_hidden_size: int = 0, backend: Optional[str] = None,
                  gmm_backend: Optional[str] = None, seed: int = 0, device=None, dtype=None):
         super().__init__()
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {capacity_factor!r}")
+        # The sizes, k and renormalize are checked by the router and the experts.
+        ops.check_int("min_capacity", min_capacity, 0)
+        ops.check_int("shared_ffn_hidden_size", shared_ffn_hidden_size, 0)
+        for name, value in (("bias", bias), ("expert_bias", expert_bias)):
+            ops.check_bool(name, value)
+        if capacity_factor is not None and (not isinstance(capacity_factor, (int, float))
+                                            or isinstance(capacity_factor, bool) or not capacity_factor > 0):
+            raise ValueError(f"capacity_factor must be None (dropless) or a number > 0, got {capacity_factor!r}")
         if drop_policy not in ops.DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {ops.DROP_POLICIES}, got {drop_policy!r}")
+        ops.check_seed(seed)
         self.hidden_size, self.num_experts, self.k = hidden_size, num_experts, k
         self.capacity_factor, self.min_capacity, self.drop_policy = capacity_factor, min_capacity, drop_policy
         self.backend, self.seed = backend, seed
@@ -62,9 +69,7 @@ class MoELayer(nn.Module):
         C = None if self.capacity_factor is None else ops.capacity(S, E, self.k, self.capacity_factor,
                                                                    self.min_capacity)
         s = ops.assign_slots(g.expert_ids, g.scores, E, capacity=C, drop_policy=self.drop_policy,
-                             seed=self.seed, backend=self.backend)
-        if self.training and self.drop_policy == "rts":
-            self.seed += 1  # a fresh random selection each step
+                             seed=self._rts_seed(C), backend=self.backend)
         # Passing the Slots (not the bare table) lets the kernels find empty rows from the kept counts.
         buf_RM = ops.scatter_tokens(x_SM, s, backend=self.backend)
         # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
@@ -75,3 +80,21 @@ class MoELayer(nn.Module):
             out_SM = out_SM + self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device))
         self.expert_load = s.kept_counts.detach()
         return out_SM.view(x.shape), aux_loss
+
+    def _rts_seed(self, capacity: Optional[int]) -> int:
+        """The seed of this forward's random token selection: `seed` in eval, and in training `seed`
+        mixed with a draw from torch's CPU generator, a fresh selection each step. That generator is
+        the state activation checkpointing saves and restores (torch.utils.checkpoint, Megatron's and
+        DeepSpeed's recomputation), so a recomputed forward drops the same routes and the gradients
+        are those of the forward; it lives on the host, so the draw is no device sync. To resume the
+        same stream, restore `seed` (in the state dict) and torch's RNG state (torch.set_rng_state)."""
+        if not (self.training and self.drop_policy == "rts" and capacity is not None):
+            return self.seed
+        return self.seed ^ int(torch.randint(0, 1 << 62, (1, )))
+
+    def get_extra_state(self):
+        return {"seed": self.seed}
+
+    def set_extra_state(self, state):
+        ops.check_seed(state["seed"])
+        self.seed = state["seed"]

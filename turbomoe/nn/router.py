@@ -26,9 +26,10 @@ class TopKRouter(nn.Module):
                  expert_bias: bool = False, router_dtype: Optional[torch.dtype] = None,
                  backend: Optional[str] = None, device=None, dtype=None):
         super().__init__()
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-        if not isinstance(k, int) or not 1 <= k <= min(num_experts, ops.MAX_K):
+        ops.check_int("hidden_size", hidden_size, 1)
+        ops.check_int("num_experts", num_experts, 1)
+        ops.check_bool("renormalize", renormalize)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(num_experts, ops.MAX_K):
             raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got k={k!r} "
                              f"with num_experts={num_experts}")
         if score_func not in ops.SCORE_FUNCS:
