@@ -15,12 +15,11 @@ EXTRAS = {
     # CUTLASS's C++ headers for the Hopper grouped GEMM (built on first use; torch._grouped_mm without).
     "cuda": ["nvidia-cutlass==4.2.0.0"],
 }
-# Everything the test suite touches: the integrations, the recipes and Megatron's indexed datasets;
-# transformers: the model's forward is checked against Hugging Face's Qwen3-MoE.
-EXTRAS["dev"] = sorted({"pytest", "numpy", "transformers", *EXTRAS["train"], *EXTRAS["megatron"], *EXTRAS["export"]})
-
-# The tests load exported models with transformers (>= 5) and run its models on turbomoe's experts.
-EXTRAS["dev"] = sorted({*EXTRAS["dev"], *EXTRAS["transformers"]})
+# Everything the test suite touches: the integrations, the recipes, Megatron's indexed datasets, and
+# transformers (>= 5): the model's forward is checked against Hugging Face's Qwen3-MoE, exported models
+# are loaded with it, and its models run on turbomoe's experts.
+EXTRAS["dev"] = sorted({"pytest", "numpy", *EXTRAS["train"], *EXTRAS["megatron"], *EXTRAS["export"],
+                        *EXTRAS["transformers"]})
 
 setup(
     name="turbomoe",
