@@ -1,12 +1,16 @@
-"""turbomoe's gating ops as torch.library custom ops, so torch.compile(fullgraph=True) traces
-through them: topk_gating -> assign_slots -> scatter_tokens -> gather_tokens.
+"""turbomoe's ops as torch.library custom ops, so torch.compile(fullgraph=True) traces through
+them: topk_gating -> assign_slots -> scatter_tokens -> grouped_mm / swiglu -> gather_tokens.
+turbomoe.ops, the grouped GEMM and SwiGLU call these only while compiling
+(torch.compiler.is_compiling()); eager calls keep their autograd.Functions (their host time was tuned).
 
 Each op is opaque to the compiler (its kernels run as they do eagerly), has a fake implementation
 (shapes and dtypes only, for tracing) and its autograd registered from the existing
 autograd.Function's backward (turbomoe/autograd): the same launchers and the same backward code,
 driven through torch.library instead of Function.apply. The functions below take the arguments of
-turbomoe.ops (after its checks) and a kernel backend, "cuda" or "triton"; the reference backend
-needs no custom op (it is plain PyTorch, which the compiler traces itself).
+turbomoe.ops (after its checks) and a kernel backend, "cuda" or "triton". The reference backend's
+topk_gating and gather_tokens are plain PyTorch that the compiler traces itself; its assign_slots and
+scatter_tokens have data-dependent shapes (nonzero), so they run as custom ops too (backend
+"reference"). The grouped GEMM takes its own backends (cutlass, torch, triton, reference).
 
     from turbomoe import custom_ops
     g = custom_ops.topk_gating(logits_SE, k, "softmax", renormalize, None, "triton")
@@ -18,9 +22,12 @@ from typing import Optional, Tuple
 import torch
 
 from . import ops
+from . import reference
 from .autograd.gather import GatherTokens
 from .autograd.gating import TopKGating
+from .autograd.grouped_gemm import GroupedMM, mm_forward
 from .autograd.scatter import ScatterTokens
+from .autograd.swiglu import SwiGLU
 from .reference import GatingOutput, Slots, as_contiguous, compute_dtype
 
 
@@ -107,7 +114,8 @@ def topk_gating(logits_SE, k: int, score_func: str, renormalize: bool, selection
 @torch.library.custom_op("turbomoe::assign_slots", mutates_args=())
 def _assign_slots(expert_ids_SK: torch.Tensor, scores_SK: torch.Tensor, num_experts: int, capacity: Optional[int],
                   drop_policy: str, seed: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    s = ops._impl(backend).assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
+    impl = reference if backend == "reference" else ops._impl(backend)
+    s = impl.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
     return s.slots.contiguous(), s.kept_counts
 
 
@@ -129,6 +137,8 @@ def assign_slots(expert_ids_SK, scores_SK, num_experts: int, capacity: Optional[
 @torch.library.custom_op("turbomoe::scatter_tokens", mutates_args=())
 def _scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int, kept_counts_E: Optional[torch.Tensor],
                     capacity: Optional[int], backend: str) -> torch.Tensor:
+    if backend == "reference":
+        return reference.scatter_tokens(x_SM, slots_SK, num_rows)
     return ScatterTokens.forward(_Recorder(), x_SM, slots_SK, num_rows, kept_counts_E, capacity, ops._impl(backend))
 
 
@@ -139,6 +149,8 @@ def _(x_SM, slots_SK, num_rows, kept_counts_E, capacity, backend):
 
 @torch.library.custom_op("turbomoe::scatter_tokens_backward", mutates_args=())
 def _scatter_tokens_backward(grad_buf_RM: torch.Tensor, slots_SK: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "reference":  # each token sums its kept rows' gradients: a gather with unit weights
+        return reference.gather_tokens(grad_buf_RM, slots_SK, grad_buf_RM.new_ones(slots_SK.shape))
     return ScatterTokens.backward(_Saved(slots_SK, impl=ops._impl(backend)), grad_buf_RM)[0]
 
 
@@ -211,3 +223,86 @@ _gather_tokens.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 def gather_tokens(y_RM, slots: Slots, scores_SK, renormalize: bool, backend: str):
     return _gather_tokens(y_RM, slots.slots, scores_SK, slots.kept_counts, slots.capacity, renormalize, backend)
+
+
+# ---------------------------------------------------------------- grouped_mm (turbomoe.autograd.grouped_gemm)
+
+@torch.library.custom_op("turbomoe::grouped_mm", mutates_args=())
+def _grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, offs_G: Optional[torch.Tensor],
+                backend: str) -> torch.Tensor:
+    return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
+
+
+@_grouped_mm.register_fake
+def _(x_RK, w_GKN, counts_G, offs_G, backend):
+    return x_RK.new_empty(x_RK.shape[0], w_GKN.shape[2])
+
+
+@torch.library.custom_op("turbomoe::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward(dy_RN: torch.Tensor, x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
+                         offs_G: Optional[torch.Tensor], backend: str, need_dx: bool,
+                         need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw); a gradient not needed is an empty tensor (a custom op returns no None)."""
+    ctx = _Saved(x_RK, w_GKN, counts_G, offs_G, backend=backend, needs_input_grad=(need_dx, need_dw))
+    dx, dw = GroupedMM.backward(ctx, dy_RN)[:2]
+    return (x_RK.new_empty(0) if dx is None else dx), (w_GKN.new_empty(0) if dw is None else dw)
+
+
+@_grouped_mm_backward.register_fake
+def _(dy_RN, x_RK, w_GKN, counts_G, offs_G, backend, need_dx, need_dw):
+    return (torch.empty_like(x_RK) if need_dx else x_RK.new_empty(0),
+            w_GKN.new_empty(w_GKN.shape) if need_dw else w_GKN.new_empty(0))
+
+
+def _gmm_setup(ctx, inputs, output):
+    x_RK, w_GKN, counts_G, offs_G, backend = inputs
+    ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
+    ctx.backend = backend
+
+
+def _gmm_backward(ctx, dy_RN):
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = _grouped_mm_backward(dy_RN, *ctx.saved_tensors, ctx.backend, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None
+
+
+_grouped_mm.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+def grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend: str):
+    """GroupedMM.apply's arguments (after grouped_gemm.grouped_mm's checks and backend choice)."""
+    return _grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend)
+
+
+# ---------------------------------------------------------------- swiglu (turbomoe.autograd.swiglu, Triton)
+
+@torch.library.custom_op("turbomoe::swiglu", mutates_args=())
+def _swiglu(h_R2F: torch.Tensor) -> torch.Tensor:
+    return SwiGLU.forward(_Recorder(), h_R2F)
+
+
+@_swiglu.register_fake
+def _(h_R2F):
+    return h_R2F.new_empty(h_R2F.shape[0], h_R2F.shape[1] // 2)
+
+
+@torch.library.custom_op("turbomoe::swiglu_backward", mutates_args=())
+def _swiglu_backward(da_RF: torch.Tensor, h_R2F: torch.Tensor) -> torch.Tensor:
+    return SwiGLU.backward(_Saved(h_R2F), da_RF)
+
+
+@_swiglu_backward.register_fake
+def _(da_RF, h_R2F):
+    return torch.empty_like(h_R2F)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+_swiglu.register_autograd(lambda ctx, da_RF: _swiglu_backward(da_RF, *ctx.saved_tensors), setup_context=_swiglu_setup)
+
+
+def swiglu(h_R2F):
+    """SwiGLU.apply's argument: h [R, 2F] with unit column stride, on the device Triton runs on."""
+    return _swiglu(h_R2F)

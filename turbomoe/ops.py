@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from . import csrc, reference
+from . import csrc, custom_ops, reference
 from .autograd.gather import gather_tokens as _gather_fn
 from .autograd.gating import topk_gating as _gating_fn
 from .autograd.sampling import second_expert as _second_expert_fn
@@ -148,6 +148,8 @@ def topk_gating(logits_SE: torch.Tensor,
     backend = choose_backend(logits_SE, backend, E)
     if backend == "reference":
         return reference.topk_gating(logits_SE, k, score_func, renormalize, selection_bias_E)
+    if torch.compiler.is_compiling():  # custom ops: traced without a graph break (turbomoe.custom_ops)
+        return custom_ops.topk_gating(logits_SE, k, score_func, renormalize, selection_bias_E, backend)
     return _gating_fn(logits_SE, k, score_func, renormalize, selection_bias_E, _impl(backend))
 
 
@@ -211,6 +213,10 @@ def assign_slots(expert_ids_SK: torch.Tensor,
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     check_seed(seed)
     backend = choose_backend(expert_ids_SK, backend, num_experts)
+    if torch.compiler.is_compiling():  # every backend: the reference's output shapes depend on values
+        if expert_ids_SK.dtype == torch.int64:  # the kernels' int32 (see below); the reference takes either
+            expert_ids_SK = _narrow_index(expert_ids_SK, num_experts)
+        return custom_ops.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend)
     if backend == "reference":
         return reference.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
     if expert_ids_SK.dtype == torch.int64:
@@ -282,6 +288,8 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     table, num_rows, kept, cap = _unpack_slots(slots, num_rows, x_SM.shape[0], x_SM)
     table = _bare_table(table, num_rows, kept)
     backend = choose_backend(x_SM, backend)
+    if torch.compiler.is_compiling():  # every backend, as assign_slots
+        return custom_ops.scatter_tokens(x_SM, Slots(table, kept, num_rows, cap), backend)
     if backend == "reference":
         return reference.scatter_tokens(x_SM, table, num_rows)
     return _scatter_fn(x_SM, table, num_rows, kept, cap, _impl(backend))
@@ -307,4 +315,6 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor, renormaliz
     backend = choose_backend(y_RM, backend)
     if backend == "reference":
         return reference.gather_tokens(y_RM, table, scores_SK, renormalize)
+    if torch.compiler.is_compiling():
+        return custom_ops.gather_tokens(y_RM, Slots(table, kept, y_RM.shape[0], cap), scores_SK, renormalize, backend)
     return _gather_fn(y_RM, table, scores_SK, kept, cap, _impl(backend), renormalize)

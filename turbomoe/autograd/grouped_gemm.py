@@ -216,4 +216,9 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     backend = choose_gmm_backend(x_RK, w_GKN, backend)
     if backend == "cutlass" or (backend == "torch" and x_RK.stride(1) != 1):  # cutlass: row-major x
         x_RK = x_RK.contiguous()
+    if torch.compiler.is_compiling():  # a custom op: traced without a graph break (turbomoe.custom_ops)
+        from .. import custom_ops
+        if backend in ("torch", "cutlass"):  # the offsets GroupedMM.forward would make, as a traced op
+            offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
+        return custom_ops.grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend)
     return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend)

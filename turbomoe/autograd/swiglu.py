@@ -32,5 +32,8 @@ def swiglu(h_R2F: torch.Tensor) -> torch.Tensor:
     if h_R2F.dim() != 2 or h_R2F.shape[1] % 2:
         raise ValueError(f"swiglu needs h of shape [R, 2F], got {tuple(h_R2F.shape)}")
     if h_R2F.is_cuda and h_R2F.stride(1) == 1:
+        if torch.compiler.is_compiling():  # a custom op: traced without a graph break (turbomoe.custom_ops)
+            from .. import custom_ops
+            return custom_ops.swiglu(h_R2F)
         return SwiGLU.apply(h_R2F)
     return swiglu_reference(h_R2F)

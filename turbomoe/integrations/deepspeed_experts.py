@@ -137,12 +137,14 @@ def _alias_stride_cached(blocks: List[List[torch.Tensor]]) -> Optional[int]:
 def stack_expert_tensors(blocks: List[List[torch.Tensor]]) -> torch.Tensor:
     """[E, rows, *rest]: expert e's tensors concatenated along dim 0, stacked over experts.
 
-    Aliases the parameters' storage when it can (no copy); otherwise copies them (torch.stack).
+    Aliases the parameters' storage when it can (no copy) eagerly; otherwise, and under torch.compile,
+    copies them (torch.stack).
     """
     block_rows = [t.shape[0] for t in blocks[0]]
     first = blocks[0][0]
     shape = (len(blocks), sum(block_rows)) + tuple(first.shape[1:])
-    stride = _alias_stride_cached(blocks)
+    # While compiling, a copy: the alias check reads storage addresses, which the compiler cannot trace.
+    stride = None if torch.compiler.is_compiling() else _alias_stride_cached(blocks)
     if stride is None:  # the tensors of a block have equal rows ([w1; w3]), so stacking them all works
         return torch.stack([t for block in blocks for t in block]).view(shape)
     inner = torch.empty(shape[1:], device="meta").stride()

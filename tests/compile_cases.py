@@ -1,0 +1,59 @@
+"""Shared by tests/test_compile_moe.py (reference backend) and tests/test_compile_moe_triton.py
+(Triton kernels under TRITON_INTERPRET=1): torch.compile(fullgraph=True) of MoELayer and of the
+DeepSpeed drop-in, one graph and no graph break, compiled forward and backward equal to eager.
+
+aot_eager runs dynamo's capture and AOTAutograd's joint graph (where the custom ops' fake
+implementations and registered autograd are used) without generating code, so the CPU can run it."""
+import copy
+
+import torch
+from torch._dynamo.utils import counters
+
+
+def moe_layer(backend, capacity_factor, dtype, **kw):
+    from turbomoe.nn import MoELayer
+    gmm = None if backend == "reference" else backend
+    return MoELayer(12, 6, 5, 2, capacity_factor=capacity_factor, backend=backend, gmm_backend=gmm, dtype=dtype,
+                    **kw)
+
+
+def ds_layer(k, drop_tokens, dtype, expert="swiglu"):
+    from torch import nn
+    from turbomoe.integrations.deepspeed import MoE, SwiGLUExpert
+    module = (SwiGLUExpert(12, 6) if expert == "swiglu"
+              else nn.Sequential(nn.Linear(12, 6), nn.GELU(), nn.Linear(6, 12)))
+    return MoE(12, module, num_experts=5, k=k, drop_tokens=drop_tokens, use_rts=False, min_capacity=0,
+               capacity_factor=1.0).to(dtype)
+
+
+def run(model, x):
+    """loss, its input and parameter gradients, and the model's other outputs (detached)."""
+    torch.manual_seed(0)  # the same draws (DeepSpeed's sampled second expert) in both runs
+    x = x.detach().requires_grad_()
+    out = model(x)
+    loss = out[0].square().sum() + sum(o.float().sum() for o in out[1:] if o.is_floating_point())
+    loss.backward()
+    extras = [o.detach() for o in out[1:]]
+    grads = {n: p.grad for n, p in getattr(model, "_orig_mod", model).named_parameters()}
+    return out[0].detach(), extras, x.grad, grads
+
+
+def assert_compiles_like_eager(model, x, rtol, atol):
+    """model compiled with fullgraph=True traces in one graph, no break, and its outputs and
+    gradients equal eager's (model's own copy, same parameters)."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True)
+    ref = run(model, x)
+    got = run(compiled, x)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch.testing.assert_close(got[0], ref[0], rtol=rtol, atol=atol)
+    for a, b in zip(got[1], ref[1]):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    torch.testing.assert_close(got[2], ref[2], rtol=rtol, atol=atol)
+    for name, g in ref[3].items():
+        assert (g is None) == (got[3][name] is None), name
+        if g is not None:
+            torch.testing.assert_close(got[3][name], g, rtol=rtol, atol=atol, msg=name)
+    return compiled

@@ -1,0 +1,49 @@
+"""torch.compile(fullgraph=True) through MoELayer and the DeepSpeed drop-in on the reference backend
+(float64, CPU): one graph, no break, forward and backward equal to eager. The reference's
+assign_slots and scatter_tokens (data-dependent shapes) and the reference grouped GEMM (a loop over
+counts read on the host) run as turbomoe custom ops while compiling. The Triton kernels:
+tests/test_compile_moe_triton.py."""
+import pytest
+import torch
+
+from compile_cases import assert_compiles_like_eager, ds_layer, moe_layer
+
+D = torch.float64
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25, 0.5])
+@pytest.mark.parametrize("S", [13, 3, 0])  # S < E at 3; no tokens at 0
+def test_moe_layer_compiles_without_graph_breaks(capacity_factor, S):
+    torch.manual_seed(S)
+    layer = moe_layer("reference", capacity_factor, D, bias=True, shared_ffn_hidden_size=4, z_loss_coef=0.1)
+    x = torch.randn(S, 12, dtype=D)
+    compiled = assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(compiled.expert_load, layer.expert_load)
+
+
+def test_moe_layer_one_hot_expert_and_gelu():
+    torch.manual_seed(1)
+    layer = moe_layer("reference", None, D, activation="gelu")
+    with torch.no_grad():  # every token picks expert 3 first
+        layer.router.weight.zero_()
+        layer.router.weight[3] = 1.0
+    x = torch.rand(9, 12, dtype=D) + 0.5
+    assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("k, drop_tokens", [(1, False), (2, False), (3, False), (1, True), (2, True)])
+def test_deepspeed_drop_in_compiles_without_graph_breaks(k, drop_tokens):
+    pytest.importorskip("deepspeed")
+    torch.manual_seed(k)
+    layer = ds_layer(k, drop_tokens, D)
+    x = torch.randn(2, 7, 12, dtype=D)
+    compiled = assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12)
+    # dropless on one rank takes the grouped (rows) path, the capacity path the batched experts
+    assert compiled.deepspeed_moe.exp_counts.sum() == 14 * k
+
+
+def test_deepspeed_drop_in_mlp_experts():
+    pytest.importorskip("deepspeed")
+    torch.manual_seed(5)
+    assert_compiles_like_eager(ds_layer(2, False, D, expert="mlp"), torch.randn(11, 12, dtype=D),
+                               rtol=1e-12, atol=1e-12)
