@@ -7,6 +7,7 @@ implementations and registered autograd are used) without generating code, so th
 import copy
 
 import torch
+from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 
@@ -38,16 +39,30 @@ def run(model, x):
     return out[0].detach(), extras, x.grad, grads
 
 
-def assert_compiles_like_eager(model, x, rtol, atol):
-    """model compiled with fullgraph=True traces in one graph, no break, and its outputs and
-    gradients equal eager's (model's own copy, same parameters)."""
+def turbomoe_ops_in(gm: torch.fx.GraphModule) -> set:
+    """Names of the turbomoe custom ops dynamo's graph calls."""
+    return {n.target.name().split("::")[1].split(".")[0] for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == "turbomoe"}
+
+
+def assert_compiles_like_eager(model, x, rtol, atol, custom_ops=()):
+    """model compiled with fullgraph=True traces in one graph, no break, calling (at least) the
+    turbomoe custom ops named, and its outputs and gradients equal eager's (model's own copy, same
+    parameters)."""
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(copy.deepcopy(model), backend="aot_eager", fullgraph=True)
+    seen = set()
+
+    def backend(gm, example_inputs):
+        seen.update(turbomoe_ops_in(gm))
+        return aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)
     ref = run(model, x)
     got = run(compiled, x)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert set(custom_ops) <= seen, seen
     torch.testing.assert_close(got[0], ref[0], rtol=rtol, atol=atol)
     for a, b in zip(got[1], ref[1]):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)

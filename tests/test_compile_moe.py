@@ -9,15 +9,15 @@ import torch
 from compile_cases import assert_compiles_like_eager, ds_layer, moe_layer
 
 D = torch.float64
+REFERENCE_OPS = ("assign_slots", "scatter_tokens", "grouped_mm")  # the ones that would break the graph
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.25, 0.5])
-@pytest.mark.parametrize("S", [13, 3, 0])  # S < E at 3; no tokens at 0
-def test_moe_layer_compiles_without_graph_breaks(capacity_factor, S):
+@pytest.mark.parametrize("capacity_factor, S", [(None, 13), (1.25, 13), (0.5, 3), (None, 3), (1.0, 0)])
+def test_moe_layer_compiles_without_graph_breaks(capacity_factor, S):  # S < E = 5 at 3; no tokens at 0
     torch.manual_seed(S)
     layer = moe_layer("reference", capacity_factor, D, bias=True, shared_ffn_hidden_size=4, z_loss_coef=0.1)
     x = torch.randn(S, 12, dtype=D)
-    compiled = assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12)
+    compiled = assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12, custom_ops=REFERENCE_OPS)
     torch.testing.assert_close(compiled.expert_load, layer.expert_load)
 
 
@@ -28,7 +28,7 @@ def test_moe_layer_one_hot_expert_and_gelu():
         layer.router.weight.zero_()
         layer.router.weight[3] = 1.0
     x = torch.rand(9, 12, dtype=D) + 0.5
-    assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12)
+    assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12, custom_ops=REFERENCE_OPS)
 
 
 @pytest.mark.parametrize("k, drop_tokens", [(1, False), (2, False), (3, False), (1, True), (2, True)])
@@ -37,7 +37,8 @@ def test_deepspeed_drop_in_compiles_without_graph_breaks(k, drop_tokens):
     torch.manual_seed(k)
     layer = ds_layer(k, drop_tokens, D)
     x = torch.randn(2, 7, 12, dtype=D)
-    compiled = assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12)
+    ops = REFERENCE_OPS if not drop_tokens else REFERENCE_OPS[:2]  # capacity: batched GEMMs
+    compiled = assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12, custom_ops=ops)
     # dropless on one rank takes the grouped (rows) path, the capacity path the batched experts
     assert compiled.deepspeed_moe.exp_counts.sum() == 14 * k
 
@@ -46,4 +47,26 @@ def test_deepspeed_drop_in_mlp_experts():
     pytest.importorskip("deepspeed")
     torch.manual_seed(5)
     assert_compiles_like_eager(ds_layer(2, False, D, expert="mlp"), torch.randn(11, 12, dtype=D),
-                               rtol=1e-12, atol=1e-12)
+                               rtol=1e-12, atol=1e-12, custom_ops=REFERENCE_OPS)
+
+
+def test_reference_custom_ops_opcheck():
+    """Schema, fake implementation and registered autograd of the custom ops the reference backend
+    runs while compiling (the kernel backends' are in test_custom_ops_triton.py / _compile_moe_triton.py)."""
+    from turbomoe import custom_ops, ops
+    from turbomoe.autograd.grouped_gemm import row_offsets
+    S, E, k, M, N = 11, 5, 2, 6, 7
+    g = ops.topk_gating(torch.randn(S, E, dtype=D), k)
+    for capacity in (None, 2):
+        torch.library.opcheck(custom_ops._assign_slots, (g.expert_ids, g.scores, E, capacity, "position", 0,
+                                                         "reference"))
+        s = ops.assign_slots(g.expert_ids, g.scores, E, capacity)
+        x = torch.randn(S, M, dtype=D, requires_grad=True)
+        torch.library.opcheck(custom_ops._scatter_tokens, (x, s.slots, s.num_rows, s.kept_counts, capacity,
+                                                           "reference"))
+    counts = torch.tensor([4, 0, 9, 1, 8], dtype=torch.int32)  # an empty group; rows 22 = sum(counts)
+    x = torch.randn(22, M, dtype=D, requires_grad=True)
+    w = torch.randn(E, M, N, dtype=D, requires_grad=True)
+    for offs in (None, row_offsets(counts)):
+        torch.library.opcheck(custom_ops._grouped_mm, (x, w, counts, offs, "reference"))
+    torch.library.opcheck(custom_ops._grouped_mm, (x.detach(), w, counts, None, "reference"))  # dw only
