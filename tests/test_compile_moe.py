@@ -70,3 +70,18 @@ def test_reference_custom_ops_opcheck():
     for offs in (None, row_offsets(counts)):
         torch.library.opcheck(custom_ops._grouped_mm, (x, w, counts, offs, "reference"))
     torch.library.opcheck(custom_ops._grouped_mm, (x.detach(), w, counts, None, "reference"))  # dw only
+
+
+def test_moe_layer_new_batch_sizes_compile_once_more(capacity_factor=1.25):
+    """A second token count recompiles once with S symbolic (C and the buffer rows from S's shape,
+    not from a tensor value); a third reuses that graph."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(2)
+    layer = moe_layer("reference", capacity_factor, D)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for S in (13, 17, 29):
+        x = torch.randn(S, 12, dtype=D)
+        torch.testing.assert_close(compiled(x)[0], layer(x)[0], rtol=1e-12, atol=1e-12)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["stats"])
