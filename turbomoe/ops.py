@@ -162,7 +162,8 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
     [S, 2] and counts including the second choices; aux and z are first's (DeepSpeed's top-2 aux
     counts first choices only). rand [S, E] fp32 in [0, 1): the uniforms of the noise; None draws
     torch.rand(S, E) as DeepSpeed's gumbel_rsample does, so the same seed samples the same experts.
-    The cuda backend fuses the op into one kernel each way; triton and reference run the reference.
+    The cuda backend fuses the op into one kernel each way (eagerly); triton, reference and any
+    backend under torch.compile run the reference.
     """
     _check_float("logits", logits_SE, 2)
     if logits_SE.dtype not in (torch.float32, torch.float64):
@@ -179,7 +180,8 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
         raise ValueError(f"rand must be float32 [{S}, {E}], got {rand_SE.dtype} {tuple(rand_SE.shape)}")
     _check_same_device(logits=logits_SE, expert_ids=first.expert_ids, rand=rand_SE)
     backend = choose_backend(logits_SE, backend, E)
-    if backend == "cuda":
+    # While compiling, the reference (plain PyTorch, traced; the same draws): the fused kernel is no custom op.
+    if backend == "cuda" and not torch.compiler.is_compiling():
         ids, scores, counts = _second_expert_fn(logits_SE, first.expert_ids, first.scores, first.counts, rand_SE, csrc)
     else:
         ids, scores, counts = reference.second_expert(logits_SE, first.expert_ids, first.scores, first.counts,
