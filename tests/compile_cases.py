@@ -18,18 +18,18 @@ def moe_layer(backend, capacity_factor, dtype, **kw):
                     **kw)
 
 
-def ds_layer(k, drop_tokens, dtype, expert="swiglu"):
+def ds_layer(k, drop_tokens, dtype, expert="swiglu", use_rts=False):
     from torch import nn
     from turbomoe.integrations.deepspeed import MoE, SwiGLUExpert
     module = (SwiGLUExpert(12, 6) if expert == "swiglu"
               else nn.Sequential(nn.Linear(12, 6), nn.GELU(), nn.Linear(6, 12)))
-    return MoE(12, module, num_experts=5, k=k, drop_tokens=drop_tokens, use_rts=False, min_capacity=0,
+    return MoE(12, module, num_experts=5, k=k, drop_tokens=drop_tokens, use_rts=use_rts, min_capacity=0,
                capacity_factor=1.0).to(dtype)
 
 
 def run(model, x):
     """loss, its input and parameter gradients, and the model's other outputs (detached)."""
-    torch.manual_seed(0)  # the same draws (DeepSpeed's sampled second expert) in both runs
+    torch.manual_seed(0)  # the same draws (sampled second expert, RTS seeds) in both runs
     x = x.detach().requires_grad_()
     out = model(x)
     loss = out[0].square().sum() + sum(o.float().sum() for o in out[1:] if o.is_floating_point())

@@ -85,3 +85,28 @@ def test_moe_layer_new_batch_sizes_compile_once_more(capacity_factor=1.25):
         x = torch.randn(S, 12, dtype=D)
         torch.testing.assert_close(compiled(x)[0], layer(x)[0], rtol=1e-12, atol=1e-12)
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["stats"])
+
+
+def test_random_token_selection_in_training_compiles():
+    """RTS draws a fresh seed each training step from torch's CPU generator; compiled, the draw is a
+    tensor mixed into the seed inside the assign_slots op (no host int), and drops the same routes."""
+    torch.manual_seed(4)
+    layer = moe_layer("reference", 0.5, D, drop_policy="rts").train()
+    x = torch.randn(13, 12, dtype=D)
+    compiled = assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12, custom_ops=REFERENCE_OPS)
+    torch.testing.assert_close(compiled.expert_load, layer.expert_load)
+    pytest.importorskip("deepspeed")  # stock's default top-1: drop_tokens with use_rts
+    assert_compiles_like_eager(ds_layer(1, True, D, use_rts=True).train(), x, rtol=1e-12, atol=1e-12,
+                               custom_ops=REFERENCE_OPS[:2])
+
+
+def test_seed_draw_is_mixed_into_the_seed_and_checked():
+    from turbomoe import ops
+    g = ops.topk_gating(torch.randn(13, 5, dtype=D), 2)
+    draw = torch.tensor([123456789], dtype=torch.int64)
+    mixed = ops.assign_slots(g.expert_ids, g.scores, 5, capacity=2, drop_policy="rts", seed=7, seed_draw=draw)
+    plain = ops.assign_slots(g.expert_ids, g.scores, 5, capacity=2, drop_policy="rts", seed=7 ^ 123456789)
+    assert torch.equal(mixed.slots, plain.slots)
+    for bad in (7, torch.tensor([1, 2]), torch.tensor([1.0]), torch.tensor([1], dtype=torch.int32)):
+        with pytest.raises(TypeError, match="seed_draw"):
+            ops.assign_slots(g.expert_ids, g.scores, 5, capacity=2, drop_policy="rts", seed_draw=bad)

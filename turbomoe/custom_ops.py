@@ -113,21 +113,26 @@ def topk_gating(logits_SE, k: int, score_func: str, renormalize: bool, selection
 
 @torch.library.custom_op("turbomoe::assign_slots", mutates_args=())
 def _assign_slots(expert_ids_SK: torch.Tensor, scores_SK: torch.Tensor, num_experts: int, capacity: Optional[int],
-                  drop_policy: str, seed: int, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                  drop_policy: str, seed: int, backend: str,
+                  seed_draw: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """seed_draw: ops.assign_slots' (a CPU tensor; reading it here is no device sync)."""
     impl = reference if backend == "reference" else ops._impl(backend)
+    seed = seed if seed_draw is None else seed ^ int(seed_draw)
     s = impl.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
     return s.slots.contiguous(), s.kept_counts
 
 
 @_assign_slots.register_fake
-def _(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend):
+def _(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend, seed_draw=None):
     return (expert_ids_SK.new_empty(expert_ids_SK.shape, dtype=torch.int32),
             expert_ids_SK.new_empty(num_experts, dtype=torch.int32))
 
 
 def assign_slots(expert_ids_SK, scores_SK, num_experts: int, capacity: Optional[int], drop_policy: str, seed: int,
-                 backend: str) -> Slots:
-    slots_SK, kept_E = _assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend)
+                 backend: str, seed_draw: Optional[torch.Tensor] = None) -> Slots:
+    # The kernels hash the seed's low 32 bits (reference.hash32_int): so masked, any seed fits the op's int64.
+    slots_SK, kept_E = _assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed & 0xFFFFFFFF,
+                                     backend, seed_draw)
     S, k = expert_ids_SK.shape
     return Slots(slots_SK, kept_E, S * k if capacity is None else num_experts * capacity, capacity)
 

@@ -195,11 +195,14 @@ def assign_slots(expert_ids_SK: torch.Tensor,
                  capacity: Optional[int] = None,
                  drop_policy: str = "position",
                  seed: int = 0,
-                 backend: Optional[str] = None) -> Slots:
+                 backend: Optional[str] = None,
+                 seed_draw: Optional[torch.Tensor] = None) -> Slots:
     """expert_ids [S, k] (+ scores for the probs policy) -> slots [S, k] int32, kept counts [E].
 
     capacity=None is dropless: rows [0, S*k), expert-contiguous. Otherwise expert e owns rows
     [e*C, (e+1)*C) and over-full experts drop routes by drop_policy (rts, position, probs).
+    seed_draw: an optional one-element int64 CPU tensor (a draw from torch's generator) mixed into
+    the rts seed, seed ^ draw: how torch.compiled code passes a fresh seed it cannot read as an int.
     """
     _check_index("expert_ids", expert_ids_SK)
     if expert_ids_SK.dim() != 2:
@@ -214,11 +217,18 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     check_seed(seed)
+    if seed_draw is not None:
+        if not (isinstance(seed_draw, torch.Tensor) and seed_draw.dtype == torch.int64 and seed_draw.numel() == 1
+                and seed_draw.device.type == "cpu"):
+            raise TypeError(f"seed_draw must be a one-element int64 CPU tensor, got {seed_draw!r}")
     backend = choose_backend(expert_ids_SK, backend, num_experts)
     if torch.compiler.is_compiling():  # every backend: the reference's output shapes depend on values
         if expert_ids_SK.dtype == torch.int64:  # the kernels' int32 (see below); the reference takes either
             expert_ids_SK = _narrow_index(expert_ids_SK, num_experts)
-        return custom_ops.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend)
+        return custom_ops.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend,
+                                       seed_draw)
+    if seed_draw is not None:
+        seed ^= int(seed_draw)  # a CPU tensor: no device sync
     if backend == "reference":
         return reference.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
     if expert_ids_SK.dtype == torch.int64:

@@ -100,7 +100,8 @@ class TurboMOELayer(MOELayer):
         self.exp_counts = routes.counts.long().detach()  # stock: int64 routes per expert before capacity
         C = None if rows_layout else expert_capacity(gate, x_SM.shape[0], routes.counts, self.ep_group)
         policy = drop_policy(gate)
-        seed = int(torch.randint(0, 2**31 - 1, (1, ))) if gate.drop_tokens and policy == "rts" else 0
+        # A tensor (assign_slots mixes it into seed 0), not an int: torch.compile traces it.
+        seed_draw = torch.randint(0, 2**31 - 1, (1, )) if gate.drop_tokens and policy == "rts" else None
         ids_SK, scores_SK = routes.expert_ids, routes.scores
         # With tensor parallelism the row within C decides which TP rank runs a route (drop_tokens
         # splits the C dim), so place top-2 routes where stock does: all first choices, then all
@@ -109,7 +110,8 @@ class TurboMOELayer(MOELayer):
         choice_major = gate.k == 2 and C is not None and bwc_tensor_model_parallel_world_size(groups.mpu) > 1
         if choice_major:
             ids_SK, scores_SK = ids_SK.t().reshape(-1, 1), scores_SK.t().reshape(-1, 1)
-        s = ops.assign_slots(ids_SK, scores_SK, routes.counts.shape[0], capacity=C, drop_policy=policy, seed=seed)
+        s = ops.assign_slots(ids_SK, scores_SK, routes.counts.shape[0], capacity=C, drop_policy=policy,
+                             seed_draw=seed_draw)
         if choice_major:
             s = s._replace(slots=s.slots.view(gate.k, -1).t().contiguous())
         return s, routes.scores

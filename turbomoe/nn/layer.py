@@ -68,8 +68,8 @@ class MoELayer(nn.Module):
         g, aux_loss = self.router(x_SM)
         C = None if self.capacity_factor is None else ops.capacity(S, E, self.k, self.capacity_factor,
                                                                    self.min_capacity)
-        s = ops.assign_slots(g.expert_ids, g.scores, E, capacity=C, drop_policy=self.drop_policy,
-                             seed=self._rts_seed(C), backend=self.backend)
+        s = ops.assign_slots(g.expert_ids, g.scores, E, capacity=C, drop_policy=self.drop_policy, seed=self.seed,
+                             backend=self.backend, seed_draw=self._rts_draw(C))
         # Passing the Slots (not the bare table) lets the kernels find empty rows from the kept counts.
         buf_RM = ops.scatter_tokens(x_SM, s, backend=self.backend)
         # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
@@ -81,16 +81,17 @@ class MoELayer(nn.Module):
         self.expert_load = s.kept_counts.detach()
         return out_SM.view(x.shape), aux_loss
 
-    def _rts_seed(self, capacity: Optional[int]) -> int:
-        """The seed of this forward's random token selection: `seed` in eval, and in training `seed`
-        mixed with a draw from torch's CPU generator, a fresh selection each step. That generator is
+    def _rts_draw(self, capacity: Optional[int]) -> Optional[torch.Tensor]:
+        """What makes this forward's random token selection: nothing in eval (`seed` alone), and in
+        training a draw from torch's CPU generator that assign_slots mixes into `seed` (seed ^ draw),
+        a fresh selection each step. A tensor, not an int, so torch.compile traces it. That generator is
         the state activation checkpointing saves and restores (torch.utils.checkpoint, Megatron's and
         DeepSpeed's recomputation), so a recomputed forward drops the same routes and the gradients
         are those of the forward; it lives on the host, so the draw is no device sync. To resume the
         same stream, restore `seed` (in the state dict) and torch's RNG state (torch.set_rng_state)."""
         if not (self.training and self.drop_policy == "rts" and capacity is not None):
-            return self.seed
-        return self.seed ^ int(torch.randint(0, 1 << 62, (1, )))
+            return None
+        return torch.randint(0, 1 << 62, (1, ))
 
     def get_extra_state(self):
         return {"seed": self.seed}
