@@ -5,6 +5,8 @@
 #   bash scripts/gpu_megatron_deepspeed.sh 1gpu    # one GPU: the layer timing, two MoE configurations
 #   bash scripts/gpu_megatron_deepspeed.sh 2gpu    # two GPUs: tensor parallel 2 with expert parallel 2,
 #                                                  # and tensor parallel 2 with expert tensor parallelism
+#   bash scripts/gpu_megatron_deepspeed.sh both    # two GPUs, shortest: one-GPU pair side by side,
+#                                                  # layer timing, tensor parallel 2 with expert parallel 2
 #
 # PEER: a Megatron-DeepSpeed tree at the pinned commit below (git archive of
 # github.com/microsoft/Megatron-DeepSpeed; megatron/ and pretrain_gpt.py suffice) with wheels/ holding a
@@ -48,7 +50,7 @@ python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspee
 
 # Its dataset helpers (pretrain_gpt.py runs this make too; built here once, before any timing).
 make -s -C "$PEER/megatron/data" 2>&1 | tail -3
-DATA=$WORK/data/markov
+DATA=${DATA:-$WORK/data/markov}  # a carried copy saves its ~10 s of imports and writing
 [ -f "$DATA.idx" ] || (mkdir -p "$WORK/data" && python3 "$ROOT/scripts/megatron_deepspeed.py" data "$DATA")
 cat > "$WORK/ds.json" <<EOF
 {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 100000,
@@ -67,39 +69,53 @@ MOE="--num-experts 16 --topk 2 --moe-train-capacity-factor 1.0 --moe-eval-capaci
  --moe-loss-coeff 0.01 --create-moe-param-group --disable-moe-top2-2nd-expert-sampling"
 PORT=29611
 
-train() {  # train NAME GPUS stock|turbo EXTRA_ARGS...: pretrain_gpt.py through DeepSpeed's launcher
+train() {  # train NAME GPUS stock|turbo EXTRA_ARGS...: pretrain_gpt.py through DeepSpeed's launcher.
+  # GPUS: a count (--num_gpus), or localhost:I to run on GPU I alone (two one-GPU runs side by side).
   local name=$1 gpus=$2 impl=$3; shift 3
-  local module=""
+  local module="" where="--num_gpus $gpus"
   [ "$impl" = turbo ] && module="--module turbomoe.integrations.run_with_turbomoe"
+  [[ "$gpus" == localhost:* ]] && where="--include $gpus"
   PORT=$((PORT + 1))
-  echo "== $name $impl: deepspeed --num_gpus $gpus $module pretrain_gpt.py $MOE $*" | tr -s ' \n' ' '; echo
-  (cd "$PEER" && timeout "${RUN_TIMEOUT:-170}" python3 -m deepspeed.launcher.runner --num_gpus "$gpus" \
+  echo "== $name $impl: deepspeed $where $module pretrain_gpt.py $MOE $*" | tr -s ' \n' ' '; echo
+  (cd "$PEER" && timeout "${RUN_TIMEOUT:-170}" python3 -m deepspeed.launcher.runner $where \
      --master_port $PORT $module pretrain_gpt.py $GPT $MOE $DS "$@") > "$OUT/${name}_$impl.log" 2>&1
-  echo "   exit $? ($(grep -c 'lm loss' "$OUT/${name}_$impl.log") logged steps)"; date -u
+  echo "   $name $impl: exit $? ($(grep -c 'lm loss' "$OUT/${name}_$impl.log") logged steps)"; date -u
   grep -m3 -E "Error|error:|Traceback" "$OUT/${name}_$impl.log" | head -3
 }
 
-SUMMARY=()
-if [ "$MODE" = 1gpu ]; then
-  # The MoE layer alone (one process: Megatron's initialize without the launcher)
-  (cd "$PEER" && RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29610 timeout 150 \
-     python3 "$ROOT/scripts/megatron_deepspeed.py" layer --experts 16 32 --tokens 8192 --json "$OUT/layer.json" \
-     $GPT $MOE --moe-expert-parallel-size 1) > "$OUT/layer.log" 2>&1
+layer() {  # the MoE layer alone (one process: Megatron's initialize without the launcher), on GPU $1
+  (cd "$PEER" && CUDA_VISIBLE_DEVICES=$1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29610 \
+     timeout "${LAYER_TIMEOUT:-150}" python3 "$ROOT/scripts/megatron_deepspeed.py" layer --experts 16 32 --tokens 8192 \
+     --json "$OUT/layer.json" $GPT $MOE --moe-expert-parallel-size 1) > "$OUT/layer.log" 2>&1
   echo "== layer: exit $?"; date -u
-  for impl in stock turbo; do train capacity 1 $impl --moe-expert-parallel-size 1; done
-  SUMMARY+=(capacity "$OUT/capacity_stock.log" "$OUT/capacity_turbo.log")
-  for impl in stock turbo; do
-    train dropless_residual 1 $impl --moe-expert-parallel-size 1 --disable-moe-token-dropping --mlp-type residual
-  done
-  SUMMARY+=(dropless_residual "$OUT/dropless_residual_stock.log" "$OUT/dropless_residual_turbo.log")
-else
-  for impl in stock turbo; do train tp2_ep2 2 $impl --tensor-model-parallel-size 2 --moe-expert-parallel-size 2; done
-  SUMMARY+=(tp2_ep2 "$OUT/tp2_ep2_stock.log" "$OUT/tp2_ep2_turbo.log")
-  for impl in stock turbo; do
-    train tp2_expert_tp 2 $impl --tensor-model-parallel-size 2 --moe-expert-parallel-size 1 --enable-expert-tensor-parallelism
-  done
-  SUMMARY+=(tp2_expert_tp "$OUT/tp2_expert_tp_stock.log" "$OUT/tp2_expert_tp_turbo.log")
-fi
+}
+
+ONE="--moe-expert-parallel-size 1"
+DROPLESS_RESIDUAL="--moe-expert-parallel-size 1 --disable-moe-token-dropping --mlp-type residual"
+TP2_EP2="--tensor-model-parallel-size 2 --moe-expert-parallel-size 2"
+TP2_ETP="--tensor-model-parallel-size 2 --moe-expert-parallel-size 1 --enable-expert-tensor-parallelism"
+SUMMARY=()
+case "$MODE" in
+  1gpu)  # one GPU, one run at a time
+    layer 0
+    for impl in stock turbo; do train capacity 1 $impl $ONE; done
+    for impl in stock turbo; do train dropless_residual 1 $impl $DROPLESS_RESIDUAL; done
+    SUMMARY+=(capacity "$OUT/capacity_stock.log" "$OUT/capacity_turbo.log")
+    SUMMARY+=(dropless_residual "$OUT/dropless_residual_stock.log" "$OUT/dropless_residual_turbo.log") ;;
+  2gpu)  # two GPUs: TP 2 with EP 2, then TP 2 with expert tensor parallelism
+    for impl in stock turbo; do train tp2_ep2 2 $impl $TP2_EP2; done
+    for impl in stock turbo; do train tp2_expert_tp 2 $impl $TP2_ETP; done
+    SUMMARY+=(tp2_ep2 "$OUT/tp2_ep2_stock.log" "$OUT/tp2_ep2_turbo.log")
+    SUMMARY+=(tp2_expert_tp "$OUT/tp2_expert_tp_stock.log" "$OUT/tp2_expert_tp_turbo.log") ;;
+  both)  # one call on two GPUs: the one-GPU pair side by side (stock on GPU 0, turbomoe on GPU 1),
+         # the layer timing, then TP 2 with EP 2
+    train capacity localhost:0 stock $ONE & train capacity localhost:1 turbo $ONE & wait
+    layer 0
+    for impl in stock turbo; do train tp2_ep2 2 $impl $TP2_EP2; done
+    SUMMARY+=(capacity "$OUT/capacity_stock.log" "$OUT/capacity_turbo.log")
+    SUMMARY+=(tp2_ep2 "$OUT/tp2_ep2_stock.log" "$OUT/tp2_ep2_turbo.log") ;;
+  *) echo "usage: $0 1gpu|2gpu|both"; exit 2 ;;
+esac
 python3 "$ROOT/scripts/megatron_deepspeed.py" summary "${SUMMARY[@]}" | tee "$OUT/summary.txt"
-[ "$MODE" = 1gpu ] && tail -4 "$OUT/layer.log"
+[ -f "$OUT/layer.log" ] && tail -4 "$OUT/layer.log"
 date -u

@@ -1,8 +1,10 @@
 """Helpers of scripts/gpu_megatron_deepspeed.sh (Megatron-DeepSpeed's own pretrain_gpt.py, stock and
 on turbomoe). Subcommands:
 
-  shims DIR SITE   what the GPU machine lacks for Megatron-DeepSpeed: apex (its fused LayerNorm is
-                   imported unconditionally on CUDA; here F.layer_norm, the same math, in both runs),
+  shims DIR SITE   what the GPU machine lacks for Megatron-DeepSpeed: apex (on CUDA it imports apex's
+                   fused LayerNorm, FusedAdam and multi-tensor applier with amp_C unconditionally;
+                   here F.layer_norm, torch's AdamW (apex's FusedAdam is AdamW by default) and
+                   plain loops, the same math, in both runs),
                    python3-config (its dataset helpers' Makefile asks it for the module suffix), and
                    torchvision and PIL, which megatron/training.py imports through its vision models'
                    modules (names only: a GPT run never calls them). Only for packages that are
@@ -53,6 +55,40 @@ class FusedLayerNormAffineFunction:
 
     apply = forward
 '''
+APEX_OPTIMIZERS = '''import torch
+
+
+class FusedAdam(torch.optim.AdamW):
+    """apex's FusedAdam in its default adam_w_mode (decoupled weight decay): torch's AdamW."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, set_grad_none=True):
+        if not (adam_w_mode and bias_correction):
+            raise NotImplementedError("this FusedAdam stand-in is AdamW with bias correction only")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+
+
+class FusedSGD(torch.optim.SGD):
+    pass
+'''
+APEX_MULTI_TENSOR_APPLY = '''def multi_tensor_applier(op, noop_flag_buffer, tensor_lists, *args):
+    return op(None, noop_flag_buffer, tensor_lists, *args)
+'''
+AMP_C = '''"""apex's amp_C, the two ops Megatron-DeepSpeed calls, as plain loops (see apex/)."""
+import torch
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor):
+    norms = [t.float().norm() for t in tensor_lists[0]]
+    total = torch.stack(norms).norm() if norms else torch.zeros((), device=noop_flag.device)
+    return total.reshape(1), (torch.stack(norms) if per_tensor and norms else None)
+
+
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    with torch.no_grad():
+        for src, dst in zip(*tensor_lists):
+            dst.copy_(src * scale)
+'''
 PYTHON3_CONFIG = '''#!/bin/sh
 # python3-config's --extension-suffix and --includes, for Megatron-DeepSpeed's dataset helpers' Makefile.
 case "$1" in
@@ -95,6 +131,7 @@ redundancy_clean = init_compression
 def write_shims(root, site):
     files = {"apex/__init__.py": APEX_INIT, "apex/normalization/__init__.py": APEX_NORMALIZATION,
              "apex/normalization/fused_layer_norm.py": APEX_FUSED_LAYER_NORM,
+             "apex/multi_tensor_apply.py": APEX_MULTI_TENSOR_APPLY, "apex/optimizers.py": APEX_OPTIMIZERS, "amp_C.py": AMP_C,
              "fused_layer_norm_cuda.py": '"""Imported (not used) by MixedFusedLayerNorm; see apex/."""\n',
              "bin/python3-config": PYTHON3_CONFIG}
     for rel in ("torchvision/__init__.py", "torchvision/transforms/__init__.py", "torchvision/datasets/__init__.py",
@@ -105,7 +142,7 @@ def write_shims(root, site):
     import importlib.util
     installed = {top for top in ("apex", "torchvision", "PIL") if importlib.util.find_spec(top) is not None}
     if "apex" in installed:
-        installed.add("fused_layer_norm_cuda")  # apex's own extension
+        installed |= {"fused_layer_norm_cuda", "amp_C"}  # apex's own extensions
     compress = os.path.join(site, "deepspeed", "compression", "compress.py")
     if os.path.isdir(os.path.dirname(compress)) and not os.path.exists(compress):
         with open(compress, "w") as f:
