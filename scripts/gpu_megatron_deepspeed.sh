@@ -48,8 +48,16 @@ fi
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"
 
-# Its dataset helpers (pretrain_gpt.py runs this make too; built here once, before any timing).
+# Its dataset helpers (pretrain_gpt.py runs this make too; built here once, before any timing), and a
+# call of the one that pretrain_gpt.py calls: on the H200 machine of 2026-11-23 02:07 UTC it crashed
+# there (SIGSEGV in build_sample_idx, pybind11 3.1.0 wheel); this says so in seconds, not after startup.
 make -s -C "$PEER/megatron/data" 2>&1 | tail -3
+(cd "$PEER" && python3 -c "
+import numpy as np
+from megatron.data import helpers
+print('dataset helpers: numpy', np.__version__, 'sample_idx rows',
+      helpers.build_sample_idx(np.full(8, 100, np.int32), np.arange(8, dtype=np.int32), 50, 1, 800).shape[0])" \
+  | grep -v "^ ") || { echo "Megatron-DeepSpeed's dataset helpers crash here (exit $?): stopping"; exit 1; }
 DATA=${DATA:-$WORK/data/markov}  # a carried copy saves its ~10 s of imports and writing
 [ -f "$DATA.idx" ] || (mkdir -p "$WORK/data" && python3 "$ROOT/scripts/megatron_deepspeed.py" data "$DATA")
 cat > "$WORK/ds.json" <<EOF
@@ -70,12 +78,13 @@ MOE="--num-experts 16 --topk 2 --moe-train-capacity-factor 1.0 --moe-eval-capaci
 PORT=29611
 
 train() {  # train NAME GPUS stock|turbo EXTRA_ARGS...: pretrain_gpt.py through DeepSpeed's launcher.
-  # GPUS: a count (--num_gpus), or localhost:I to run on GPU I alone (two one-GPU runs side by side).
+  # GPUS: a count (--num_gpus), or localhost:I to run on GPU I alone (two one-GPU runs side by side;
+  # the port then depends on I: a background job's PORT increment is not seen by the next job).
   local name=$1 gpus=$2 impl=$3; shift 3
   local module="" where="--num_gpus $gpus"
   [ "$impl" = turbo ] && module="--module turbomoe.integrations.run_with_turbomoe"
   [[ "$gpus" == localhost:* ]] && where="--include $gpus"
-  PORT=$((PORT + 1))
+  PORT=$((PORT + 10 + ${gpus#localhost:}))
   echo "== $name $impl: deepspeed $where $module pretrain_gpt.py $MOE $*" | tr -s ' \n' ' '; echo
   (cd "$PEER" && timeout "${RUN_TIMEOUT:-170}" python3 -m deepspeed.launcher.runner $where \
      --master_port $PORT $module pretrain_gpt.py $GPT $MOE $DS "$@") > "$OUT/${name}_$impl.log" 2>&1
