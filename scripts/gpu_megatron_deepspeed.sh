@@ -48,18 +48,23 @@ fi
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"
 
-# Its dataset helpers (pretrain_gpt.py runs this make too; built here once, before any timing), and a
-# call of the one that pretrain_gpt.py calls: on the H200 machine of 2026-11-23 02:07 UTC it crashed
-# there (SIGSEGV in build_sample_idx, pybind11 3.1.0 wheel); this says so in seconds, not after startup.
+# Its dataset helpers (pretrain_gpt.py runs this make too; built here once, before any timing).
 make -s -C "$PEER/megatron/data" 2>&1 | tail -3
+DATA=${DATA:-$WORK/data/markov}  # a carried copy saves its ~10 s of imports and writing
+[ -f "$DATA.idx" ] || (mkdir -p "$WORK/data" && python3 "$ROOT/scripts/megatron_deepspeed.py" data "$DATA")
+# pretrain_gpt.py calls the helpers' build_sample_idx unless the index maps for these arguments are
+# in $(dirname $DATA)/index-cache. On the H200 machine of 2026-11-23 02:07 UTC that call crashed
+# (SIGSEGV, pybind11 3.1.0 build): call it here first, and go on only if it works or the maps were
+# built elsewhere (same absolute data path and data arguments: they are looked up by a hash of them).
 (cd "$PEER" && python3 -c "
 import numpy as np
 from megatron.data import helpers
 print('dataset helpers: numpy', np.__version__, 'sample_idx rows',
       helpers.build_sample_idx(np.full(8, 100, np.int32), np.arange(8, dtype=np.int32), 50, 1, 800).shape[0])" \
-  | grep -v "^ ") || { echo "Megatron-DeepSpeed's dataset helpers crash here (exit $?): stopping"; exit 1; }
-DATA=${DATA:-$WORK/data/markov}  # a carried copy saves its ~10 s of imports and writing
-[ -f "$DATA.idx" ] || (mkdir -p "$WORK/data" && python3 "$ROOT/scripts/megatron_deepspeed.py" data "$DATA")
+  | grep -v "^ ") || {
+  echo "Megatron-DeepSpeed's dataset helpers crash here (exit $?)"
+  ls "$(dirname "$DATA")"/index-cache/*.dsc >/dev/null 2>&1 || { echo "and no index-cache next to $DATA: stopping"; exit 1; }
+  echo "index maps found in $(dirname "$DATA")/index-cache: going on"; }
 cat > "$WORK/ds.json" <<EOF
 {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 100000,
  "gradient_clipping": 1.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": true},

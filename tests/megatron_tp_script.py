@@ -17,7 +17,6 @@ same input on both ranks, forward and backward of sum(out^2) + l_aux, and record
 difference of the output, l_aux, the input gradient and every parameter gradient.
 Each rank writes DIR/result_{main|expert_tp}_rank{r}.json.
 """
-import argparse
 import json
 import math
 import os
@@ -29,7 +28,7 @@ import torch.distributed as tdist
 from deepspeed.moe.layer import MoE as StockMoE
 from torch import nn
 
-from ds_tp_script import MegatronStyleMPU, gloo_all_gather_into_tensor_shim, rel, run
+from ds_tp_script import MegatronStyleMPU, init_two_ranks, rel, run
 from megatron_parallel_mlp import ParallelMLP
 from turbomoe.integrations import deepspeed as tds
 
@@ -64,13 +63,7 @@ def build_pair(case, ep_size, act, kw, expert_tp, tp_group):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--expert-tp", action="store_true")
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
-    gloo_all_gather_into_tensor_shim()
+    args = init_two_ranks()
     torch.set_num_threads(1)
     mpu = MegatronStyleMPU()
     # Expert TP: the linears sum over the TP group; otherwise each rank's experts are whole.
