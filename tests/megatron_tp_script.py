@@ -11,7 +11,8 @@ The experts are tests/megatron_parallel_mlp.py's ParallelMLP on megatron-core's 
       ep_size 1 and 2.
   with --expert-tp (enable_expert_tensor_parallelism): the linears are sliced over the TP group
       (column: ffn/2 rows of W1 and b1; row: ffn/2 columns of W2), the input gradient and the output
-      are summed over it; MOELayer gathers all rows onto both ranks.
+      are summed over it; MOELayer gathers all rows onto both ranks. In one case turbomoe's copies
+      of the linears hold no group, as Megatron-DeepSpeed's: it sums over the registered mpu's.
 Each case builds stock's and turbomoe's MoE with the same weights (each rank its own slices), the
 same input on both ranks, forward and backward of sum(out^2) + l_aux, and records the relative
 difference of the output, l_aux, the input gradient and every parameter gradient.
@@ -46,6 +47,7 @@ EXPERT_TP_CASES = {
     "etp_top1_squared_relu": (1, "squared_relu", dict(k=1, capacity_factor=float(E), use_rts=False)),
     "etp_top2_swiglu_drops": (1, "swiglu", dict(k=2, capacity_factor=0.5)),
 }
+GROUP_FROM_MPU = {"etp_top1_squared_relu"}
 
 
 def build_pair(case, ep_size, act, kw, expert_tp, tp_group):
@@ -59,6 +61,11 @@ def build_pair(case, ep_size, act, kw, expert_tp, tp_group):
         with torch.no_grad():
             p.copy_(torch.randn(p.shape, generator=g) * (1 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 0.1))
     turbo.load_state_dict(stock.state_dict())
+    if case in GROUP_FROM_MPU:
+        # As Megatron-DeepSpeed's own linears, which keep no group: turbomoe then sums over the
+        # tensor-parallel group of the mpu registered with DeepSpeed (stock's keep theirs).
+        for e in turbo.deepspeed_moe.experts.deepspeed_experts:
+            e.dense_h_to_4h.tp_group = e.dense_4h_to_h.tp_group = None
     return nn.ModuleDict({"stock": stock, "turbo": turbo})
 
 

@@ -90,6 +90,9 @@ def test_not_understood_runs_one_by_one():
     e = expert()
     e.dense_h_to_4h.gather_output = True
     assert fast_path_kind([e]) is None
+    e = expert()
+    del e.dense_4h_to_h.sequence_parallel  # an attribute of the contract missing
+    assert fast_path_kind([e]) is None
 
     class Subclass(ParallelMLP):  # its own forward: the contract may not hold
         def forward(self, x):

@@ -45,31 +45,34 @@ def _is(module: nn.Module, name: str) -> bool:
 def _plain(lin: nn.Module) -> bool:
     """No sequence parallelism, no fused gradient accumulation, no expert communication left to
     the caller (megatron-core), no deferred weight gradients: the linear is x @ W^T (+ b) and its
-    tensor-parallel sum."""
+    tensor-parallel sum. A missing attribute counts against it."""
     cfg = getattr(lin, "config", None)
     return (isinstance(getattr(lin, "weight", None), torch.Tensor) and lin.weight.dim() == 2
-            and not lin.sequence_parallel and not lin.gradient_accumulation_fusion
+            and getattr(lin, "sequence_parallel", True) is False
+            and getattr(lin, "gradient_accumulation_fusion", True) is False
             and not getattr(lin, "explicit_expert_comm", False) and not getattr(lin, "disable_grad_reduce", False)
             and not getattr(cfg, "defer_embedding_wgrad_compute", False)
-            and getattr(cfg, "_cpu_offloading_context", None) is None)
+            and getattr(cfg, "_cpu_offloading_context", None) is None
+            and isinstance(getattr(lin, "input_size", None), int) and isinstance(getattr(lin, "output_size", None), int)
+            and isinstance(getattr(lin, "skip_bias_add", None), bool))
 
 
 def _column_signature(lin: nn.Module):
-    if not (_is(lin, "ColumnParallelLinear") and _plain(lin) and not lin.gather_output):
+    if not (_is(lin, "ColumnParallelLinear") and _plain(lin) and getattr(lin, "gather_output", True) is False):
         return None
     n, k = lin.weight.shape
     if k != lin.input_size or lin.output_size % n:
         return None
-    return (n, k, lin.bias is not None, lin.skip_bias_add, lin.output_size // n)
+    return (n, k, getattr(lin, "bias", None) is not None, lin.skip_bias_add, lin.output_size // n)
 
 
 def _row_signature(lin: nn.Module):
-    if not (_is(lin, "RowParallelLinear") and _plain(lin) and lin.input_is_parallel):
+    if not (_is(lin, "RowParallelLinear") and _plain(lin) and getattr(lin, "input_is_parallel", False) is True):
         return None
     m, n = lin.weight.shape
     if m != lin.output_size or lin.input_size % n:
         return None
-    return (m, n, lin.bias is not None, lin.skip_bias_add, lin.input_size // n)
+    return (m, n, getattr(lin, "bias", None) is not None, lin.skip_bias_add, lin.input_size // n)
 
 
 def _activation_key(act) -> Optional[str]:
