@@ -293,7 +293,8 @@ def run_case(case, pair, ep_size, kw, expert_tp):
     return rec
 
 
-def main():
+def init_two_ranks():
+    """The launched script's arguments (--workdir DIR [--expert-tp]), once gloo is up with the shim."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--expert-tp", action="store_true")
@@ -301,6 +302,11 @@ def main():
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     gloo_all_gather_into_tensor_shim()
+    return args
+
+
+def main():
+    args = init_two_ranks()
     rank = tdist.get_rank()
     assert tdist.get_world_size() == 2
     torch.set_num_threads(1)

@@ -29,13 +29,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(workdir, expert_tp):
+def launch(workdir, expert_tp, script=SCRIPT):
+    """Run script (a tests/ file) on two gloo ranks; its per-rank JSON results."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     env.pop("TURBOMOE_PATCH_DEEPSPEED", None)  # the script builds stock layers by name
     launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), SCRIPT, "--workdir", str(workdir)]
+    script = os.path.join(ROOT, "tests", script)
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), script, "--workdir", str(workdir)]
     cmd += ["--expert-tp"] if expert_tp else []
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

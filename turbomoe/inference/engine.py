@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.hf_names import to_hf_state_dict
-from ..models.qwen3_moe import apply_rotary, rotary_cos_sin
+from ..models.qwen3_moe import rotary_cos_sin
 from .moe import SparseMoE
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -84,10 +84,7 @@ class Engine:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x_BTH)
-            q = attn.q_norm(attn.q_proj(h).view(B, T, attn.num_heads, attn.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim)).transpose(1, 2)
-            v = attn.v_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k, v = attn.project(h, cos, sin)
             kc, vc = self.cache[i]
             kc[:B].index_copy_(2, slots_T, k)
             vc[:B].index_copy_(2, slots_T, v)

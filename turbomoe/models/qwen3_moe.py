@@ -68,12 +68,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x_BTH, cos_TD, sin_TD):
+    def project(self, x_BTH, cos_TD, sin_TD):
+        """q [B, N, T, D], k and v [B, G, T, D]: normed and rotated (the inference engine's KV cache
+        takes k and v from here too). cos and sin broadcast against [B, heads, T, D]."""
         B, T, _ = x_BTH.shape
         q = self.q_norm(self.q_proj(x_BTH).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BTH).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BTH).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos_TD, sin_TD), apply_rotary(k, cos_TD, sin_TD)
+        return apply_rotary(q, cos_TD, sin_TD), apply_rotary(k, cos_TD, sin_TD), v
+
+    def forward(self, x_BTH, cos_TD, sin_TD):
+        B, T, _ = x_BTH.shape
+        q, k, v = self.project(x_BTH, cos_TD, sin_TD)
         if self.num_kv_heads != self.num_heads:
             groups = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

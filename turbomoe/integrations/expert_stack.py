@@ -1,0 +1,154 @@
+"""Per-expert parameters seen as one stacked tensor, and the two row layouts of grouped GEMMs.
+
+The local experts' parameters stay in their own modules (per-expert state dict and checkpoint
+files); `pack_expert_params` moves them into one flat buffer in module order (as ZeRO packs them),
+so that `stack_expert_tensors` sees expert e's weight as block e of an [E, N, K] view, not a copy
+made every step. `EqualGroups` runs a GEMM per expert on the capacity buffer [E, C, K] (batched),
+`RowGroups` on expert-contiguous rows [R, K] with the counts on the device (grouped).
+"""
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
+
+
+class _AliasStack(torch.autograd.Function):
+    """Per-expert blocks of tensors that lie at a fixed stride in one storage, seen as one
+    [E, rows, *rest] tensor without a copy; the backward splits the gradient back per tensor."""
+
+    @staticmethod
+    def forward(ctx, shape, stride, block_rows, *tensors):
+        ctx.block_rows = block_rows
+        first = tensors[0]
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows = ctx.block_rows
+        if len(set(rows)) == 1:  # blocks of equal rows ([w1; w3], or one tensor): one unbind, not E splits
+            pieces = grad.reshape(-1, rows[0], *grad.shape[2:]).unbind(0)
+        else:
+            pieces = [p for block in grad.unbind(0) for p in block.split(rows, 0)]
+        return (None, None, None, *pieces)
+
+
+def _alias_stride(blocks: List[List[torch.Tensor]]) -> Optional[int]:
+    """Element stride between expert blocks when the blocks can be aliased as one tensor, else None.
+
+    Needs: one storage, dtype and trailing shape; each tensor contiguous; the tensors of a block
+    back to back; blocks at a constant stride. Parameters packed by `pack_expert_params` and
+    DeepSpeed ZeRO-1/2's flat buffers (parameters in module order) are laid out this way.
+    """
+    first = blocks[0][0]
+    storage, rest = first.untyped_storage().data_ptr(), first.shape[1:]
+    starts = []
+    for block in blocks:
+        offset = block[0].storage_offset()
+        starts.append(offset)
+        for t in block:
+            if (t.dtype != first.dtype or t.shape[1:] != rest or not t.is_contiguous()
+                    or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
+                return None
+            offset += t.numel()
+    block_numel = offset - starts[-1]
+    stride = starts[1] - starts[0] if len(starts) > 1 else block_numel
+    if stride < block_numel or any(b - a != stride for a, b in zip(starts, starts[1:])):
+        return None
+    return stride
+
+
+# (address, shape, dtype, contiguity) of every tensor -> _alias_stride's answer: the check reads
+# each tensor's storage, ~0.1 ms of host time per call at 64 experts; the key costs half of that.
+# The same key gives the same answer: live storages do not overlap.
+_ALIAS_STRIDES: Dict[tuple, Optional[int]] = {}
+
+
+def _alias_stride_cached(blocks: List[List[torch.Tensor]]) -> Optional[int]:
+    key = (len(blocks[0]), ) + tuple((t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) for b in blocks for t in b)
+    if key not in _ALIAS_STRIDES:
+        if len(_ALIAS_STRIDES) >= 256:  # parameters moved many times: forget the old layouts
+            _ALIAS_STRIDES.clear()
+        _ALIAS_STRIDES[key] = _alias_stride(blocks)
+    return _ALIAS_STRIDES[key]
+
+
+def stack_expert_tensors(blocks: List[List[torch.Tensor]]) -> torch.Tensor:
+    """[E, rows, *rest]: expert e's tensors concatenated along dim 0, stacked over experts.
+
+    Aliases the parameters' storage when it can (no copy) eagerly; otherwise, and under torch.compile,
+    copies them (torch.stack).
+    """
+    block_rows = [t.shape[0] for t in blocks[0]]
+    first = blocks[0][0]
+    shape = (len(blocks), sum(block_rows)) + tuple(first.shape[1:])
+    # While compiling, a copy: the alias check reads storage addresses, which the compiler cannot trace.
+    stride = None if torch.compiler.is_compiling() else _alias_stride_cached(blocks)
+    if stride is None:  # the tensors of a block have equal rows ([w1; w3]), so stacking them all works
+        return torch.stack([t for block in blocks for t in block]).view(shape)
+    inner = torch.empty(shape[1:], device="meta").stride()
+    return _AliasStack.apply(shape, (stride, ) + inner, block_rows, *[t for block in blocks for t in block])
+
+
+def pack_expert_params(experts: nn.ModuleList) -> None:
+    """Move the local experts' parameters into one flat buffer, in module order (as ZeRO does), so
+    that `stack_expert_tensors` can alias them. Names, values and the state dict do not change."""
+    params = [p for e in experts for p in e.parameters()]
+    if not params or len({(p.dtype, p.device) for p in params}) != 1:
+        return
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            view = flat[offset:offset + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+            offset += p.numel()
+
+
+class _BatchedLinear(torch.autograd.Function):
+    """y [E, C, N] = x [E, C, K] @ w [E, N, K]^T, one batched GEMM each way.
+
+    Its backward computes dw in w's own [E, N, K] layout: autograd's bmm would return it transposed,
+    and every expert parameter's gradient would then be copied to make it contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ECK, w_ENK):
+        ctx.save_for_backward(x_ECK, w_ENK)
+        return torch.bmm(x_ECK, w_ENK.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, dy_ECN):
+        x_ECK, w_ENK = ctx.saved_tensors
+        dx = torch.bmm(dy_ECN, w_ENK) if ctx.needs_input_grad[0] else None
+        dw = torch.bmm(dy_ECN.transpose(1, 2), x_ECK) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+class EqualGroups:
+    """Expert e owns x[e] of x [E, C, K] (the capacity buffer): batched GEMMs."""
+
+    def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        return _BatchedLinear.apply(x_ECK, w_ENK)
+
+    def add_bias(self, y_ECN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
+        # A separate add: baddbmm with a broadcast bias takes a slow path on the CPU.
+        return y_ECN + b_EN.unsqueeze(1)
+
+
+class RowGroups:
+    """Expert e owns counts[e] consecutive rows of x [R, K] (the dropless layout): grouped GEMMs
+    with the counts on the device, so no host sync."""
+
+    def __init__(self, counts_E: torch.Tensor, num_rows: int):
+        self.counts_E = counts_E
+        self.num_rows = num_rows
+
+    def matmul(self, x_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E)
+
+    def add_bias(self, y_RN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
+        # Rows past sum(counts) (unrouted tokens) get no bias gradient from add_group_bias.
+        return add_group_bias(y_RN, b_EN, row_groups(row_offsets(self.counts_E), self.num_rows))
