@@ -21,9 +21,9 @@ def test_moe_layer_compiles_without_graph_breaks(capacity_factor, S):  # S < E =
     torch.testing.assert_close(compiled.expert_load, layer.expert_load)
 
 
-def test_moe_layer_one_hot_expert_and_gelu():
+def test_moe_layer_one_hot_expert_gelu_probs_policy():
     torch.manual_seed(1)
-    layer = moe_layer("reference", None, D, activation="gelu")
+    layer = moe_layer("reference", 1.0, D, activation="gelu", drop_policy="probs")  # the hot expert drops
     with torch.no_grad():  # every token picks expert 3 first
         layer.router.weight.zero_()
         layer.router.weight[3] = 1.0
