@@ -105,3 +105,29 @@ def test_seed_draw_is_mixed_into_the_seed_and_checked():
     for bad in (7, torch.tensor([1, 2]), torch.tensor([1.0]), torch.tensor([1], dtype=torch.int32)):
         with pytest.raises(TypeError, match="seed_draw"):
             ops.assign_slots(g.expert_ids, g.scores, 5, capacity=2, drop_policy="rts", seed_draw=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_moe_layer_compiles_on_the_gpu_kernels(capacity_factor):
+    """The default GPU backends (cuda gating, CUTLASS / torch._grouped_mm GEMMs) as custom ops, under
+    inductor (the default torch.compile backend): one graph, and bf16 results equal to eager's."""
+    from torch._dynamo.utils import counters
+    from turbomoe.nn import MoELayer
+    torch.manual_seed(0)
+    layer = MoELayer(256, 512, 8, 2, capacity_factor=capacity_factor, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 300, 256, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True)
+    results = []
+    for model in (layer, compiled):
+        model.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out, aux = model(xi)
+        (out.float().square().mean() + aux).backward()
+        results.append([out, aux, xi.grad] + [p.grad for p in layer.parameters()])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for got, ref in zip(results[1], results[0]):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
