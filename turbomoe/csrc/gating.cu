@@ -40,16 +40,13 @@ gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__
         sel[i] = c < E ? probs[i] + (bias ? bias[c] : acc_t(0)) : neg_inf;
         sel[i] = isnan(sel[i]) ? neg_inf : sel[i];  // a NaN bias ranks as -inf, as in the reference
       }
-      auto count = [&](int j, int c) {  // on the lane holding column c
+      const unsigned chosen = warp_topk<acc_t, CPL>(sel, probs, E, k, renorm, my_id, my_score);
+      const int first = __shfl_sync(FULL_MASK, my_id, 0);  // choice 0, kept by lane 0
 #pragma unroll
-        for (int i = 0; i < CPL; ++i) {
-          if (i == c / WARP) {
-            routes[i] += 1;
-            if (j == 0) firsts[i] += 1;
-          }
-        }
-      };
-      warp_topk<acc_t, CPL>(sel, probs, E, k, renorm, my_id, my_score, count);
+      for (int i = 0; i < CPL; ++i) {
+        if ((chosen >> i) & 1u) routes[i] += 1;
+        if (lane + WARP * i == first) firsts[i] += 1;
+      }
     }
     if (lane < k) {
       ids[int64_t(row) * k + lane] = my_id;

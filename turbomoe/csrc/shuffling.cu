@@ -41,8 +41,10 @@ __device__ void topk_token(const scalar_t* __restrict__ logits, int64_t t, int E
   int my_id = -1;
   acc_t my_score = 0;
   if (rp.valid) {
-    auto count = [&](int, int c) { atomicAdd(&counts[c], 1); };
-    warp_topk<acc_t, CPL>(p, p, E, k, renorm, my_id, my_score, count);
+    const unsigned chosen = warp_topk<acc_t, CPL>(p, p, E, k, renorm, my_id, my_score);
+#pragma unroll
+    for (int i = 0; i < CPL; ++i)
+      if ((chosen >> i) & 1u) atomicAdd(&counts[lane + WARP * i], 1);
   }
   if (lane == k && kr > k) {
     my_id = E;

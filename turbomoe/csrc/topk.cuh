@@ -86,12 +86,12 @@ __device__ __forceinline__ void warp_argmax(T& best, int& best_c) {
 // Top-k of a row: k times the largest sel among the columns < E not chosen yet (a mask, not -inf:
 // -inf is a value an expert may hold), ties to the lower column. Choice j's score is score at its
 // column (sel may differ from score: gating's bias); lane j < k gets choice j in (id, s), divided by
-// the sum of the k scores with renorm. on_choice(j, c) runs on the lane holding column c.
-template <typename acc_t, int CPL, typename OnChoice>
-__device__ __forceinline__ void warp_topk(const acc_t (&sel)[CPL], const acc_t (&score)[CPL], int E, int k,
-                                          bool renorm, int& id, acc_t& s, OnChoice on_choice) {
+// the sum of the k scores with renorm. Returns this lane's chosen columns (bit i: lane + 32 i).
+template <typename acc_t, int CPL>
+__device__ __forceinline__ unsigned warp_topk(const acc_t (&sel)[CPL], const acc_t (&score)[CPL], int E, int k,
+                                              bool renorm, int& id, acc_t& s) {
   const int lane = threadIdx.x % WARP;
-  unsigned chosen = 0;  // bit i: column lane + 32 i taken
+  unsigned chosen = 0;
   for (int j = 0; j < k; ++j) {
     acc_t bv = -std::numeric_limits<acc_t>::infinity();
     int bc = NO_COLUMN;
@@ -105,10 +105,7 @@ __device__ __forceinline__ void warp_topk(const acc_t (&sel)[CPL], const acc_t (
     }
     warp_argmax(bv, bc);
     const acc_t sc = column_value<acc_t, CPL>(score, bc);
-    if (lane == bc % WARP) {
-      chosen |= 1u << (bc / WARP);
-      on_choice(j, bc);
-    }
+    if (lane == bc % WARP) chosen |= 1u << (bc / WARP);
     if (lane == j) {
       id = bc;
       s = sc;
@@ -119,6 +116,7 @@ __device__ __forceinline__ void warp_topk(const acc_t (&sel)[CPL], const acc_t (
     total = total > 0 ? total : acc_t(1);
     s = s / total;  // IEEE division: for k = 1 exactly 1, as in the reference
   }
+  return chosen;
 }
 
 }  // namespace turbomoe
