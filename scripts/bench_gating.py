@@ -24,7 +24,7 @@ import functools
 import json
 
 import torch
-from timing import copy_bandwidth_gbs, cuda_time_ms, interleaved_medians_ms, thread_wakeup_us
+from timing import capture_graph, copy_bandwidth_gbs, cuda_time_ms, interleaved_medians_ms, thread_wakeup_us
 
 import turbomoe
 from turbomoe import ops
@@ -78,16 +78,7 @@ def fwd_bwd(path, logits, x, k, grad_out):
 def cuda_graph(step):
     """Captures step (forward + backward) once; returns a replay. Possible only for a path with no
     host sync and no data-dependent shapes: turbomoe's, not DeepSpeed's (it reads C on the host)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+    return capture_graph(step).replay
 
 
 def behind(work, step):

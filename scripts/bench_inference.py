@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from turbomoe import csrc  # noqa: E402
 from turbomoe.inference import SparseMoE, index_shuffling  # noqa: E402
 from turbomoe.kernels.shuffling import index_shuffling as triton_shuffling  # noqa: E402
+from timing import capture_graph  # noqa: E402
 
 REPS = 20
 
@@ -39,18 +40,8 @@ REPS = 20
 def graph_us(fn, iters=30):
     """Median us per call of fn replayed from a CUDA graph of REPS calls; None if it cannot be
     captured (then eager_us)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
-            for _ in range(REPS):
-                fn()
+        g = capture_graph(fn, REPS)
     except Exception as e:  # noqa: BLE001 (a peer that syncs with the host)
         print(f"  (not capturable: {type(e).__name__}: {str(e)[:100]})")
         torch.cuda.synchronize()

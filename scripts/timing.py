@@ -67,6 +67,24 @@ def step_times_ms(fn, warmup: int = 3, iters: int = 20) -> Tuple[float, float]:
     return tuple(statistics.median(_times_ms([fn], iters, synced)[0]) for synced in (False, True))
 
 
+def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of fn, captured after 3 warm-up calls on a side stream (as
+    torch.cuda.graph wants). Capture fails (raises) for fn that syncs with the host or whose shapes
+    depend on data."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def interleaved_medians_ms(fns, warmup: int = 10, iters: int = 40, block: int = 10) -> List[float]:
     """Queued medians of each of fns, ms, timed in turns of `block` calls back to back: where the
     host sets the pace (eager steps of small ops), its speed drifts by up to 2x between runs on a

@@ -115,6 +115,20 @@ def _check_same_device(**tensors):
                                  f"{ {name: v.device for name, v in tensors.items() if v is not None} }")
 
 
+def check_routing(logits: torch.Tensor, k: int, score_func: str) -> int:
+    """The checks of a routing op's inputs (topk_gating, inference.index_shuffling): float logits
+    [rows, E] with E >= 1, an int k in [1, min(E, MAX_K)], a known score_func. Returns E."""
+    _check_float("logits", logits, 2)
+    E = logits.shape[1]
+    if E < 1:
+        raise ValueError("logits must have at least one expert column")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(E, MAX_K):
+        raise ValueError(f"k must be an int in [1, min(E, {MAX_K})] = [1, {min(E, MAX_K)}], got {k!r}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    return E
+
+
 def topk_gating(logits_SE: torch.Tensor,
                 k: int,
                 score_func: str = "softmax",
@@ -128,16 +142,9 @@ def topk_gating(logits_SE: torch.Tensor,
     backend, with no host sync. check_finite=True raises ValueError instead (a host sync on GPU).
     A NaN in selection_bias ranks that expert as -inf; S = 0 gives aux = z = 0 (reference.topk_gating).
     """
-    _check_float("logits", logits_SE, 2)
-    S, E = logits_SE.shape
-    if E < 1:
-        raise ValueError("logits must have at least one expert column")
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(E, MAX_K):
-        raise ValueError(f"k must be an int in [1, min(E, {MAX_K})] = [1, {min(E, MAX_K)}], got {k!r}")
+    E = check_routing(logits_SE, k, score_func)
     check_bool("renormalize", renormalize)
     check_bool("check_finite", check_finite)
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
     if selection_bias_E is not None:
         _check_float("selection_bias", selection_bias_E, 1)
         if selection_bias_E.shape[0] != E:

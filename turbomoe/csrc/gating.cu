@@ -5,60 +5,9 @@
 // partials [4, E], each block adding its warps in warp order, and one block sums the partials in
 // block order: deterministic, two launches for the forward. Same layout of partials as the Triton
 // kernels (turbomoe/kernels/gating.py).
-#include "common.cuh"
+#include "topk.cuh"
 
 namespace turbomoe {
-
-template <typename acc_t> struct RowProbs {
-  bool valid;  // all logits finite: else the row routes nowhere and gets no gradient
-  acc_t lse;
-};
-
-// Loads a row; fills probs (softmax or sigmoid) and softmax for this lane's columns.
-template <typename scalar_t, typename acc_t, int CPL>
-__device__ __forceinline__ RowProbs<acc_t> row_probs(const scalar_t* __restrict__ logits, int64_t row, int E,
-                                                     bool sigmoid, acc_t (&probs)[CPL], acc_t (&softmax)[CPL]) {
-  const int lane = threadIdx.x % WARP;
-  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  acc_t x[CPL];
-  bool bad = false;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-    const int c = lane + WARP * i;
-    x[i] = c < E ? static_cast<acc_t>(logits[row * E + c]) : neg_inf;
-    bad |= c < E && !isfinite(x[i]);
-  }
-  RowProbs<acc_t> r;
-  r.valid = !__any_sync(FULL_MASK, bad);
-  acc_t mx = neg_inf;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) mx = max(mx, x[i]);
-  mx = r.valid ? warp_max(mx) : acc_t(0);
-  acc_t den = 0;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-    softmax[i] = (r.valid && lane + WARP * i < E) ? exp(x[i] - mx) : acc_t(0);
-    den += softmax[i];
-  }
-  den = r.valid ? warp_sum(den) : acc_t(1);
-  r.lse = r.valid ? mx + log(den) : acc_t(0);
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-    softmax[i] = softmax[i] / den;
-    const bool cell = r.valid && lane + WARP * i < E;
-    probs[i] = sigmoid ? (cell ? acc_t(1) / (acc_t(1) + exp(-x[i])) : acc_t(0)) : softmax[i];
-  }
-  return r;
-}
-
-// The value a lane holds at column c (c / 32 in its registers), broadcast from lane c % 32.
-template <typename acc_t, int CPL>
-__device__ __forceinline__ acc_t column_value(const acc_t (&v)[CPL], int c) {
-  acc_t mine = 0;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) mine = (i == c / WARP) ? v[i] : mine;
-  return __shfl_sync(FULL_MASK, mine, c % WARP);
-}
 
 template <typename scalar_t, typename acc_t, int CPL>
 __global__ void __launch_bounds__(BLOCK_THREADS)
@@ -84,7 +33,6 @@ gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__
     acc_t my_score = 0;
     if (rp.valid) {
       acc_t sel[CPL];
-      unsigned chosen = 0;
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
         const int c = lane + WARP * i;
@@ -92,47 +40,12 @@ gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__
         sel[i] = c < E ? probs[i] + (bias ? bias[c] : acc_t(0)) : neg_inf;
         sel[i] = isnan(sel[i]) ? neg_inf : sel[i];  // a NaN bias ranks as -inf, as in the reference
       }
-      for (int j = 0; j < k; ++j) {
-        // Largest selection value, ties to the lower column: a total order, so all lanes agree.
-        acc_t bv = neg_inf;
-        int bc = INT_MAX;
+      const unsigned chosen = warp_topk<acc_t, CPL>(sel, probs, E, k, renorm, my_id, my_score);
+      const int first = __shfl_sync(FULL_MASK, my_id, 0);  // choice 0, kept by lane 0
 #pragma unroll
-        for (int i = 0; i < CPL; ++i) {
-          const int c = lane + WARP * i;
-          if (c < E && !((chosen >> i) & 1u) && (sel[i] > bv || (sel[i] == bv && c < bc))) {
-            bv = sel[i];
-            bc = c;
-          }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const acc_t ov = __shfl_xor_sync(FULL_MASK, bv, o);
-          const int oc = __shfl_xor_sync(FULL_MASK, bc, o);
-          if (ov > bv || (ov == bv && oc < bc)) {
-            bv = ov;
-            bc = oc;
-          }
-        }
-        const acc_t score = column_value<acc_t, CPL>(probs, bc);
-        if (lane == bc % WARP) {
-          chosen |= 1u << (bc / WARP);
-#pragma unroll
-          for (int i = 0; i < CPL; ++i) {
-            if (i == bc / WARP) {
-              routes[i] += 1;
-              if (j == 0) firsts[i] += 1;
-            }
-          }
-        }
-        if (lane == j) {
-          my_id = bc;
-          my_score = score;
-        }
-      }
-      if (renorm) {
-        acc_t total = warp_sum(lane < k ? my_score : acc_t(0));
-        total = total > 0 ? total : acc_t(1);
-        my_score = my_score / total;  // IEEE division: for k = 1 exactly 1, as in the reference
+      for (int i = 0; i < CPL; ++i) {
+        if ((chosen >> i) & 1u) routes[i] += 1;
+        if (lane + WARP * i == first) firsts[i] += 1;
       }
     }
     if (lane < k) {

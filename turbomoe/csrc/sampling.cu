@@ -3,8 +3,9 @@
 // gumbel = -log(-log(tiny + rand * range)) from the uniforms torch.rand drew, rounded op by op as
 // torch.distributions.Gumbel(0, 1).rsample computes it (no FMA contraction), so the same uniforms
 // give the same experts as stock. One warp owns a row (as in gating.cu); ties go to the lower id,
-// as torch.argmax. The backward is one thread per row: two logits and the first score get gradient.
-#include "common.cuh"
+// as torch.argmax (warp_argmax, topk.cuh). The backward is one thread per row: two logits and the
+// first score get gradient.
+#include "topk.cuh"
 
 namespace turbomoe {
 
@@ -19,7 +20,7 @@ __global__ void second_expert_fwd_kernel(const scalar_t* __restrict__ logits, co
   const int f = first[row];
   const scalar_t neg_inf = -std::numeric_limits<scalar_t>::infinity();
   scalar_t best = neg_inf;
-  int best_id = E;
+  int best_id = NO_COLUMN;
   if (f >= 0) {
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
@@ -28,22 +29,14 @@ __global__ void second_expert_fwd_kernel(const scalar_t* __restrict__ logits, co
         const float u = __fadd_rn(tiny, __fmul_rn(rand[row * E + c], range));
         const float noise = -logf(-logf(u));
         const scalar_t v = logits[row * E + c] + static_cast<scalar_t>(noise);
-        if (v > best || best_id == E) {  // columns rise within a lane: keep the first maximum
+        if (beats(v, c, best, best_id)) {
           best = v;
           best_id = c;
         }
       }
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {  // (max value, then lowest id) over the warp
-    const scalar_t v = __shfl_xor_sync(FULL_MASK, best, o);
-    const int id = __shfl_xor_sync(FULL_MASK, best_id, o);
-    if (v > best || (v == best && id < best_id) || (best_id == E && id < E)) {
-      best = v;
-      best_id = id;
-    }
-  }
+  warp_argmax(best, best_id);  // (max value, then lowest id) over the warp
   if (lane != 0) return;
   const scalar_t p1 = first_score[row];
   const bool routed = f >= 0 && best_id < E;

@@ -11,7 +11,7 @@
 // sums the histograms before it (fixed order) and ranks its chunk. No host sync: graph-capturable.
 #include <cub/cub.cuh>
 
-#include "common.cuh"
+#include "topk.cuh"
 
 namespace turbomoe {
 
@@ -28,75 +28,23 @@ template <typename acc_t> struct ShuffleOut {
   int32_t* routes;
 };
 
-// Top-k of token t (ties to the lower column) by warp; lane j < k writes choice j into a row of kr
-// routes, and with a shared expert (kr = k + 1) lane k writes its route (expert E, score 1). Adds
-// the chosen experts to counts (shared memory). Softmax or sigmoid in acc_t; rows with a
+// Top-k of token t (warp_topk: ties to the lower column) by warp; lane j < k writes choice j into a
+// row of kr routes, and with a shared expert (kr = k + 1) lane k writes its route (expert E, score 1).
+// Adds the chosen experts to counts (shared memory). Softmax or sigmoid in acc_t; rows with a
 // non-finite logit route nowhere (ids -1, scores 0), except to the shared expert.
 template <typename scalar_t, typename acc_t, int CPL>
 __device__ void topk_token(const scalar_t* __restrict__ logits, int64_t t, int E, int k, int kr, bool sigmoid,
                            bool renorm, ShuffleOut<acc_t> out, int* counts) {
   const int lane = threadIdx.x % WARP;
-  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  acc_t x[CPL];
-  bool bad = false;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-    const int c = lane + WARP * i;
-    x[i] = c < E ? static_cast<acc_t>(logits[t * E + c]) : neg_inf;
-    bad |= c < E && !isfinite(x[i]);
-  }
-  const bool valid = !__any_sync(FULL_MASK, bad);
-  acc_t mx = neg_inf;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) mx = max(mx, x[i]);
-  mx = warp_max(mx);
-  acc_t den = 0;
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) den += (lane + WARP * i < E) ? exp(x[i] - mx) : acc_t(0);
-  den = warp_sum(den);
-  acc_t p[CPL];
-#pragma unroll
-  for (int i = 0; i < CPL; ++i) {
-    const bool cell = lane + WARP * i < E;
-    p[i] = !cell ? neg_inf : sigmoid ? acc_t(1) / (acc_t(1) + exp(-x[i])) : exp(x[i] - mx) / den;
-  }
+  acc_t p[CPL], softmax[CPL];
+  const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL>(logits, t, E, sigmoid, p, softmax);
   int my_id = -1;
   acc_t my_score = 0;
-  if (valid) {
-    for (int j = 0; j < k; ++j) {
-      acc_t bv = neg_inf;
-      int bc = INT_MAX;
+  if (rp.valid) {
+    const unsigned chosen = warp_topk<acc_t, CPL>(p, p, E, k, renorm, my_id, my_score);
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) {
-        const int c = lane + WARP * i;
-        if (c < E && (p[i] > bv || (p[i] == bv && c < bc))) {
-          bv = p[i];
-          bc = c;
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const acc_t ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        const int oc = __shfl_xor_sync(FULL_MASK, bc, o);
-        if (ov > bv || (ov == bv && oc < bc)) {
-          bv = ov;
-          bc = oc;
-        }
-      }
-      if (lane == bc % WARP) {
-#pragma unroll
-        for (int i = 0; i < CPL; ++i) if (i == bc / WARP) p[i] = neg_inf;  // taken
-        atomicAdd(&counts[bc], 1);
-      }
-      if (lane == j) {
-        my_id = bc;
-        my_score = bv;
-      }
-    }
-    if (renorm) {
-      acc_t total = warp_sum(lane < k ? my_score : acc_t(0));
-      my_score = my_score / (total > 0 ? total : acc_t(1));  // IEEE: a lone route weighs exactly 1
-    }
+    for (int i = 0; i < CPL; ++i)
+      if ((chosen >> i) & 1u) atomicAdd(&counts[lane + WARP * i], 1);
   }
   if (lane == k && kr > k) {
     my_id = E;

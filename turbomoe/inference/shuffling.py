@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .. import csrc, reference
-from ..ops import MAX_K, SCORE_FUNCS, _check_float, choose_backend
+from ..ops import check_routing, choose_backend
 from ..reference import ShuffledRoutes
 
 
@@ -22,14 +22,7 @@ def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax"
     e's rows in token order after the rows of experts < e) and row_routes [T * k] (its inverse).
     shared_expert: every token also takes expert E with score 1 (its rows come last), so a shared
     expert runs in the same grouped GEMMs and combine as the routed ones."""
-    _check_float("logits", logits_TE, 2)
-    E = logits_TE.shape[1]
-    if E < 1:
-        raise ValueError("logits must have at least one expert column")
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(E, MAX_K):
-        raise ValueError(f"k must be an int in [1, min(E, {MAX_K})] = [1, {min(E, MAX_K)}], got {k!r}")
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    E = check_routing(logits_TE, k, score_func)
     backend = choose_backend(logits_TE, backend, E + shared_expert)
     if backend == "cuda" and logits_TE.shape[0] > csrc.ONE_BLOCK_MAX_TOKENS:
         # Beyond one block the Triton kernels' two launches were faster on the H100 at every size

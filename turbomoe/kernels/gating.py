@@ -42,6 +42,42 @@ def _row_probs(logits_ptr, rows, cols, S, E, stride_s, SIGMOID: tl.constexpr, AC
     return probs, softmax, lse, valid, cells
 
 
+@triton.jit
+def _topk(sel, probs, valid, cells, cols, K: tl.constexpr, KP: tl.constexpr, BLOCK_S: tl.constexpr,
+          BLOCK_E: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
+    """Top-k of BLOCK_S rows: K times the largest selection value sel among the valid cells not chosen
+    yet, ties to the lower column; the score is probs there (sel may differ: gating's bias). Returns
+    ids [BLOCK_S, KP] (-1 in invalid rows), scores [BLOCK_S, KP] (divided by their sum with RENORM),
+    the chosen cells [BLOCK_S, BLOCK_E] and the first choices' cells."""
+    ids_t = tl.full([BLOCK_S, KP], -1, tl.int32)
+    sc_t = tl.zeros([BLOCK_S, KP], ACC)
+    kcol = tl.arange(0, KP)
+    chosen = tl.zeros([BLOCK_S, BLOCK_E], tl.int32)
+    first = chosen
+    for j in tl.static_range(K):
+        # Among the experts not chosen yet (a mask, not -inf: -inf is a value an expert may hold).
+        avail = cells & (chosen == 0)
+        best = tl.max(tl.where(avail, sel, float("-inf")), axis=1)
+        # The lowest column among equal maxima: ties go to the lower expert id.
+        idx = tl.min(tl.where(avail & (sel == best[:, None]), cols[None, :], BLOCK_E), axis=1)
+        hit = (cols[None, :] == idx[:, None]) & cells
+        score = tl.sum(tl.where(hit, probs, 0.0), axis=1)
+        ids_t = tl.where(kcol[None, :] == j, tl.where(valid, idx, -1)[:, None], ids_t)
+        sc_t = tl.where(kcol[None, :] == j, score[:, None], sc_t)
+        chosen += hit.to(tl.int32)
+        if j == 0:
+            first = chosen
+    if RENORM:
+        total = tl.sum(sc_t, axis=1)  # the columns past K hold 0
+        # Correctly rounded division: for k = 1 a score is exactly 1, as in the reference.
+        total = tl.where(total > 0, total, 1.0)[:, None]
+        if ACC == tl.float32:
+            sc_t = tl.div_rn(sc_t, total)
+        else:
+            sc_t = sc_t / total  # fp64 division is correctly rounded already
+    return ids_t, sc_t, chosen, first
+
+
 @triton.jit(do_not_specialize=["S", "E", "stride_s"])
 def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, partial_ptr, S, E, stride_s,
                        K: tl.constexpr, KP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -62,31 +98,9 @@ def _gating_fwd_kernel(logits_ptr, bias_ptr, ids_ptr, scores_ptr, lse_ptr, parti
         sel = sel + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(ACC)[None, :]
     # A NaN selection value (a NaN bias) ranks as -inf, as in the reference.
     sel = tl.where(cells & (sel == sel), sel, float("-inf"))
-    ids_t = tl.full([BLOCK_S, KP], -1, tl.int32)
-    sc_t = tl.zeros([BLOCK_S, KP], ACC)
-    chosen = tl.zeros([BLOCK_S, BLOCK_E], tl.int32)
-    for j in tl.static_range(K):
-        # Among the experts not chosen yet (a mask, not -inf: -inf is a value an expert may hold).
-        avail = cells & (chosen == 0)
-        best = tl.max(tl.where(avail, sel, float("-inf")), axis=1)
-        # The lowest column among equal maxima: ties go to the lower expert id.
-        idx = tl.min(tl.where(avail & (sel == best[:, None]), cols[None, :], BLOCK_E), axis=1)
-        hit = (cols[None, :] == idx[:, None]) & cells
-        score = tl.sum(tl.where(hit, probs, 0.0), axis=1)
-        ids_t = tl.where(kcol[None, :] == j, tl.where(valid, idx, -1)[:, None], ids_t)
-        sc_t = tl.where(kcol[None, :] == j, score[:, None], sc_t)
-        chosen += hit.to(tl.int32)
-        if j == 0:
-            tl.store(part + 2 * E + cols, tl.sum(hit.to(ACC), axis=0), mask=cols < E)
+    ids_t, sc_t, chosen, first = _topk(sel, probs, valid, cells, cols, K, KP, BLOCK_S, BLOCK_E, RENORM, ACC)
     tl.store(part + E + cols, tl.sum(chosen.to(ACC), axis=0), mask=cols < E)
-    if RENORM:
-        total = tl.sum(sc_t, axis=1)
-        # Correctly rounded division: for k = 1 a score is exactly 1, as in the reference.
-        total = tl.where(total > 0, total, 1.0)[:, None]
-        if ACC == tl.float32:
-            sc_t = tl.div_rn(sc_t, total)
-        else:
-            sc_t = sc_t / total  # fp64 division is correctly rounded already
+    tl.store(part + 2 * E + cols, tl.sum(first.to(ACC), axis=0), mask=cols < E)
     out = rows[:, None] * K + kcol[None, :]
     omask = (rows < S)[:, None] & (kcol < K)[None, :]
     tl.store(ids_ptr + out, ids_t, mask=omask)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..reference import ShuffledRoutes
-from .gating import _row_probs
+from .gating import _row_probs, _topk
 from .launch import acc_dtype, next_pow2, tl_dtype
 
 ONE_BLOCK_TILES = 1  # the single-program path up to this many tiles of tokens (measured: notes/inference.md)
@@ -30,30 +30,11 @@ def _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K: tl.conste
     cols = tl.arange(0, BLOCK_E)
     kcol = tl.arange(0, KP)
     probs, _, _, valid, cells = _row_probs(logits_ptr, rows, cols, T, E, stride_t, SIGMOID, ACC)
-    sel = tl.where(cells, probs, float("-inf"))
-    ids_t = tl.full([BLOCK_T, KP], -1, tl.int32)
-    sc_t = tl.zeros([BLOCK_T, KP], ACC)
-    chosen = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
-    for j in tl.static_range(K):
-        best = tl.max(sel, axis=1)
-        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        hit = (cols[None, :] == idx[:, None]) & cells
-        sc_t = tl.where(kcol[None, :] == j, tl.sum(tl.where(hit, probs, 0.0), axis=1)[:, None], sc_t)
-        ids_t = tl.where(kcol[None, :] == j, tl.where(valid, idx, -1)[:, None], ids_t)
-        sel = tl.where(hit, float("-inf"), sel)
-        chosen += hit.to(tl.int32)
+    ids_t, sc_t, chosen, _ = _topk(probs, probs, valid, cells, cols, K, KP, BLOCK_T, BLOCK_E, RENORM, ACC)
     if SHARED:
         ids_t = tl.where(kcol[None, :] == K, E, ids_t)
         sc_t = tl.where(kcol[None, :] == K, 1.0, sc_t)
         chosen += ((cols[None, :] == E) & (rows < T)[:, None]).to(tl.int32)
-    if RENORM:
-        total = tl.sum(tl.where(kcol[None, :] < K, sc_t, 0.0), axis=1)
-        total = tl.where(total > 0, total, 1.0)[:, None]
-        if ACC == tl.float32:
-            normed = tl.div_rn(sc_t, total)  # IEEE: a lone route weighs exactly 1, as in the reference
-        else:
-            normed = sc_t / total
-        sc_t = tl.where(kcol[None, :] < K, normed, sc_t)
     out = rows[:, None] * (K + SHARED) + kcol[None, :]
     omask = (rows < T)[:, None] & (kcol < K + SHARED)[None, :]
     tl.store(ids_ptr + out, ids_t, mask=omask)
