@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU tests of the whole suite in one call of the device machine (from the repository root):
+#   [TESTS="tests/test_a.py ..."] [TEST_TIMEOUT=420] bash scripts/gpu_tests.sh      logs under $OUT
+# installs the carried wheels (.whl: DeepSpeed, megatron-core, CUTLASS's headers; .whl_fbgemm if
+# carried), builds the CUDA backend and the CUTLASS grouped GEMM side by side (once, before the test
+# processes start: they would wait on the build lock), then runs the test files that hold GPU tests,
+# natively (Triton kernels too), in 16 processes. A failed CUDA build fails the cuda tests
+# (tests/conftest.py require_cuda_backend).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/turbomoe_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+  $(ls .whl_fbgemm/*.whl 2>/dev/null) 2>&1 | grep -v "already exists" | tail -3
+export PYTHONPATH=$PWD:$PWD/tests:/tmp/site:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__)"
+date -u
+python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available())" &
+python3 -c "from turbomoe import csrc; print('CUTLASS grouped GEMM built:', csrc.gmm_available())"
+wait
+date -u
+# Every file with GPU tests except the launcher ones (CPU ranks over gloo; CI runs them).
+TESTS=${TESTS:-$(grep -l "needs_cuda\|mark.gpu\|cuda.is_available()\|HAS_CUDA" tests/test_*.py | grep -v launcher)}
+timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -n 16 -p no:cacheprovider -rfE --tb=short $TESTS \
+  2>&1 | tee "$OUT/pytest_gpu.log" | tail -30
+date -u
