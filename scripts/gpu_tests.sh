@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests of the whole suite in one call of the device machine (from the repository root):
-#   [TESTS="tests/test_a.py ..."] [TEST_TIMEOUT=420] bash scripts/gpu_tests.sh      logs under $OUT
+#   [TESTS="tests/test_a.py ..."] [TEST_TIMEOUT=600] bash scripts/gpu_tests.sh      logs under $OUT
 # installs the carried wheels (.whl: DeepSpeed, megatron-core, CUTLASS's headers; .whl_fbgemm if
 # carried), builds the CUDA backend and the CUTLASS grouped GEMM side by side (once, before the test
 # processes start: they would wait on the build lock), then runs the test files that hold GPU tests,
@@ -23,6 +23,13 @@ wait
 date -u
 # Every file with GPU tests except the launcher ones (CPU ranks over gloo; CI runs them).
 TESTS=${TESTS:-$(grep -l "needs_cuda\|mark.gpu\|cuda.is_available()\|HAS_CUDA" tests/test_*.py | grep -v launcher)}
-timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -n 16 -p no:cacheprovider -rfE --tb=short $TESTS \
-  2>&1 | tee "$OUT/pytest_gpu.log" | tail -30
+# -v: a line per test as it ends, so the names of failures are in the log even when the timeout cuts
+# the run before pytest's summary (2026-11-23: a run cut at 370 s showed 9 failures by dots only).
+timeout ${TEST_TIMEOUT:-600} python3 -m pytest -v -n 16 -p no:cacheprovider -rfE --tb=short $TESTS \
+  > "$OUT/pytest_gpu.log" 2>&1
+echo "pytest exit status: $? (124: cut by TEST_TIMEOUT)"
+grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$OUT/pytest_gpu.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort | head -40
+echo "passed: $(grep -cE '^\[gw[0-9]+\].* PASSED ' "$OUT/pytest_gpu.log"), failed: $(grep -cE '^\[gw[0-9]+\].* FAILED ' \
+  "$OUT/pytest_gpu.log"), skipped: $(grep -cE '^\[gw[0-9]+\].* SKIPPED ' "$OUT/pytest_gpu.log")"
+tail -3 "$OUT/pytest_gpu.log"
 date -u
