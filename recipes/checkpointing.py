@@ -14,13 +14,7 @@ import shutil
 
 import deepspeed.comm as dist
 
-from turbomoe.export import COMPLETE  # JSON marker in a tag directory whose every rank has finished
-
-_TAG = re.compile(r"^global_step(\d+)$")
-
-
-def tag_of(step: int) -> str:
-    return f"global_step{step}"
+from turbomoe.checkpoint_tags import COMPLETE, TAG, find_tag, tag_of  # noqa: F401 (tag_of: the recipe's)
 
 
 def _atomic_write(path: str, text: str):
@@ -51,7 +45,7 @@ def prune(ckpt_dir: str, keep: int, current: int):
     """Keep the newest `keep` complete tags up to step `current` (the one just saved); delete the other
     tags before it, complete or not. Tags after it (of a run that went further before this one resumed
     from an earlier checkpoint) stay until this run overwrites them."""
-    tags = sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := _TAG.match(name)))
+    tags = sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := TAG.match(name)))
     complete = [(s, n) for s, n in tags if s <= current and os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
     kept = complete[-keep:]
     for s, name in tags:
@@ -65,18 +59,9 @@ def read_meta(ckpt_dir: str, tag: str) -> dict:
 
 
 def resolve(path: str):
-    """(checkpoint dir, tag) to resume from: a checkpoint dir (its `latest`) or one tag directory.
-
-    Raises FileNotFoundError when there is no complete checkpoint there.
-    """
-    if os.path.isfile(os.path.join(path, COMPLETE)):
-        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
-        raise FileNotFoundError(f"--resume {path!r}: no checkpoint there (neither a checkpoint directory with a "
-                                f"'latest' file nor a complete global_stepN directory)")
-    with open(latest) as f:
-        tag = f.read().strip()
-    if not os.path.isfile(os.path.join(path, tag, COMPLETE)):
-        raise FileNotFoundError(f"--resume {path!r}: 'latest' names {tag!r}, which is not a complete checkpoint")
-    return path, tag
+    """(checkpoint dir, tag) to resume from: a checkpoint dir (its `latest`), a run dir (its
+    checkpoints/) or one tag directory. Raises FileNotFoundError when there is no complete checkpoint."""
+    try:
+        return find_tag(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--resume {path!r}: {e}") from e

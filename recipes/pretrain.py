@@ -258,7 +258,7 @@ def train(cfg, args, resume, samples):
             check_token_ids(b, cfg.model.vocab_size)
     valid = [to_device(b, device) for b in valid_np]
     t_start = time.perf_counter()
-    valid_losses, step_times, train_loss = [], [], None
+    valid_losses, intervals, train_loss = [], [], None  # intervals: (steps, seconds) of each log read
     if start_step == 0:
         valid_losses.append(evaluate(engine, valid, device))
         log.write({"type": "valid", "step": 0, "valid_loss": valid_losses[-1]})
@@ -271,12 +271,13 @@ def train(cfg, args, resume, samples):
         nonlocal interval_start, train_loss
         if not pending.steps:
             return
-        dt = (time.perf_counter() - interval_start) / len(pending.steps)
+        seconds = time.perf_counter() - interval_start
+        intervals.append((len(pending.steps), seconds))
+        dt = seconds / len(pending.steps)
         for record in pending.read(t.grad_accum, world):
             record.update(tokens=record["step"] * tokens_per_step, step_time_s=dt, tokens_per_s=tokens_per_step / dt,
                           mfu=tokens_per_step / dt * flops_per_token / (world * peak) if peak else None)
             log.train_step(record)
-            step_times.append(dt)
             train_loss = record["loss"]
         interval_start = time.perf_counter()
 
@@ -307,10 +308,16 @@ def train(cfg, args, resume, samples):
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})
         if evaluate_now or checkpoint_now:  # their time is not a training step's
             interval_start = time.perf_counter()
-    # Throughput over the steps after the first few (start-up: allocator, kernel autotuning).
-    steady = step_times[min(len(step_times) - 1, max(1, len(step_times) // 10)):]
-    tokens_per_s = tokens_per_step * len(steady) / sum(steady) if steady else None
-    summary = {"type": "summary", "step": last_step, "steps_run": len(step_times), "wall_s": time.perf_counter() - t_start,
+    # Throughput over whole log intervals after the first (it holds the start-up: allocator, kernel
+    # autotuning, compilation) and after the first tenth of the steps; all of them if there is one.
+    steps_run = sum(n for n, _ in intervals)
+    skip = skipped = 0
+    while skip < len(intervals) - 1 and (skip == 0 or skipped < steps_run // 10):
+        skipped += intervals[skip][0]
+        skip += 1
+    steady = intervals[skip:]
+    tokens_per_s = tokens_per_step * sum(n for n, _ in steady) / sum(s for _, s in steady) if steady else None
+    summary = {"type": "summary", "step": last_step, "steps_run": steps_run, "wall_s": time.perf_counter() - t_start,
                "train_loss": train_loss, "valid_loss_first": valid_losses[0] if valid_losses else None,
                "valid_loss_last": valid_losses[-1] if valid_losses else None, "tokens_per_s": tokens_per_s,
                "mfu": tokens_per_s * flops_per_token / (world * peak) if peak and tokens_per_s else None,

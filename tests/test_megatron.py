@@ -189,6 +189,7 @@ def test_layer_matches_stock_moe_layer(k, cf, policy, shared, tokens, before_fc2
     outs = []
     for layer in (stock, turbo):
         xi = x.clone().requires_grad_()
+        torch.manual_seed(1)  # rts: both routers draw the same selection from torch's generator
         out, bias = layer(xi)
         assert bias is None and out.shape == x.shape
         (out * w).sum().backward()
@@ -287,3 +288,23 @@ def test_bad_arguments_raise():
 def test_moe_layer_is_megatron_moe_layer():
     assert issubclass(tm.TurboMoELayer, MoELayer) and issubclass(TurboTopKRouter, TopKRouter)
     assert isinstance(tm.get_turbomoe_moe_spec().submodules, MoESubmodules)
+
+
+def test_rts_replays_under_recompute():
+    """rts in training draws its selection from torch's CPU generator, which Megatron's recompute
+    restores: the same generator state drops the same routes; the next step draws anew."""
+    cfg = moe_config(hidden_size=16, num_moe_experts=4, moe_router_topk=2, moe_expert_capacity_factor=0.5,
+                     params_dtype=torch.float64, moe_router_dtype="fp64")
+    router = TurboTopKRouter(cfg, drop_policy="rts")
+    router.train()
+    router.set_layer_number(1)
+    x = torch.randn(13, 3, 16, dtype=torch.float64)
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        first = router.route(x.view(-1, 16)).slots.slots
+        torch.set_rng_state(state)  # what the recompute of this layer does
+        again = router.route(x.view(-1, 16)).slots.slots
+        later = [router.route(x.view(-1, 16)).slots.slots for _ in range(3)]
+    assert bool((first < 0).any())  # routes were dropped, so the selection matters
+    assert torch.equal(first, again)
+    assert not all(torch.equal(first >= 0, s >= 0) for s in later)

@@ -173,7 +173,7 @@ def test_checkpoint_bookkeeping(tmp_path):
     (tmp_path / "latest").write_text("global_step6")
     assert checkpointing.resolve(str(tmp_path)) == (str(tmp_path), "global_step6")
     assert checkpointing.resolve(str(tmp_path / "global_step4")) == (str(tmp_path), "global_step4")
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="global_step8: not a complete checkpoint"):
         checkpointing.resolve(str(tmp_path / "global_step8"))
     checkpointing.prune(str(tmp_path), keep=2, current=6)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step4", "global_step6",

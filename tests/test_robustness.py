@@ -99,3 +99,15 @@ def test_load_state_dict_rejects_a_bad_seed():
     state["_extra_state"] = {"seed": "7"}
     with pytest.raises(TypeError, match="seed"):
         layer.load_state_dict(state)
+
+
+def test_load_state_dict_saved_before_the_seed_was():
+    """A state dict without the layer's extra state (saved by an older turbomoe) still loads with
+    strict=True: the layer keeps its own seed."""
+    layer = rts_layer(seed=3)
+    state = {k: v for k, v in layer.state_dict().items() if not k.endswith("_extra_state")}
+    fresh = rts_layer(seed=5)
+    fresh.load_state_dict(state)
+    assert fresh.seed == 5
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), layer.state_dict().values())
+               if isinstance(a, torch.Tensor))

@@ -12,7 +12,8 @@ wrote are read directly, memory-mapped, one tensor at a time:
                                               weights are used when present (a bf16 run's exact weights)
 Both moe_impl turbomoe and deepspeed runs have these names. The tag's completion marker (written by
 recipes/checkpointing.py) holds the run's config. OUT is written atomically (a temporary directory
-renamed at the end); peak memory is about one shard plus the pages of the tensors being copied.
+renamed at the end); peak memory is about one shard plus the pages of the tensors being copied, and
+with --dtype fp32 from ZeRO partitions also the reassembled fp32 model.
 """
 import argparse
 import json
@@ -24,13 +25,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .checkpoint_tags import COMPLETE, find_tag  # noqa: F401 (COMPLETE: the marker this module reads)
 from .models import ModelConfig, MoEArgs, Qwen3MoeForCausalLM
 from .models.hf_checkpoint import save_dir
 from .models.hf_names import to_hf_name
 
-COMPLETE = "turbomoe_complete"  # recipes/checkpointing.py's marker of a tag every rank finished
 MODEL_STATES = "mp_rank_00_model_states.pt"
-_TAG = re.compile(r"^global_step(\d+)$")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.deepspeed_moe\.experts\.deepspeed_experts)\.(\d+)\.")
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -42,26 +42,10 @@ class ExportError(ValueError):
 
 def resolve_tag(run: str, step: Optional[int] = None) -> str:
     """The global_stepN directory to export from a run, checkpoint or tag directory."""
-    run = os.path.abspath(run)
-    if not os.path.isdir(run):
-        raise ExportError(f"{run}: no such directory")
-    if _TAG.match(os.path.basename(run)):
-        if step is not None and int(_TAG.match(os.path.basename(run)).group(1)) != step:
-            raise ExportError(f"{run} is the checkpoint of another step than --step {step}")
-        tag_dir = run
-    else:
-        ckpt = run if os.path.isfile(os.path.join(run, "latest")) else os.path.join(run, "checkpoints")
-        if step is not None:
-            tag_dir = os.path.join(ckpt, f"global_step{step}")
-        elif os.path.isfile(os.path.join(ckpt, "latest")):
-            with open(os.path.join(ckpt, "latest")) as f:
-                tag_dir = os.path.join(ckpt, f.read().strip())
-        else:
-            raise ExportError(f"{run}: no checkpoint there (no 'latest' file in it or in its checkpoints/ directory)")
-    if not os.path.isfile(os.path.join(tag_dir, COMPLETE)):
-        raise ExportError(f"{tag_dir}: not a complete checkpoint (no {COMPLETE} marker: missing, or a save that "
-                          f"did not finish)")
-    return tag_dir
+    try:
+        return os.path.join(*find_tag(run, step))
+    except FileNotFoundError as e:
+        raise ExportError(str(e)) from e
 
 
 def _load(path: str) -> dict:

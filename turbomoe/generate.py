@@ -53,7 +53,7 @@ def main(argv=None):
             torch.cuda.synchronize()
         return out, time.perf_counter() - t0
 
-    _, warm = timed(2)  # compiles kernels and captures the decode graph of this batch size
+    _, warm = timed(min(2, args.max_new_tokens))  # compiles kernels, captures the decode graph of this batch size
     _, prefill = timed(1)
     out, total = timed(args.max_new_tokens)
     for row in out[:, T:]:

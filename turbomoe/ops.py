@@ -98,6 +98,13 @@ def check_seed(seed):
     check_int("seed", seed, -(1 << 63), (1 << 64) - 1)
 
 
+def rts_draw() -> torch.Tensor:
+    """A draw from torch's CPU generator for assign_slots(seed_draw=): a fresh random token selection
+    each training step that recomputation replays (activation checkpointing saves and restores that
+    generator) and torch.compile traces (a tensor, not an int); on the host, so no device sync."""
+    return torch.randint(0, 1 << 62, (1, ))
+
+
 def debug_checks(t: torch.Tensor) -> bool:
     """Whether checks that read tensor values run: always for CPU tensors (no device to wait for),
     on a GPU only in debug mode (TURBOMOE_DEBUG=1), since reading a value there is a host sync."""

@@ -87,7 +87,7 @@ __device__ void rank_chunk(int64_t t0, int64_t T, int E, int k, ShuffleOut<acc_t
   __syncthreads();
   const int64_t t = t0 + threadIdx.x;
   const int word = threadIdx.x / WARP, bit = threadIdx.x % WARP;
-  int ids[MAX_K];
+  int ids[MAX_K + 1];  // kr routes: k, plus one with a shared expert
   for (int j = 0; j < k; ++j) {
     ids[j] = t < T ? out.ids[t * k + j] : -1;
     if (ids[j] >= 0) atomicOr(&masks[ids[j] * MASK_WORDS + word], 1u << bit);

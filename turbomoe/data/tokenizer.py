@@ -23,7 +23,9 @@ class ByteTokenizer:
 
         The `tokenizers` library's byte-level BPE with no merges: its byte-to-unicode alphabet makes
         every byte one symbol, and vocabulary entry i is the symbol of byte i; end-of-document is a
-        special token. No BOS/EOS is added on encoding, as ByteTokenizer.encode.
+        special token. No BOS/EOS is added on encoding, as ByteTokenizer.encode. One difference: the
+        literal text "<|endoftext|>" encodes to the special token (256), not to its 13 bytes, unless
+        the caller passes split_special_tokens=True.
         """
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
         vocab = {symbol: b for b, symbol in _byte_symbols().items()}

@@ -30,7 +30,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 class Engine:
     """model: a turbomoe Qwen3MoeForCausalLM (moe_impl turbomoe or deepspeed) on its device and dtype.
-    max_batch: the largest batch (rounded up to a bucket); max_seq_len: prompt + new tokens (default
+    max_batch: the largest batch (the last bucket); max_seq_len: prompt + new tokens (default
     the model's max_position_embeddings); cuda_graphs: capture the decode step per bucket on CUDA."""
 
     def __init__(self, model, max_batch: int = 64, max_seq_len: Optional[int] = None, cuda_graphs: bool = True,
@@ -53,11 +53,15 @@ class Engine:
         self.moes = {}
         for i, layer in enumerate(self.layers):
             if layer.is_moe:
-                self.moes[i] = SparseMoE.from_hf_state_dict(sd, f"model.layers.{i}.mlp.", cfg.num_experts,
+                prefix = f"model.layers.{i}.mlp."
+                self.moes[i] = SparseMoE.from_hf_state_dict(sd, prefix, cfg.num_experts,
                                                            cfg.num_experts_per_tok, cfg.norm_topk_prob, **moe_kw)
+                # The experts now live (stacked) in the SparseMoE: drop the model's copy before the next
+                # layer's stack, so building needs one layer's experts extra, not the whole model's.
+                layer.mlp = None
+                for key in [key for key in sd if key.startswith(prefix)]:
+                    del sd[key]
         del sd
-        for i in self.moes:  # the experts now live in the SparseMoE: free the model's copy
-            self.layers[i].mlp = None
         self.cos, self.sin = rotary_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta, self.device)
         self.cache = None
         self.graphs = {}
@@ -212,7 +216,7 @@ class Engine:
         if top_p < 1:
             # transformers' top-p: keep the smallest set of most likely tokens whose mass reaches top_p.
             sorted_p, order = probs.sort(-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > top_p
+            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
             probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 

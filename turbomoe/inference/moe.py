@@ -14,7 +14,7 @@ of the same combine, so it costs no launch of its own. Expert GEMMs, by token co
             GEMM, only experts with tokens read, K split for enough programs); on the H100 it won at
             1 route (Scout T = 1: 85 vs 114 us), tied at 8 (Qwen3 T = 1) and lost from 8 on
   grouped   beyond: the training path's grouped GEMM (CUTLASS or torch._grouped_mm) + SwiGLU kernel
-  dense     T <= dense_max (off unless set): every expert on every token as batched GEMMs, combined
+  dense     T <= dense_max (off unless set) and T * k >= E: every expert on every token as batched GEMMs, combined
             with a dense [T, E] weight matrix (TensorRT-LLM's small-batch idea), no shuffling
 On the CPU the reference ops run ("reference": the same math in plain PyTorch).
 """
@@ -61,6 +61,8 @@ class SparseMoE(nn.Module):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if prescale and k != 1:
             raise ValueError("prescale (the score applied to the expert input) needs k = 1")
+        if k + (shared_w1_MN is not None) > ops.MAX_K:  # the row kernels' bound, on every backend alike
+            raise ValueError(f"k ({k}) plus the shared expert must be at most {ops.MAX_K} routes a token")
         self.num_experts, self.k, self.score_func, self.renormalize = E, k, score_func, renormalize
         self.shared, self.prescale, self.mode = shared_w1_MN is not None, prescale, mode
         self.backend, self.gmm_backend = backend, gmm_backend

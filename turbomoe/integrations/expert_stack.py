@@ -59,14 +59,16 @@ def _alias_stride(blocks: List[List[torch.Tensor]]) -> Optional[int]:
     return stride
 
 
-# (address, shape, dtype, contiguity) of every tensor -> _alias_stride's answer: the check reads
-# each tensor's storage, ~0.1 ms of host time per call at 64 experts; the key costs half of that.
-# The same key gives the same answer: live storages do not overlap.
+# (address, storage address, shape, dtype, contiguity) of every tensor -> _alias_stride's answer: the
+# check reads each tensor's storage, ~0.1 ms of host time per call at 64 experts; the key costs half
+# of that. The same key gives the same answer: live storages do not overlap, and the storage address
+# tells tensors packed in one buffer from separate ones that reuse the freed buffer's addresses.
 _ALIAS_STRIDES: Dict[tuple, Optional[int]] = {}
 
 
 def _alias_stride_cached(blocks: List[List[torch.Tensor]]) -> Optional[int]:
-    key = (len(blocks[0]), ) + tuple((t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) for b in blocks for t in b)
+    key = (len(blocks[0]), ) + tuple((t.data_ptr(), t.untyped_storage().data_ptr(), t.shape, t.dtype,
+                                       t.is_contiguous()) for b in blocks for t in b)
     if key not in _ALIAS_STRIDES:
         if len(_ALIAS_STRIDES) >= 256:  # parameters moved many times: forget the old layouts
             _ALIAS_STRIDES.clear()

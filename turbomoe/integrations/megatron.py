@@ -15,7 +15,8 @@ The pieces (each its own module; megatron_config.check_config says which setting
                                            probs weigh the expert rows in the gather kernel
                                            (probs_before_fc2=True: in the experts, as Megatron)
 The layer does not sync with the host when ep_size == 1 (dropless or with a capacity), nor with a
-capacity at any ep_size; dropless with ep_size > 1 reads the all-to-all split sizes once.
+capacity below the local token count at any ep_size; dropless with ep_size > 1 (a capacity that
+reaches the token count drops nothing and runs dropless) reads the all-to-all split sizes once.
 turbomoe's dispatcher replaces the one config.moe_token_dispatcher_type names (allgather or alltoall:
 MoELayer builds it first). Configs the
 integration does not cover raise ValueError from check_config, naming the field.

@@ -1,4 +1,5 @@
 """Which megatron-core TransformerConfig settings turbomoe's Megatron-core MoE layer covers."""
+from ..ops import MAX_K
 
 _UNSUPPORTED = (  # (config field, value that is supported, why)
     ("moe_router_num_groups", None, "group-limited routing"),
@@ -30,8 +31,8 @@ def check_config(config):
             raise ValueError(f"config.moe_router_load_balancing_type: {t!r} is not supported by turbomoe's router "
                              "(aux_loss, seq_aux_loss, global_aux_loss, none)")
     E, k = config.num_moe_experts, config.moe_router_topk
-    if E is None or not 1 <= k <= min(E, 8):
-        raise ValueError(f"config.moe_router_topk must be in [1, min(num_moe_experts, 8)], got {k} with "
+    if E is None or not 1 <= k <= min(E, MAX_K):
+        raise ValueError(f"config.moe_router_topk must be in [1, min(num_moe_experts, {MAX_K})], got {k} with "
                          f"num_moe_experts={E}")
     if (config.expert_tensor_parallel_size or 1) != 1:
         raise ValueError("turbomoe's Megatron-core MoE layer needs config.expert_tensor_parallel_size = 1, got "

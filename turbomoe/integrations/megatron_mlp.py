@@ -33,8 +33,9 @@ from .expert_stack import stack_expert_tensors
 
 # Megatron-DeepSpeed's activations (megatron/model/utils.py, ParallelMLP.__init__): all act on the
 # last dim of each row, so they apply to the stacked [E, C, N] hidden states as to each expert's.
-_ACTIVATIONS = ("openai_gelu", "erf_gelu", "ParallelMLP.__init__.<locals>.swiglu",
-                "ParallelMLP.__init__.<locals>.squared_relu")
+# (Its --onnx-safe erf_gelu is a torch.jit.script function, which DeepSpeed's deep copy of the expert
+# for every local expert cannot copy: MoE experts never hold it.)
+_ACTIVATIONS = ("openai_gelu", "ParallelMLP.__init__.<locals>.swiglu", "ParallelMLP.__init__.<locals>.squared_relu")
 
 
 def _is(module: nn.Module, name: str) -> bool:

@@ -12,7 +12,8 @@ so it also serves stock MoELayers. Mapping of Megatron's routing onto `turbomoe.
   capacity (moe_expert_capacity_factor): Megatron's get_capacity(T * k, E, factor), no drops when
   it reaches T; drop policies map onto assign_slots: "probs" keeps the highest probs, "position"
   the earliest tokens (assign_slots' probs policy on equal priorities keeps the earlier routes),
-  "rts" (turbomoe's extra policy) a seeded uniformly random subset, a new seed each training step.
+  "rts" (turbomoe's extra policy) a seeded uniformly random subset, drawn anew each training step
+  from torch's CPU generator (so recomputation drops the same routes).
   aux_loss / seq_aux_loss / global_aux_loss: TopKRouter's own methods on Megatron's aux scores; the
   plain aux_loss takes turbomoe's fused one where the formulas agree (softmax, k != 2, no expert
   bias, no tensor/context-parallel reduction). z-loss: turbomoe's (mean logsumexp^2). Both ride on
@@ -75,8 +76,10 @@ def topk_routing(logits_TE: torch.Tensor, topk: int, score_function: str = "soft
 
 
 def drop_slots(expert_ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, capacity: Optional[int],
-               drop_policy: str, seed: int = 0, backend: Optional[str] = None) -> ops.Slots:
-    """Megatron's apply_router_token_dropping as turbomoe slots (rows of the kept routes)."""
+               drop_policy: str, seed: int = 0, backend: Optional[str] = None,
+               seed_draw: Optional[torch.Tensor] = None) -> ops.Slots:
+    """Megatron's apply_router_token_dropping as turbomoe slots (rows of the kept routes); seed_draw:
+    see ops.assign_slots."""
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     priority_TK = probs_TK
@@ -86,7 +89,7 @@ def drop_slots(expert_ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts:
         priority_TK = torch.zeros_like(probs_TK, dtype=torch.float32)
     policy = "rts" if drop_policy == "rts" else "probs"
     return ops.assign_slots(expert_ids_TK, priority_TK, num_experts, capacity=capacity, drop_policy=policy,
-                            seed=seed, backend=backend)
+                            seed=seed, backend=backend, seed_draw=seed_draw)
 
 
 def dense_routing(routing: Routing, num_experts: int):
@@ -146,9 +149,9 @@ class TurboTopKRouter(TopKRouter):
                                    self.config.moe_router_topk_scaling_factor,
                                    self.expert_bias if self.score_function == "sigmoid" else None, self.backend)
         C = routing_capacity(T, E, self.topk, self.config.moe_expert_capacity_factor)
-        slots = drop_slots(g.expert_ids, probs_TK, E, C, self.drop_policy, self.seed, self.backend)
-        if self.training and self.drop_policy == "rts" and C is not None:
-            self.seed += 1  # a fresh random selection each step
+        # rts in training: a fresh selection each step that Megatron's recompute replays (ops.rts_draw).
+        draw = ops.rts_draw() if self.training and self.drop_policy == "rts" and C is not None else None
+        slots = drop_slots(g.expert_ids, probs_TK, E, C, self.drop_policy, self.seed, self.backend, draw)
         if self.training and torch.is_grad_enabled() and T > 0:  # no tokens, no losses (stock divides by T)
             probs_TK = self._attach_z_loss(probs_TK, g.z_loss, T)
             if self.is_aux_loss_enabled():

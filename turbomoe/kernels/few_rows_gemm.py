@@ -112,6 +112,8 @@ def few_rows_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     y = torch.empty(R, N, device=x_RK.device, dtype=x_RK.dtype)
     if R == 0 or N == 0 or G == 0:
         return y
+    if K == 0:  # empty sums: zero (and silu(0) * 0 = 0 with swiglu)
+        return y.zero_()
     if x_RK.stride(1) != 1:
         x_RK = x_RK.contiguous()
     block_m, block_n, split, block_k, warps, stages = tiles or few_rows_tiles(max_rows, N, K, x_RK.device)

@@ -43,6 +43,13 @@ _INERT = {"architectures", "model_type", "transformers_version", "dtype", "torch
           "max_window_layers", "_name_or_path", "output_attentions", "output_hidden_states", "return_dict"}
 _HANDLED = {"num_experts", "num_local_experts", "head_dim", "hidden_act", "attention_dropout", "rope_parameters",
             "rope_theta", "rope_scaling", "use_sliding_window", "sliding_window"}
+# Qwen3MoeConfig's defaults (transformers 5.x): a field config.json leaves out has this value in
+# transformers, so it has it here too.
+_HF_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+                "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "initializer_range": 0.02,
+                "tie_word_embeddings": False, "attention_bias": False}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _OUR_EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
@@ -76,6 +83,8 @@ def _rope_theta(raw: dict, file: str) -> float:
     if params is None:
         scaling = raw.get("rope_scaling")
         if scaling:
+            if not isinstance(scaling, dict):
+                raise CheckpointError(f"{file}: rope_scaling must be an object, got {scaling!r}")
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind != "default":
                 raise CheckpointError(f"{file}: rope_scaling {scaling} is not supported (only default rotary "
@@ -106,14 +115,16 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
     if raw.get("use_sliding_window") and raw.get("sliding_window") is not None:
         raise CheckpointError(f"{file}: use_sliding_window with sliding_window {raw['sliding_window']} is not "
                               f"supported (full causal attention only)")
-    num_experts = raw.get("num_experts", raw.get("num_local_experts"))
-    if not num_experts:
-        raise CheckpointError(f"{file}: num_experts is {num_experts!r}; a Qwen3-MoE model needs experts")
-    d = {k: raw[k] for k in _SAME if k in raw}
-    d["mlp_only_layers"] = list(raw.get("mlp_only_layers") or [])
-    d["norm_topk_prob"] = bool(raw.get("norm_topk_prob", False))  # Qwen3MoeConfig's default
-    d["num_experts"] = num_experts
-    d["head_dim"] = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    d = {k: raw.get(k, _HF_DEFAULTS[k]) for k in _SAME}
+    d["num_experts"] = raw.get("num_experts", raw.get("num_local_experts", _HF_DEFAULTS["num_experts"]))
+    if not d["num_experts"]:
+        raise CheckpointError(f"{file}: num_experts is {d['num_experts']!r}; a Qwen3-MoE model needs experts")
+    d["mlp_only_layers"] = list(d["mlp_only_layers"] or [])
+    d["norm_topk_prob"] = bool(d["norm_topk_prob"])
+    heads = d["num_attention_heads"]
+    if raw.get("head_dim") is None and not (isinstance(heads, int) and heads > 0):
+        raise CheckpointError(f"{file}: num_attention_heads must be a positive int, got {heads!r}")
+    d["head_dim"] = raw.get("head_dim") or d["hidden_size"] // heads
     d["rope_theta"] = _rope_theta(raw, file)
     d["moe_impl"] = moe_impl
     try:
@@ -301,18 +312,23 @@ def atomic_dir(out_dir: str, force: bool):
     tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    old = None
     try:
         yield tmp
-        if os.path.exists(out_dir):
+        if os.path.lexists(out_dir):  # force: the old output steps aside until the new one is in place
             old = os.path.join(parent, f".{os.path.basename(out_dir)}.old{os.getpid()}")
             os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.lexists(out_dir):
+            os.replace(old, out_dir)  # the new output never arrived: put the old one back
         raise
+    if old is not None:
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.remove(old)
 
 
 def write_weights(out_dir: str, tensors: Iterable[Tuple[str, torch.Tensor]], dtype: torch.dtype,
@@ -359,7 +375,7 @@ def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer
     from ..data import ByteTokenizer
     if tokenizer is None and cfg.vocab_size >= ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
-    eos = getattr(tokenizer, "eos_id", None)
+    eos = getattr(tokenizer, "eos_id", getattr(tokenizer, "eos_token_id", None))
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(config_to_hf(cfg, dtype, eos), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:

@@ -91,10 +91,16 @@ class MoELayer(nn.Module):
         same stream, restore `seed` (in the state dict) and torch's RNG state (torch.set_rng_state)."""
         if not (self.training and self.drop_policy == "rts" and capacity is not None):
             return None
-        return torch.randint(0, 1 << 62, (1, ))
+        return ops.rts_draw()
 
     def get_extra_state(self):
         return {"seed": self.seed}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        missing_keys = args[2]
+        if prefix + "_extra_state" in missing_keys:  # saved before the seed was: keep this layer's own
+            missing_keys.remove(prefix + "_extra_state")
 
     def set_extra_state(self, state):
         ops.check_seed(state["seed"])
