@@ -236,19 +236,17 @@ def assign_slots(expert_ids_SK: torch.Tensor,
                 and seed_draw.device.type == "cpu"):
             raise TypeError(f"seed_draw must be a one-element int64 CPU tensor, got {seed_draw!r}")
     backend = choose_backend(expert_ids_SK, backend, num_experts)
+    if expert_ids_SK.dtype == torch.int64:
+        # The kernels index in int32: an id outside [0, E) routes nowhere, so map it to -1 here
+        # rather than let the narrowing wrap 2**32 + 1 to expert 1 (one elementwise op, no sync).
+        expert_ids_SK = _narrow_index(expert_ids_SK, num_experts)
     if torch.compiler.is_compiling():  # every backend: the reference's output shapes depend on values
-        if expert_ids_SK.dtype == torch.int64:  # the kernels' int32 (see below); the reference takes either
-            expert_ids_SK = _narrow_index(expert_ids_SK, num_experts)
         return custom_ops.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend,
                                        seed_draw)
     if seed_draw is not None:
         seed ^= int(seed_draw)  # a CPU tensor: no device sync
     if backend == "reference":
         return reference.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
-    if expert_ids_SK.dtype == torch.int64:
-        # The kernels index in int32: an id outside [0, E) routes nowhere, so map it to -1 here
-        # rather than let the narrowing wrap 2**32 + 1 to expert 1 (one elementwise op, no sync).
-        expert_ids_SK = _narrow_index(expert_ids_SK, num_experts)
     return _impl(backend).assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
 
 
@@ -257,7 +255,7 @@ _INT32_MAX = (1 << 31) - 1
 
 def _narrow_index(t: torch.Tensor, bound: int) -> torch.Tensor:
     """int32 copy of an index table: entries outside [0, bound) become -1 (route nowhere)."""
-    return torch.where((t >= 0) & (t < bound), t, -1).to(torch.int32)
+    return reference.routed_slots(t, bound).to(torch.int32)
 
 
 def _check_distinct_rows(table: torch.Tensor, num_rows: int):

@@ -57,6 +57,11 @@ def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, 
     return max(int(math.ceil(num_tokens / num_experts * capacity_factor * k)), int(min_capacity))
 
 
+def nan_ranks_last(values: torch.Tensor) -> torch.Tensor:
+    """values with NaN as -inf (infinities kept): the rule by which every backend ranks a NaN."""
+    return torch.nan_to_num(values, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+
+
 def aux_loss_coefficient(num_experts: int, k: int) -> float:
     """DeepSpeed's l_aux = coef * sum_e me_e * ce_e (sharded_moe top1/top2/topk gating).
 
@@ -95,7 +100,7 @@ def topk_gating(logits_SE: torch.Tensor,
     select = probs if selection_bias_E is None else probs + selection_bias_E.to(acc)
     # A NaN selection value (a NaN bias) ranks as -inf: such an expert is chosen only after every
     # expert with a number. +0.0 and -0.0 are equal.
-    select = torch.nan_to_num(select, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    select = nan_ranks_last(select)
     # Stable descending sort: among equal values the lower expert id comes first.
     ids = torch.sort(select.detach(), dim=1, descending=True, stable=True).indices[:, :k]
     scores = probs.gather(1, ids)
@@ -239,8 +244,7 @@ def assign_slots(expert_ids_SK: torch.Tensor,
             if drop_policy == "rts":
                 prio = rts_priority(S * k, seed, ids.device)  # smaller is kept first
             else:  # probs: higher score first; a NaN score ranks as -inf (dropped first), -0.0 == +0.0
-                prio = -torch.nan_to_num(scores_SK.detach().reshape(-1).float(), nan=float("-inf"),
-                                         posinf=float("inf"), neginf=float("-inf"))
+                prio = -nan_ranks_last(scores_SK.detach().reshape(-1).float())
             # Rank of each route among the routes of its expert, by priority then route index.
             order = torch.sort(prio, stable=True).indices
             sorted_onehot = onehot_RE[order]

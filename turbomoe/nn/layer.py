@@ -96,9 +96,10 @@ class MoELayer(nn.Module):
     def get_extra_state(self):
         return {"seed": self.seed}
 
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        super()._load_from_state_dict(state_dict, prefix, *args)
-        missing_keys = args[2]
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         if prefix + "_extra_state" in missing_keys:  # saved before the seed was: keep this layer's own
             missing_keys.remove(prefix + "_extra_state")
 
