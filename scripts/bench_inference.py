@@ -257,7 +257,7 @@ def bench_tune(args, log):
             for op, w, K, sw in (("w1", w1, M, True), ("w2", w2, F_, False)):
                 x = torch.randn(R, K, **dev)
                 N = w.shape[2] // 2 if sw else w.shape[2]
-                heur = few_rows_tiles(T, N, K, x.device)
+                heur = few_rows_tiles(T, N, K, x.device, x.element_size(), sw)
                 bm = heur[0]
                 res = {}
                 for bn in (32, 64, 128):

@@ -52,19 +52,17 @@ python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspee
 make -s -C "$PEER/megatron/data" 2>&1 | tail -3
 DATA=${DATA:-$WORK/data/markov}  # a carried copy saves its ~10 s of imports and writing
 [ -f "$DATA.idx" ] || (mkdir -p "$WORK/data" && python3 "$ROOT/scripts/megatron_deepspeed.py" data "$DATA")
-# pretrain_gpt.py calls the helpers' build_sample_idx unless the index maps for these arguments are
-# in $(dirname $DATA)/index-cache. On the H200 machine of 2026-11-23 02:07 UTC that call crashed
-# (SIGSEGV, pybind11 3.1.0 build): call it here first, and go on only if it works or the maps were
-# built elsewhere (same absolute data path and data arguments: they are looked up by a hash of them).
+# On the H200 machine of 2026-11-23 02:07 UTC the helpers' build_sample_idx crashed (SIGSEGV, pybind11
+# 3.1.0 build) in every run: call it here first, and if it crashes use Megatron-DeepSpeed's own Python
+# version of it (the shims' sitecustomize; same maps) unless the maps are already in index-cache/.
 (cd "$PEER" && python3 -c "
 import numpy as np
 from megatron.data import helpers
 print('dataset helpers: numpy', np.__version__, 'sample_idx rows',
       helpers.build_sample_idx(np.full(8, 100, np.int32), np.arange(8, dtype=np.int32), 50, 1, 800).shape[0])" \
   | grep -v "^ ") || {
-  echo "Megatron-DeepSpeed's dataset helpers crash here (exit $?)"
-  ls "$(dirname "$DATA")"/index-cache/*.dsc >/dev/null 2>&1 || { echo "and no index-cache next to $DATA: stopping"; exit 1; }
-  echo "index maps found in $(dirname "$DATA")/index-cache: going on"; }
+  echo "Megatron-DeepSpeed's dataset helpers crash here (exit $?): its Python build_sample_idx serves instead"
+  export MDS_PYTHON_SAMPLE_IDX=1; }
 cat > "$WORK/ds.json" <<EOF
 {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 100000,
  "gradient_clipping": 1.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": true},
@@ -110,8 +108,8 @@ TP2_EP2="--tensor-model-parallel-size 2 --moe-expert-parallel-size 2"
 TP2_ETP="--tensor-model-parallel-size 2 --moe-expert-parallel-size 1 --enable-expert-tensor-parallelism"
 SUMMARY=()
 case "$MODE" in
-  1gpu)  # one GPU, one run at a time
-    layer 0
+  1gpu)  # one GPU, one run at a time (LAYER=0: without the layer timing)
+    [ "${LAYER:-1}" = 1 ] && layer 0
     for impl in stock turbo; do train capacity 1 $impl $ONE; done
     for impl in stock turbo; do train dropless_residual 1 $impl $DROPLESS_RESIDUAL; done
     SUMMARY+=(capacity "$OUT/capacity_stock.log" "$OUT/capacity_turbo.log")

@@ -5,7 +5,9 @@ on turbomoe). Subcommands:
                    fused LayerNorm, FusedAdam and multi-tensor applier with amp_C unconditionally;
                    here F.layer_norm, torch's AdamW (apex's FusedAdam is AdamW by default) and
                    plain loops, the same math, in both runs),
-                   python3-config (its dataset helpers' Makefile asks it for the module suffix), and
+                   python3-config (its dataset helpers' Makefile asks it for the module suffix),
+                   a sitecustomize that, with MDS_PYTHON_SAMPLE_IDX=1, serves build_sample_idx from
+                   Megatron-DeepSpeed's own Python version (its C++ helper crashed on a GPU machine), and
                    torchvision and PIL, which megatron/training.py imports through its vision models'
                    modules (names only: a GPT run never calls them). Only for packages that are
                    not installed. And, in the DeepSpeed installed under SITE,
@@ -128,12 +130,31 @@ redundancy_clean = init_compression
 '''
 
 
+SAMPLE_IDX = '''"""Written by turbomoe's scripts/megatron_deepspeed.py, active only with MDS_PYTHON_SAMPLE_IDX=1:
+Megatron-DeepSpeed's compiled dataset helper crashed (SIGSEGV in build_sample_idx, H200 machine,
+2026-11-23), so megatron.data.helpers is then a module whose build_sample_idx is Megatron-DeepSpeed's
+own pure-Python _build_sample_idx (megatron/data/gpt_dataset.py): the same index maps, built slower."""
+import os
+import sys
+import types
+
+if os.environ.get("MDS_PYTHON_SAMPLE_IDX") == "1":
+    def build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch):
+        from megatron.data.gpt_dataset import _build_sample_idx
+        return _build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+
+    helpers = types.ModuleType("megatron.data.helpers")
+    helpers.build_sample_idx = build_sample_idx
+    sys.modules["megatron.data.helpers"] = helpers
+'''
+
+
 def write_shims(root, site):
     files = {"apex/__init__.py": APEX_INIT, "apex/normalization/__init__.py": APEX_NORMALIZATION,
              "apex/normalization/fused_layer_norm.py": APEX_FUSED_LAYER_NORM,
              "apex/multi_tensor_apply.py": APEX_MULTI_TENSOR_APPLY, "apex/optimizers.py": APEX_OPTIMIZERS, "amp_C.py": AMP_C,
              "fused_layer_norm_cuda.py": '"""Imported (not used) by MixedFusedLayerNorm; see apex/."""\n',
-             "bin/python3-config": PYTHON3_CONFIG}
+             "bin/python3-config": PYTHON3_CONFIG, "sitecustomize.py": SAMPLE_IDX}
     for rel in ("torchvision/__init__.py", "torchvision/transforms/__init__.py", "torchvision/datasets/__init__.py",
                 "PIL/__init__.py"):
         files[rel] = VISION_PLACEHOLDER

@@ -46,9 +46,14 @@ def check_shuffle(fn, T, E, k, score_func, renormalize, shared, device, dtype=to
 def naive_moe(x, logits, w1, w2, k, score_func, renormalize, shared_w1=None, shared_w2=None, prescale=False):
     """The MoE block token by token in float64 from the router's logits (the block's own: bf16 logits
     tie often, and a tie goes to the lower expert id): the oracle of SparseMoE."""
-    x, logits = x.double(), logits.double()
-    p = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
-    ids = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]  # ties to the lower id, as the spec
+    def probs(v):
+        return v.softmax(-1) if score_func == "softmax" else v.sigmoid()
+
+    # Ranked in the kernels' compute dtype: bf16 logits above ~17 all have an fp32 sigmoid of 1.0,
+    # a tie (to the lower id, as the spec) that fp64 would break.
+    p_rank = probs(logits.to(reference.compute_dtype(logits.dtype)))
+    x, p = x.double(), probs(logits.double())
+    ids = torch.sort(p_rank, dim=-1, descending=True, stable=True).indices[:, :k]
     sc = p.gather(1, ids)
     if renormalize:
         sc = sc / sc.sum(-1, keepdim=True)

@@ -32,9 +32,16 @@ from .. import csrc
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 
 
+@torch.compiler.assume_constant_result  # a constant to torch.compile (lru_cache is not, to dynamo)
+def _sm(device_index: int) -> int:
+    """The compute capability as one int (90: sm_90), an int so that traced comparisons are plain."""
+    return _sm_cached(device_index)
+
+
 @functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple:
-    return torch.cuda.get_device_capability(device_index)
+def _sm_cached(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
 
 
 def _device_index(t: torch.Tensor) -> int:
@@ -43,7 +50,7 @@ def _device_index(t: torch.Tensor) -> int:
 
 def _torch_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and _capability(_device_index(x)) >= (9, 0) and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
+            and _sm(_device_index(x)) >= 90 and x.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
 
 
 def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -54,8 +61,19 @@ def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     G, K, N = w.shape
     layout_ok = w.stride() in ((K * N, N, 1), (K * N, 1, K))
-    return (layout_ok and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-            and _capability(_device_index(x)) == (9, 0) and csrc.gmm_available())
+    # Traced tensors have no addresses: the custom op checks the alignment when it runs (cutlass_or_torch).
+    aligned = torch.compiler.is_compiling() or _aligned16(x, w)
+    return layout_ok and aligned and _sm(_device_index(x)) == 90 and csrc.gmm_available()
+
+
+def _aligned16(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def cutlass_or_torch(x: torch.Tensor, w: torch.Tensor, backend: str) -> str:
+    """The backend chosen at trace time, kept unless it is cutlass and the run's operands are not
+    16-byte aligned (TMA's need): torch._grouped_mm takes those."""
+    return "torch" if backend == "cutlass" and not _aligned16(x, w) else backend
 
 
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:

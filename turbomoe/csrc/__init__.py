@@ -53,9 +53,16 @@ def extension():
     return _load("turbomoe_cuda", _SOURCES)
 
 
-@functools.lru_cache(maxsize=None)
+# assume_constant_result: torch.compile calls these at trace time and keeps the answer (dynamo
+# ignores lru_cache and cannot trace the build's file-system calls).
+@torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the CUDA backend can run here: a GPU, and the extension builds (once)."""
+    return _available()
+
+
+@functools.lru_cache(maxsize=None)
+def _available() -> bool:
     return torch.cuda.is_available() and _builds(extension, "the CUDA backend", "Triton")
 
 
@@ -77,9 +84,14 @@ def gmm_extension():
                  cuda_flags=["-gencode=arch=compute_90a,code=sm_90a", "-DNDEBUG", "--expt-relaxed-constexpr"])
 
 
-@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result
 def gmm_available() -> bool:
     """Whether the CUTLASS grouped GEMM builds here (once); the caller checks for an sm90 device."""
+    return _gmm_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _gmm_available() -> bool:
     return torch.cuda.is_available() and _builds(gmm_extension, "the CUTLASS grouped GEMM", "torch._grouped_mm")
 
 

@@ -206,9 +206,11 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
             src.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(), sc, y_ptr, kept_ptr, out.data_ptr<scalar_t>(), ds, S,
             M, R, K, token_blocks, static_cast<int>(capacity), E);
       };
-      if (y_ptr && renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, true>);
-      else if (y_ptr) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, false>);
-      else if (sc) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, false>);
+      // On has_value(), not the pointers: an empty y (every route dropped) has a null data pointer,
+      // and its grad scores must still be written (zeros).
+      if (y.has_value() && renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, true>);
+      else if (y.has_value()) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, false>);
+      else if (scores.has_value()) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, false>);
       else launch(push_rows_kernel<scalar_t, acc_t, VEC, false, false, false>);
     });
     TURBOMOE_CHECK_LAUNCH();
@@ -235,8 +237,8 @@ void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, co
         kernel<<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(y.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(),
                                                                        sc, out.data_ptr<scalar_t>(), S, M, R, K);
       };
-      if (sc && renorm) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true, true>);
-      else if (sc) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true, false>);
+      if (scores.has_value() && renorm) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true, true>);
+      else if (scores.has_value()) launch(pull_rows_kernel<scalar_t, acc_t, VEC, true, false>);
       else launch(pull_rows_kernel<scalar_t, acc_t, VEC, false, false>);
     });
     TURBOMOE_CHECK_LAUNCH();

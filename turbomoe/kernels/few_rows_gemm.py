@@ -86,19 +86,35 @@ def _sum_splits_kernel(part_ptr, y_ptr, R, N, stride_pr, stride_ps, stride_yr, S
     tl.store(y_ptr + row * stride_yr + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def few_rows_tiles(max_rows: int, N: int, K: int, device: torch.device):
+# Shared memory the pipeline may take: Hopper's 227 KiB per block, less a margin for the compiler.
+SMEM_BUDGET = 200 * 1024
+
+
+def few_rows_tiles(max_rows: int, N: int, K: int, device: torch.device, elem_size: int = 2, swiglu: bool = False):
     """(BLOCK_M, BLOCK_N, SPLIT, BLOCK_K, num_warps, num_stages): row tiles of 16 up to 64 rows, N
     tiles of 64 (128-byte rows of bf16 weights) and K split in up to 8 parts of at least 256: the
     rule that was best or within 15% of the best of 12 tilings swept at the decode layers' shapes
-    with up to 8 routes (notes/inference.md)."""
+    with up to 8 routes (notes/inference.md). Wider elements (fp32) get fewer pipeline stages, then
+    shorter K tiles, until the stages' buffers fit in shared memory (4 stages of fp32 SwiGLU tiles
+    asked 240 KiB on the H100)."""
     block_m = min(64, max(16, next_pow2(max_rows)))
+    block_n = 64
     split = 1
     while split < 8 and K // (2 * split) >= 256:
         split *= 2
     block_k = 128 if device.type == "cuda" else 16  # the interpreter: small tiles, several splits
     if device.type != "cuda":
         split = max(1, min(4, K // 32))
-    return block_m, 64, split, block_k, 4, 4
+    stages = 4
+
+    def smem():  # Triton's software pipeline holds stages - 1 buffers of each operand tile
+        return (stages - 1) * elem_size * block_k * (block_m + block_n * (2 if swiglu else 1))
+
+    while smem() > SMEM_BUDGET and stages > 2:
+        stages -= 1
+    while smem() > SMEM_BUDGET and block_k > 16:
+        block_k //= 2
+    return block_m, block_n, split, block_k, 4, stages
 
 
 def few_rows_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, max_rows: int,
@@ -116,7 +132,8 @@ def few_rows_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
         return y.zero_()
     if x_RK.stride(1) != 1:
         x_RK = x_RK.contiguous()
-    block_m, block_n, split, block_k, warps, stages = tiles or few_rows_tiles(max_rows, N, K, x_RK.device)
+    block_m, block_n, split, block_k, warps, stages = tiles or few_rows_tiles(
+        max_rows, N, K, x_RK.device, x_RK.element_size(), swiglu)
     k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
     split = triton.cdiv(K, k_per_split)
     grid = (triton.cdiv(N, block_n), G, triton.cdiv(max(max_rows, 1), block_m) * split)

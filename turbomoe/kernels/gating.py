@@ -187,7 +187,13 @@ def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_
                 r_j = tl.sum(tl.where(cols[None, :] == e_j[:, None], probs, 0.0), axis=1)
                 r_t = tl.where(kcol[None, :] == j, r_j[:, None], r_t)
             denom = tl.sum(r_t, axis=1)
-            s_t = r_t / tl.where(denom > 0, denom, 1.0)[:, None]
+            denom = tl.where(denom > 0, denom, 1.0)[:, None]
+            # Correctly rounded, as in the forward: for k = 1, s = 1 and g - s g = 0 exactly (the
+            # GPU's approximate fp32 division left ~1e-8 there; the interpreter and CUDA are exact).
+            if ACC == tl.float32:
+                s_t = tl.div_rn(r_t, denom)
+            else:
+                s_t = r_t / denom
             sg = tl.sum(s_t * g_t, axis=1)
         for i in tl.static_range(K):
             g_i = tl.sum(tl.where(kcol[None, :] == i, g_t, 0.0), axis=1)
