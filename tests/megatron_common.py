@@ -1,6 +1,8 @@
-"""Helpers of the Megatron-core tests (tests/test_megatron*.py and tests/megatron_ep_script.py):
-a one-process (or launched) model-parallel set-up, small configs, stock <-> turbomoe weight copies."""
+"""Helpers of the Megatron-core tests (tests/test_megatron*.py, tests/megatron_ep_script.py and
+tests/megatron_train_script.py): a one-process (or launched) model-parallel set-up, small configs,
+stock <-> turbomoe weight copies, a stock / turbomoe GPT model pair and its token batches."""
 import contextlib
+import dataclasses
 import os
 import socket
 
@@ -8,7 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from turbomoe.integrations import megatron as tm
 
 
 def free_port() -> int:
@@ -18,14 +26,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def model_parallel(backend: str = "gloo", ep: int = 1):
-    """torch.distributed (world size from the launcher's env, else 1) + Megatron's parallel state."""
+def model_parallel(backend: str = "gloo", ep: int = 1, tp: int = 1):
+    """torch.distributed (world size from the launcher's env, else 1; kept if already initialised) +
+    Megatron's parallel state: tensor parallel tp (experts not: expert tensor parallel 1), expert
+    parallel ep, data parallel the rest."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     owned = not torch.distributed.is_initialized()
     if owned:
         torch.distributed.init_process_group(backend)
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     try:
         yield
     finally:
@@ -59,14 +69,80 @@ def copy_stock_moe_to_turbomoe(stock_moe, turbo_moe):
         w2[i].copy_(e.linear_fc2.weight.t())
 
 
-def expert_grads_as_stock(turbo_moe):
-    """turbomoe's expert weight gradients in SequentialMLP's names and shapes."""
+def experts_as_stock(turbo_moe, grads: bool = False):
+    """turbomoe's expert weights (or their gradients) in SequentialMLP's names and shapes."""
     ex = turbo_moe.experts
     H = ex.config.hidden_size
-    g1 = ex.weight1.grad.view(ex.num_local_experts, H, -1)
-    g2 = ex.weight2.grad.view(ex.num_local_experts, -1, H)
+    w1, w2 = (ex.weight1.grad, ex.weight2.grad) if grads else (ex.weight1, ex.weight2)
+    w1, w2 = w1.view(ex.num_local_experts, H, -1), w2.view(ex.num_local_experts, -1, H)
     out = {}
     for i in range(ex.num_local_experts):
-        out[f"experts.local_experts.{i}.linear_fc1.weight"] = g1[i].t()
-        out[f"experts.local_experts.{i}.linear_fc2.weight"] = g2[i].t()
+        out[f"experts.local_experts.{i}.linear_fc1.weight"] = w1[i].t()
+        out[f"experts.local_experts.{i}.linear_fc2.weight"] = w2[i].t()
     return out
+
+
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm for a Megatron layer spec under sequence parallelism. Without apex or Transformer
+    Engine the local spec's norm is WrappedTorchNorm, which refuses sequence_parallel (its parameters would
+    miss the mark); this one sets `sequence_parallel` on its parameters, as apex's FusedLayerNorm and TE's
+    norms do, so finalize_model_grads sums their gradients over the tensor-parallel ranks."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+
+def with_sequence_parallel_norms(block):
+    """The block spec with its WrappedTorchNorm norms (layers' and the final one) SequenceParallelLayerNorm."""
+    for sub in [layer.submodules for layer in block.layer_specs] + [block]:
+        for field in dataclasses.fields(sub):
+            if getattr(sub, field.name) is WrappedTorchNorm:
+                setattr(sub, field.name, SequenceParallelLayerNorm)
+    return block
+
+
+def gpt_pair(cfg, vocab: int, seq: int, **turbomoe_kwargs):
+    """(stock GPT, turbomoe GPT) on the GPU from the same seed (local specs; with sequence parallelism,
+    SequenceParallelLayerNorm norms), turbomoe's weights then set to stock's; both cast to
+    cfg.params_dtype as Float16Module casts them (embeddings start fp32)."""
+    models = []
+    for spec in (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                 tm.get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **turbomoe_kwargs)):
+        if cfg.sequence_parallel:
+            spec = with_sequence_parallel_norms(spec)
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq).cuda()
+        models.append(model.to(cfg.params_dtype))
+    stock, turbo = models
+    own = dict(turbo.named_parameters())
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if name in own:
+                own[name].copy_(p)
+    for ls, lt in zip(stock.decoder.layers, turbo.decoder.layers):
+        if isinstance(lt.mlp, tm.TurboMoELayer):
+            copy_stock_moe_to_turbomoe(ls.mlp, lt.mlp)
+    return stock, turbo
+
+
+def gpt_tensors_as_stock(model, grads: bool = False):
+    """A GPT model's parameters (or their gradients, those that have one) by stock's names: turbomoe's
+    experts as SequentialMLP's (a stock model's are its own)."""
+    out = {n: p.grad if grads else p for n, p in model.named_parameters()
+           if (p.grad is not None or not grads) and not n.endswith(("experts.weight1", "experts.weight2"))}
+    for i, layer in enumerate(model.decoder.layers):
+        if isinstance(layer.mlp, tm.TurboMoELayer):
+            out.update({f"decoder.layers.{i}.mlp.{k}": t for k, t in experts_as_stock(layer.mlp, grads).items()})
+    return out
+
+
+def gpt_batch(vocab: int, seq: int, batch: int, seed: int = 1):
+    """(tokens, position ids, causal mask) of random tokens on the GPU, drawn from seed."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq), device="cuda", generator=g)
+    pos = torch.arange(seq, device="cuda").expand(batch, seq)
+    mask = torch.ones(batch, 1, seq, seq, dtype=torch.bool, device="cuda").triu(1)
+    return tokens, pos, mask

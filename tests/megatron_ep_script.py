@@ -22,7 +22,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec  # noq
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 
-from megatron_common import copy_stock_moe_to_turbomoe, expert_grads_as_stock, model_parallel, moe_config  # noqa: E402
+from megatron_common import copy_stock_moe_to_turbomoe, experts_as_stock, model_parallel, moe_config  # noqa: E402
 from turbomoe.integrations import megatron as tm  # noqa: E402
 
 if not hasattr(moe_utils, "te_general_gemm"):
@@ -65,7 +65,7 @@ def check_case(name, overrides, turbomoe_kwargs, rank):
     torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5, msg=f"{name}: output")
     torch.testing.assert_close(gx2, gx1, rtol=1e-4, atol=1e-5, msg=f"{name}: input grad")
     torch.testing.assert_close(turbo.router.weight.grad, stock.router.weight.grad, rtol=1e-4, atol=1e-5)
-    for key, grad in expert_grads_as_stock(turbo).items():
+    for key, grad in experts_as_stock(turbo, grads=True).items():
         torch.testing.assert_close(grad, stock.get_parameter(key).grad, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
     if cfg.moe_expert_capacity_factor is not None:  # equal splits: no host sync in the layer
         torch.cuda.synchronize()

@@ -19,7 +19,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # n
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 
-from megatron_common import copy_stock_moe_to_turbomoe, expert_grads_as_stock, model_parallel, moe_config  # noqa: E402
+from megatron_common import copy_stock_moe_to_turbomoe, experts_as_stock, model_parallel, moe_config  # noqa: E402
 from turbomoe.integrations import megatron as tm  # noqa: E402
 from turbomoe.integrations.megatron_router import (Routing, TurboTopKRouter, dense_routing, drop_slots,  # noqa: E402
                                                    routing_capacity, topk_routing)
@@ -197,7 +197,7 @@ def test_layer_matches_stock_moe_layer(k, cf, policy, shared, tokens, before_fc2
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(turbo.router.weight.grad, stock.router.weight.grad, rtol=1e-10, atol=1e-12)
-    for name, g in expert_grads_as_stock(turbo).items():
+    for name, g in experts_as_stock(turbo, grads=True).items():
         torch.testing.assert_close(g, stock.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name)
 
 

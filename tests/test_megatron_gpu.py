@@ -6,7 +6,9 @@ TopKRouter, allgather dispatcher, SequentialMLP):
 - the expert bias updated by Megatron's rule the same way;
 - distributed checkpoints saved by one model loaded into the other, both ways;
 - no host sync in turbomoe's layer (torch.cuda.set_sync_debug_mode("error"));
-- expert parallelism over 2 GPUs: tests/megatron_ep_script.py under torchrun.
+- expert parallelism over 2 GPUs: tests/megatron_ep_script.py under torchrun;
+- Megatron's training step (DistributedDataParallel, get_megatron_optimizer, finalize_model_grads)
+  with tensor (+ sequence) and data parallelism over 2 GPUs, and on one: tests/megatron_train_script.py.
 Stock 0.16.1 without Transformer Engine stops in router_gating_linear (NameError: te_general_gemm is
 bound only by TE's import); the stock side here binds it to None, the value the code tests for.
 """
@@ -24,13 +26,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
-from megatron_common import copy_stock_moe_to_turbomoe, expert_grads_as_stock, model_parallel, moe_config  # noqa: E402
+from megatron_common import gpt_batch, gpt_pair, gpt_tensors_as_stock, model_parallel, moe_config  # noqa: E402
 from turbomoe.integrations import megatron as tm  # noqa: E402
 
 if not hasattr(moe_utils, "te_general_gemm"):
@@ -61,46 +60,12 @@ def gpt_config(dtype, **overrides):
     return moe_config(**kw)
 
 
-def build_pair(cfg, **turbomoe_kwargs):
-    """(stock GPT, turbomoe GPT) from the same seed, turbomoe's weights then set to stock's."""
-    models = []
-    for spec in (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
-                 tm.get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **turbomoe_kwargs)):
-        torch.manual_seed(0)
-        model_parallel_cuda_manual_seed(0)
-        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ).cuda()
-        models.append(model.to(cfg.params_dtype))  # as Float16Module casts it (its embeddings start in fp32)
-    stock, turbo = models
-    own = dict(turbo.named_parameters())
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if name in own:
-                own[name].copy_(p)
-    for ls, lt in zip(stock.decoder.layers, turbo.decoder.layers):
-        if isinstance(lt.mlp, tm.TurboMoELayer):
-            copy_stock_moe_to_turbomoe(ls.mlp, lt.mlp)
-    return stock, turbo
-
-
-def batch(seed=1):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
-    pos = torch.arange(SEQ, device="cuda").expand(BATCH, SEQ)
-    mask = torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool, device="cuda").triu(1)
-    return tokens, pos, mask
-
-
 def loss_and_grads(model, data):
     model.zero_grad(set_to_none=True)
     tokens, pos, mask = data
     loss = model(tokens, pos, mask, labels=tokens).float().mean()
     loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters()
-             if p.grad is not None and not n.endswith(("experts.weight1", "experts.weight2"))}
-    for i, layer in enumerate(model.decoder.layers):  # turbomoe's expert grads in SequentialMLP's names
-        if isinstance(layer.mlp, tm.TurboMoELayer):
-            grads.update({f"decoder.layers.{i}.mlp.{k}": g for k, g in expert_grads_as_stock(layer.mlp).items()})
-    return loss.detach(), grads
+    return loss.detach(), gpt_tensors_as_stock(model, grads=True)
 
 
 CASES = {  # name: config overrides (the probs_before_fc2 case: turbomoe spec keywords)
@@ -120,8 +85,8 @@ CASES = {  # name: config overrides (the probs_before_fc2 case: turbomoe spec ke
 def test_gpt_matches_stock(case, dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = gpt_config(dtype, **CASES[case])
-    stock, turbo = build_pair(cfg, probs_before_fc2=case == "probs-before-fc2")
-    data = batch()
+    stock, turbo = gpt_pair(cfg, VOCAB, SEQ, probs_before_fc2=case == "probs-before-fc2")
+    data = gpt_batch(VOCAB, SEQ, BATCH)
     (l1, g1), (l2, g2) = loss_and_grads(stock, data), loss_and_grads(turbo, data)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert abs(l1.item() - l2.item()) <= tol * abs(l1.item()), (l1.item(), l2.item())
@@ -160,8 +125,8 @@ def test_checkpoints_load_both_ways():
     """A distributed checkpoint of stock's model loads into turbomoe's (perturbed first) and gives
     stock's weights and loss; and back, turbomoe's into a perturbed stock model."""
     cfg = gpt_config(torch.bfloat16)
-    stock, turbo = build_pair(cfg)
-    data = batch()
+    stock, turbo = gpt_pair(cfg, VOCAB, SEQ)
+    data = gpt_batch(VOCAB, SEQ, BATCH)
     for src, dst in ((stock, turbo), (turbo, stock)):
         with torch.no_grad():
             for p in dst.parameters():
@@ -199,15 +164,29 @@ def test_layer_has_no_host_sync(cf, lb):
     assert torch.isfinite(x.grad).all()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert parallelism needs 2 GPUs")
-def test_expert_parallel_two_gpus():
-    script = os.path.join(os.path.dirname(__file__), "megatron_ep_script.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(script)),
-                                                       os.path.dirname(script), os.environ.get("PYTHONPATH", "")]))
+def torchrun(script: str, nproc: int, timeout: int = 400) -> str:
+    """Runs tests/<script> under torchrun on nproc local GPUs (this tree and tests/ on the path); its stdout."""
+    path = os.path.join(os.path.dirname(__file__), script)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(path)),
+                                                       os.path.dirname(path), os.environ.get("PYTHONPATH", "")]))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script],
-                       env=env, capture_output=True, text=True, timeout=400)
-    print(r.stdout[-4000:], r.stderr[-4000:])
-    assert r.returncode == 0
-    assert r.stdout.count("EP PASS") == 2
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), path],
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    print(r.stdout[-6000:], r.stderr[-4000:])
+    assert r.returncode == 0, f"{script} on {nproc} GPU(s) exited with {r.returncode}"
+    return r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert parallelism needs 2 GPUs")
+def test_expert_parallel_two_gpus():
+    assert torchrun("megatron_ep_script.py", 2).count("EP PASS") == 2
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="tensor and data parallelism over 2 GPUs need 2 GPUs"))],
+    ids=["nproc1", "nproc2"])
+def test_training_step_two_gpus(nproc):
+    """Megatron's DDP, optimizer and finalize_model_grads over stock's and turbomoe's GPT: equal losses
+    and parameters (tests/megatron_train_script.py says which cases run on 1 and on 2 GPUs)."""
+    assert torchrun("megatron_train_script.py", nproc, timeout=500).count("TRAIN PASS") == nproc
