@@ -29,7 +29,7 @@ from megatron.core.distributed.finalize_model_grads import _update_router_expert
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
-from megatron_common import gpt_batch, gpt_pair, gpt_tensors_as_stock, model_parallel, moe_config  # noqa: E402
+from megatron_common import free_port, gpt_batch, gpt_pair, gpt_tensors_as_stock, model_parallel, moe_config  # noqa: E402
 from turbomoe.integrations import megatron as tm  # noqa: E402
 
 if not hasattr(moe_utils, "te_general_gemm"):
@@ -171,7 +171,8 @@ def torchrun(script: str, nproc: int, timeout: int = 400) -> str:
                                                        os.path.dirname(path), os.environ.get("PYTHONPATH", "")]))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), path],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                        "--master_port", str(free_port()), path],
                        env=env, capture_output=True, text=True, timeout=timeout)
     print(r.stdout[-6000:], r.stderr[-4000:])
     assert r.returncode == 0, f"{script} on {nproc} GPU(s) exited with {r.returncode}"
