@@ -19,6 +19,7 @@ Times: the op captured REPS times in one CUDA graph, the graph replayed, CUDA-ev
 (peers that cannot be captured: queued eager medians, marked). JSON and a log go to --out.
 """
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -237,9 +238,10 @@ def bench_layer(args, log, bandwidth):
 
 
 def bench_tune(args, log):
-    """The few-rows GEMM's tiles swept at the decode layers' shapes: (BLOCK_N, SPLIT) per GEMM, the
-    heuristic's choice beside the best (the data behind few_rows_tiles)."""
-    from turbomoe.kernels.few_rows_gemm import few_rows_mm, few_rows_tiles
+    """The few-rows GEMM's tiles swept at the decode layers' shapes: (BLOCK_N, SPLIT, BLOCK_K, warps,
+    stages) per GEMM, those that fit in shared memory, the heuristic's choice beside the best (the
+    data behind few_rows_tiles)."""
+    from turbomoe.kernels.few_rows_gemm import SMEM_BUDGET, few_rows_mm, few_rows_tiles
     rows_out = []
     for name, cfg in LAYERS.items():
         E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
@@ -247,7 +249,7 @@ def bench_tune(args, log):
         dev = dict(device="cuda", dtype=torch.bfloat16)
         w1 = torch.randn(G, M, 2 * F_, **dev) * M ** -0.5
         w2 = torch.randn(G, F_, M, **dev) * F_ ** -0.5
-        for T in (1, 8, 16, 64):
+        for T in args.tune_tokens:
             ids = torch.randn(T, E, device="cuda").topk(k, -1).indices
             counts = torch.bincount(ids.reshape(-1), minlength=E).to(torch.int32)
             if cfg["shared"]:
@@ -260,18 +262,18 @@ def bench_tune(args, log):
                 heur = few_rows_tiles(T, N, K, x.device, x.element_size(), sw)
                 bm = heur[0]
                 res = {}
-                for bn in (32, 64, 128):
-                    for split in (1, 2, 4, 8):
-                        if K // split < 128:
-                            continue
-                        tiles = (bm, bn, split, 128, 4, 4)
-                        res[(bn, split)] = graph_us(lambda: few_rows_mm(x, w, counts, T, sw, tiles=tiles))
+                for bn, split, bk, (warps, stages) in itertools.product(
+                        (32, 64, 128), (1, 2, 4, 8, 16), (64, 128, 256), ((4, 4), (8, 3))):
+                    if K // split < bk or (stages - 1) * 2 * bk * (bm + bn * (1 + sw)) > SMEM_BUDGET:
+                        continue
+                    tiles = (bm, bn, split, bk, warps, stages)
+                    res[tiles[1:]] = graph_us(lambda: few_rows_mm(x, w, counts, T, sw, tiles=tiles))
                 t_heur = graph_us(lambda: few_rows_mm(x, w, counts, T, sw))
                 best = min(res, key=res.get)
                 bytes_ = used * K * w.shape[2] * 2
-                r = {"layer": name, "T": T, "gemm": op, "used": used, "heuristic": list(heur[1:3]), "heuristic_us": t_heur,
+                r = {"layer": name, "T": T, "gemm": op, "used": used, "heuristic": list(heur[1:]), "heuristic_us": t_heur,
                      "best": list(best), "best_us": res[best], "floor_us": bytes_ / 2.97e12 * 1e6,
-                     "all": {f"{a}x{b}": round(v, 1) for (a, b), v in res.items()}}
+                     "top5": {"x".join(map(str, c)): round(res[c], 1) for c in sorted(res, key=res.get)[:5]}}
                 rows_out.append(r)
                 log("tune " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
     return rows_out
@@ -338,6 +340,8 @@ def main():
     p.add_argument("--sections", default="shuffle,layer,generate", help="also: tune (the few-rows GEMM sweep)")
     p.add_argument("--hf-compile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1],
                    help="batch sizes at which to time transformers' static-cache compiled generate")
+    p.add_argument("--tune-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[1, 8, 16, 64],
+                   help="token counts of the tune section")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

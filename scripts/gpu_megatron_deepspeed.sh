@@ -114,11 +114,13 @@ case "$MODE" in
     for impl in stock turbo; do train dropless_residual 1 $impl $DROPLESS_RESIDUAL; done
     SUMMARY+=(capacity "$OUT/capacity_stock.log" "$OUT/capacity_turbo.log")
     SUMMARY+=(dropless_residual "$OUT/dropless_residual_stock.log" "$OUT/dropless_residual_turbo.log") ;;
-  2gpu)  # two GPUs: TP 2 with EP 2, then TP 2 with expert tensor parallelism
+  2gpu)  # two GPUs: TP 2 with EP 2, then TP 2 with expert tensor parallelism (EXPERT_TP=0: not that)
     for impl in stock turbo; do train tp2_ep2 2 $impl $TP2_EP2; done
-    for impl in stock turbo; do train tp2_expert_tp 2 $impl $TP2_ETP; done
     SUMMARY+=(tp2_ep2 "$OUT/tp2_ep2_stock.log" "$OUT/tp2_ep2_turbo.log")
-    SUMMARY+=(tp2_expert_tp "$OUT/tp2_expert_tp_stock.log" "$OUT/tp2_expert_tp_turbo.log") ;;
+    if [ "${EXPERT_TP:-1}" = 1 ]; then
+      for impl in stock turbo; do train tp2_expert_tp 2 $impl $TP2_ETP; done
+      SUMMARY+=(tp2_expert_tp "$OUT/tp2_expert_tp_stock.log" "$OUT/tp2_expert_tp_turbo.log")
+    fi ;;
   both)  # one call on two GPUs: the one-GPU pair side by side (stock on GPU 0, turbomoe on GPU 1),
          # the layer timing, then TP 2 with EP 2
     train capacity localhost:0 stock $ONE & train capacity localhost:1 turbo $ONE & wait

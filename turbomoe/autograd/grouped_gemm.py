@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from .. import csrc
+from ..reference import as_contiguous
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 
@@ -108,8 +109,9 @@ def row_offsets(counts_G: torch.Tensor, num_rows: Optional[int] = None) -> torch
 
 
 def _offsets(counts_G: torch.Tensor, num_rows: int, offs_G: Optional[torch.Tensor]) -> torch.Tensor:
-    """The caller's offsets, else row_offsets clamped to the rows there are."""
-    return row_offsets(counts_G, num_rows) if offs_G is None else offs_G
+    """The caller's offsets (contiguous int32, as both kernels need: under torch.compile on the H100,
+    inductor handed the capacity layer's offsets as int64), else row_offsets clamped to the rows there are."""
+    return row_offsets(counts_G, num_rows) if offs_G is None else as_contiguous(offs_G, torch.int32)
 
 
 def _reference_mm(x_RK, w_GKN, counts_G):
