@@ -8,6 +8,7 @@ from torch import nn
 from .. import ops
 from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
 from ..autograd.swiglu import swiglu
+from .recompute import Remake
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -18,7 +19,8 @@ class GroupedExperts(nn.Module):
     swiglu: y = (silu(x W1g) * x W1u) W2 with w1 [E, M, 2F] = [gate | up], w2 [E, F, M]
     gelu:   y = gelu(x w1) w2          with w1 [E, M, F],                 w2 [E, F, M]
     Optional biases b1 [E, 2F or F], b2 [E, M]. Saved for backward: x, the first GEMM's output
-    and the activation, all O(R * (M + F)).
+    and the activation, all O(R * (M + F)); given a `Remake` (turbomoe.nn.recompute), the activation
+    is remade from the first GEMM's output in backward instead of kept.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
@@ -41,7 +43,7 @@ class GroupedExperts(nn.Module):
         nn.init.uniform_(self.w1, -hidden_size ** -0.5, hidden_size ** -0.5)
         nn.init.uniform_(self.w2, -ffn_hidden_size ** -0.5, ffn_hidden_size ** -0.5)
 
-    def forward(self, x_RM: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_RM: torch.Tensor, counts_E: torch.Tensor, remake: Optional[Remake] = None) -> torch.Tensor:
         if x_RM.dim() != 2 or x_RM.shape[1] != self.hidden_size:
             raise ValueError(f"x must be [R, {self.hidden_size}], got {tuple(x_RM.shape)}")
         if x_RM.dtype != self.w1.dtype:
@@ -51,11 +53,16 @@ class GroupedExperts(nn.Module):
         h = grouped_mm(x_RM, self.w1, counts_E, self.gmm_backend, offs_E)
         if groups_R is not None:
             h = add_group_bias(h, self.b1, groups_R)
-        a = swiglu(h) if self.activation == "swiglu" else F.gelu(h)
+        a = self._act(h)
+        if remake is not None:
+            remake.add(a, lambda: self._act(h))  # h is kept by the activation's own backward
         y = grouped_mm(a, self.w2, counts_E, self.gmm_backend, offs_E)
         if groups_R is not None:
             y = add_group_bias(y, self.b2, groups_R)
         return y
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        return swiglu(h) if self.activation == "swiglu" else F.gelu(h)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

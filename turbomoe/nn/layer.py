@@ -1,4 +1,5 @@
 """MoELayer: router -> assign_slots -> scatter -> grouped-GEMM experts -> gather (+ shared expert)."""
+import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -6,6 +7,7 @@ from torch import nn
 
 from .. import ops
 from .experts import GroupedExperts
+from .recompute import Remake
 from .router import TopKRouter
 
 
@@ -24,6 +26,9 @@ class MoELayer(nn.Module):
     expert computed: log it, or feed it to `router.update_expert_bias` (expert_bias=True).
     backend picks the gating ops' backend (see turbomoe.ops), gmm_backend the grouped GEMM's
     (see turbomoe.autograd.grouped_gemm); None picks the fastest that applies.
+    recompute=True keeps less for backward: the expert rows and the activation are remade from what
+    the router and the activation keep anyway (turbomoe.nn.recompute; eager, and not inside another
+    saved-tensor policy such as activation checkpointing, which recomputes the whole layer already).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, k: int, *,
@@ -31,12 +36,12 @@ class MoELayer(nn.Module):
                  bias: bool = False, capacity_factor: Optional[float] = None, min_capacity: int = 0,
                  drop_policy: str = "position", aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
                  expert_bias: bool = False, shared_ffn_hidden_size: int = 0, backend: Optional[str] = None,
-                 gmm_backend: Optional[str] = None, seed: int = 0, device=None, dtype=None):
+                 gmm_backend: Optional[str] = None, seed: int = 0, recompute: bool = False, device=None, dtype=None):
         super().__init__()
         # The sizes, k and renormalize are checked by the router and the experts.
         ops.check_int("min_capacity", min_capacity, 0)
         ops.check_int("shared_ffn_hidden_size", shared_ffn_hidden_size, 0)
-        for name, value in (("bias", bias), ("expert_bias", expert_bias)):
+        for name, value in (("bias", bias), ("expert_bias", expert_bias), ("recompute", recompute)):
             ops.check_bool(name, value)
         if capacity_factor is not None and (not isinstance(capacity_factor, (int, float))
                                             or isinstance(capacity_factor, bool) or not capacity_factor > 0):
@@ -46,7 +51,7 @@ class MoELayer(nn.Module):
         ops.check_seed(seed)
         self.hidden_size, self.num_experts, self.k = hidden_size, num_experts, k
         self.capacity_factor, self.min_capacity, self.drop_policy = capacity_factor, min_capacity, drop_policy
-        self.backend, self.seed = backend, seed
+        self.backend, self.seed, self.recompute = backend, seed, recompute
         kw = dict(device=device, dtype=dtype)
         self.router = TopKRouter(hidden_size, num_experts, k, score_func, renormalize, aux_loss_coef,
                                  z_loss_coef, expert_bias, backend=backend, **kw)
@@ -74,12 +79,27 @@ class MoELayer(nn.Module):
         buf_RM = ops.scatter_tokens(x_SM, s, backend=self.backend)
         # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
         counts_E = s.kept_counts if C is None else torch.full_like(s.kept_counts, C)
-        y_RM = self.experts(buf_RM, counts_E)
+        remake = self._remake()
+        with remake.hooks() if remake is not None else contextlib.nullcontext():
+            if remake is not None:  # the rows again from x_SM, which the router keeps
+                remake.add(buf_RM, lambda: ops.scatter_tokens(x_SM, s, backend=self.backend))
+            y_RM = self.experts(buf_RM, counts_E, remake)
+            shared_SM = (None if self.shared_expert is None else
+                         self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device), remake))
         out_SM = ops.gather_tokens(y_RM, s, g.scores, backend=self.backend)
-        if self.shared_expert is not None:
-            out_SM = out_SM + self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device))
+        if shared_SM is not None:
+            out_SM = out_SM + shared_SM
         self.expert_load = s.kept_counts.detach()
         return out_SM.view(x.shape), aux_loss
+
+    def _remake(self) -> Optional[Remake]:
+        """A Remake for this forward where recompute applies: training with autograd, eagerly, and
+        no other saved-tensor hooks active (an outer policy, e.g. checkpointing, decides then)."""
+        if not (self.recompute and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return None
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            return None
+        return Remake()
 
     def _rts_draw(self, capacity: Optional[int]) -> Optional[torch.Tensor]:
         """What makes this forward's random token selection: nothing in eval (`seed` alone), and in

@@ -1,0 +1,65 @@
+"""Saved activations remade in backward instead of kept: the cheap ones of the MoE layer.
+
+The layer's backward needs the gathered rows x_RM [R, M] (the first GEMM's weight gradient) and the
+activation a [R, F] (the second's). Both are cheap to remake: x_RM is a copy of rows of x_SM, which
+the router keeps anyway, and a is swiglu/gelu of the first GEMM's output h, which the activation's
+own backward keeps anyway. So rather than hold R * (M + F) more elements, a saved-tensor hook stores
+how to remake each and remakes it (no grad, bit-identical: a copy, and the same kernel on the same
+input) when the backward asks. The GEMMs are not recomputed. SonicMoE's observation (ICLR 2026)
+for fine-grained MoEs, where R = k * S makes these the largest saved tensors.
+
+Eager only: under torch.compile the partitioner decides what to save (it may remake cheap ops itself),
+and saved-tensor hooks are not traced.
+"""
+from contextlib import contextmanager
+from typing import Callable, List, Tuple
+
+import torch
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
+
+
+class _Remade:
+    """What a packed tensor became: the recipe to make it again."""
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[], torch.Tensor]):
+        self.make = make
+
+
+class Remake:
+    """Register (tensor, how to remake it) pairs, then run the forward inside `hooks()`: any saved
+    tensor that is one of them (the same view of the same storage) is stored as its recipe."""
+
+    def __init__(self):
+        self.rules: List[Tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+
+    def add(self, t: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self.rules.append((t, make))
+        return t
+
+    def _pack(self, t: torch.Tensor):
+        for src, make in self.rules:
+            if _same_view(t, src):
+                return _Remade(make)
+        return t
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, _Remade):
+            with torch.no_grad():
+                return packed.make()
+        return packed
+
+    @contextmanager
+    def hooks(self):
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            # Autograd keeps the hooks (so this object) with every tensor saved under them: drop the
+            # tensors named here, or they would live as long as the graph, the very thing to avoid.
+            self.rules.clear()
