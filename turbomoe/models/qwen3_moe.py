@@ -269,21 +269,21 @@ class Qwen3MoeForCausalLM(nn.Module):
         cfg = hf.config_from_hf(raw, os.path.join(path, hf.CONFIG), moe_impl)
         if ep_rank is None:
             ep_rank = hf.default_ep_rank(moe_args.ep_size)
-        with hf.CheckpointReader(path):  # the files are checked before the model is built
-            pass
-        # Built on the meta device in the target dtype, then allocated where it runs: no fp32 copy and
-        # no random initialisation of weights that the checkpoint overwrites (every one of them).
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype or hf.config_dtype(raw))
-        try:
-            with torch.device("meta"):
-                model = cls(cfg, moe_args)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        model.to_empty(device=device or "cpu")
-        if cfg.tie_word_embeddings:  # to_empty gives every parameter a new tensor: tie them again
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.load_hf_weights(path, ep_rank)
+        with hf.CheckpointReader(path) as reader:  # the files are checked before the model is built
+            # Built on the meta device in the target dtype (the default dtype while building: modules
+            # that ask for fp32 explicitly, as DeepSpeed's gate does, keep it), then allocated where it
+            # runs: no fp32 copy, no random initialisation of weights the checkpoint overwrites.
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(dtype or hf.config_dtype(raw))
+            try:
+                with torch.device("meta"):
+                    model = cls(cfg, moe_args)
+            finally:
+                torch.set_default_dtype(default_dtype)
+            model.to_empty(device=device or "cpu")
+            if cfg.tie_word_embeddings:  # to_empty gives every parameter a new tensor: tie them again
+                model.lm_head.weight = model.model.embed_tokens.weight
+            hf.load_weights(model, reader, ep_rank)
         return model.eval()
 
     def load_hf_weights(self, path: str, ep_rank: int = 0):
