@@ -4,19 +4,10 @@
 # Installs the carried wheels (.whl: DeepSpeed and its pure-Python deps), runs the fidelity tests
 # (CPU and CUDA) and the expert-parallel launcher test over NCCL (skipped below 2 GPUs), then the
 # stock-vs-turbomoe benchmark. Logs and JSON go to $OUT; the short table is printed last.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/turbomoe_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export PATH=/tmp/site/bin:$PATH  # the deepspeed launcher, for tests/test_deepspeed_launcher.py
-nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-python3 -c "import torch, triton, deepspeed; print('torch', torch.__version__, 'triton', triton.__version__, \
-'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"
-date -u
-# The CUDA backend of the gating ops builds once, before anything times it.
-python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available())"
+source scripts/gpu_env.sh
+gpu_setup  # /tmp/site/bin on PATH: the deepspeed launcher, for tests/test_deepspeed_launcher.py
+python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)"
+gpu_build
 # Every fidelity test (CPU and CUDA); of the launcher tests only the NCCL one (CI runs the gloo one).
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_deepspeed_fidelity.py \
   "tests/test_deepspeed_launcher.py::test_expert_parallel_train_save_resume[cuda]" \

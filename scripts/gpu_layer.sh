@@ -5,25 +5,11 @@
 # CUTLASS's headers from `pip download --no-deps nvidia-cutlass==4.2.0.0 -d .whl`), puts ScatterMoE's
 # source (.peers, ignored) on the path, runs the GPU tests of the grouped GEMM, SwiGLU and the
 # layer, then the benchmark; logs, JSON and the plot go to $OUT.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/turbomoe_out}
-mkdir -p "$OUT"
-if ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    .whl/deepspeed-*.whl .whl/hjson-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl \
-    .whl/annotated_types-*.whl .whl/typing_inspection-*.whl .whl/nvidia_cutlass-*.whl 2>&1 | tail -3
-fi
-export PYTHONPATH=$PWD:/tmp/site:$PWD/.peers:$PYTHONPATH
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
-'_grouped_mm', hasattr(torch, '_grouped_mm'), torch.cuda.get_device_name())"
-date -u
-# The CUDA backend of the gating ops and the CUTLASS grouped GEMM build once, side by side, before
-# anything times them.
-python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available())" &
-python3 -c "from turbomoe import csrc; print('CUTLASS grouped GEMM built:', csrc.gmm_available())"
-wait
+source scripts/gpu_env.sh
+gpu_setup
+export PYTHONPATH=$PYTHONPATH:$PWD/.peers  # ScatterMoE's source, the peer
+python3 -c "import torch; print('_grouped_mm', hasattr(torch, '_grouped_mm'))"
+gpu_build gmm
 TESTS=${TESTS:-"tests/test_nn_layer.py tests/test_grouped_gemm.py tests/test_swiglu.py"}
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs $TESTS \
   2>&1 | tee "$OUT/pytest.log" | grep -v "^SKIPPED.*torch._grouped_mm runs bf16" | tail -25

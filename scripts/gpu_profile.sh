@@ -6,22 +6,14 @@
 # process by scripts/profile_recipe.py; the default: the recipe as before issue 19's changes
 # (unfused AdamW, the log reading the device every step) and as configured now.
 # Logs go to $OUT (default /tmp/turbomoe_out).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/turbomoe_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
-export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH
-nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-date -u
+source scripts/gpu_env.sh
+gpu_setup
 # The CUDA backend and the CUTLASS grouped GEMM build (CPU) while the fusion benchmark runs (GPU).
-python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available(), 'CUTLASS GEMM built:', csrc.gmm_available())" \
-  > "$OUT/build.log" 2>&1 &
+gpu_build gmm > "$OUT/build.log" 2>&1 &
 BUILD=$!
 python3 scripts/bench_fusions.py 2>&1 | grep -v "^\[\|Warning" | tee "$OUT/bench_fusions.log" | tail -12
 wait $BUILD
-cat "$OUT/build.log" | tail -2
-date -u
+cat "$OUT/build.log" | tail -3
 if [ $# -eq 0 ]; then
   set -- "train.fused_adamw=false log.every=1" ""
 fi

@@ -4,19 +4,12 @@
 # installs the carried wheels (.whl: DeepSpeed and its deps), trains small-1gpu for STEPS steps
 # (default 300) through the deepspeed launcher, and prints tokens/s, MFU and the losses last.
 # Logs go to $OUT (default /tmp/turbomoe_out).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/turbomoe_out}
+source scripts/gpu_env.sh
 STEPS=${STEPS:-300}
 RUN=$OUT/small-1gpu
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -3
-export PYTHONPATH=$PWD:/tmp/site:$PYTHONPATH
+gpu_setup
 python3 -c "import yaml, tqdm, deepspeed" || { echo "gpu_recipes.sh: pretrain.py needs pyyaml, tqdm and deepspeed"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 rm -rf "$RUN"
-date -u
 # The launcher's own entry point (python -m), since --target installs leave no `deepspeed` on PATH.
 timeout 330 python3 -m deepspeed.launcher.runner --num_gpus 1 recipes/pretrain.py \
   --config recipes/configs/small-1gpu.yaml --set train.steps="$STEPS" --set eval.every=100 \

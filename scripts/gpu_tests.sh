@@ -6,21 +6,10 @@
 # processes start: they would wait on the build lock), then runs the test files that hold GPU tests,
 # natively (Triton kernels too), in 16 processes. A failed CUDA build fails the cuda tests
 # (tests/conftest.py require_cuda_backend).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/turbomoe_out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-  $(ls .whl_fbgemm/*.whl 2>/dev/null) 2>&1 | grep -v "already exists" | tail -3
-export PYTHONPATH=$PWD:$PWD/tests:/tmp/site:${PYTHONPATH:-}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
-'transformers', transformers.__version__)"
-date -u
-python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available())" &
-python3 -c "from turbomoe import csrc; print('CUTLASS grouped GEMM built:', csrc.gmm_available())"
-wait
-date -u
+source scripts/gpu_env.sh
+gpu_setup
+python3 -c "import transformers; print('transformers', transformers.__version__)"
+gpu_build gmm
 # Every file with GPU tests except the launcher ones (CPU ranks over gloo; CI runs them).
 TESTS=${TESTS:-$(grep -l "needs_cuda\|mark.gpu\|cuda.is_available()\|HAS_CUDA" tests/test_*.py | grep -v launcher)}
 # -v: a line per test as it ends, so the names of failures are in the log even when the timeout cuts

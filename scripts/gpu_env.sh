@@ -1,0 +1,33 @@
+# Sourced by the scripts/gpu_*.sh on the device machine, from the repository root: what they share.
+#   gpu_setup [WHEEL_DIR]  the carried wheels (WHEEL_DIR, default .whl, and .whl_fbgemm when carried)
+#                          into /tmp/site; the tree, tests/ and /tmp/site on PYTHONPATH, /tmp/site/bin on
+#                          PATH (the deepspeed launcher); prints the GPU, torch and triton, and the time
+#   gpu_build [gmm]        turbomoe's CUDA backend (and with gmm the CUTLASS grouped GEMM, side by side)
+#                          built once, before test processes or timings start (they would wait on the
+#                          build's lock, or time it). A failed build fails the cuda tests (tests/conftest.py).
+# OUT (default /tmp/turbomoe_out) is made; logs go there.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/turbomoe_out}
+mkdir -p "$OUT"
+
+gpu_setup() {
+  local whl=${1:-.whl}
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$whl"/*.whl \
+    $(ls "${whl}_fbgemm"/*.whl 2>/dev/null) 2>&1 | grep -v "already exists" | tail -3
+  export PYTHONPATH=$PWD:$PWD/tests:/tmp/site:${PYTHONPATH:-}
+  export PATH=/tmp/site/bin:$PATH
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+'gpus', torch.cuda.device_count(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
+  date -u
+}
+
+gpu_build() {
+  python3 -c "from turbomoe import csrc; print('CUDA backend built:', csrc.available())" &
+  if [ "${1:-}" = gmm ]; then
+    python3 -c "from turbomoe import csrc; print('CUTLASS grouped GEMM built:', csrc.gmm_available())"
+  fi
+  wait
+  date -u
+}
