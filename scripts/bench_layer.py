@@ -1,6 +1,8 @@
 """Benchmark turbomoe's MoELayer against the dense floor and peer MoE layers (bf16, forward + backward).
 
-    python scripts/bench_layer.py [--configs 0,1,2,3,4] [--iters 20] [--out DIR]
+    python scripts/bench_layer.py [--configs 0,1,2,3,4,5,6] [--iters 20] [--impls ...] [--out DIR]
+    python scripts/bench_layer.py --configs 5,6 --impls "dense floor,turbomoe,turbomoe recompute,scattermoe"
+        (issue #19's activation-memory comparison at the fine-grained shapes)
 
 Every implementation runs the same step: forward of x [S, M], backward of a random grad_out
 (+ the aux loss where there is one), parameter grads reset to None between steps. Times are
@@ -40,6 +42,8 @@ CONFIGS = [  # (S, M, F, E, k)
     (8192, 2048, 5632, 32, 2),
     (8192, 2048, 5632, 64, 2),
     (16384, 4096, 1408, 64, 4),
+    (8192, 2048, 768, 128, 8),  # Qwen3-30B-A3B's layer (fine-grained)
+    (8192, 2048, 1408, 64, 6),  # DeepSeek-V2-Lite's routed experts
 ]
 DTYPE = torch.bfloat16
 DEV = "cuda"
@@ -140,9 +144,10 @@ def build(name, cfg):
     S, M, F_, E, k = cfg
     if name == "dense floor":
         return DenseSwiGLU(M, F_), S * k
-    if name.startswith("turbomoe"):  # variants: "turbomoe triton-gmm", "turbomoe torch-gmm", "turbomoe fp32-router"
+    if name.startswith("turbomoe"):
+        # variants: "turbomoe triton-gmm", "turbomoe torch-gmm", "turbomoe fp32-router", "turbomoe recompute"
         gmm = next((b for b in ("triton", "torch") if f"{b}-gmm" in name), None)
-        layer = MoELayer(M, F_, E, k, gmm_backend=gmm)
+        layer = MoELayer(M, F_, E, k, gmm_backend=gmm, recompute="recompute" in name)
         if "fp32-router" in name:
             layer.router.router_dtype = torch.float32
         return layer, S
