@@ -25,7 +25,7 @@ from . import ops
 from . import reference
 from .autograd.gather import GatherTokens
 from .autograd.gating import TopKGating
-from .autograd.grouped_gemm import GroupedMM, cutlass_or_torch, mm_forward
+from .autograd.grouped_gemm import GroupedMM, mm_forward
 from .autograd.scatter import ScatterTokens
 from .autograd.swiglu import SwiGLU
 from .reference import GatingOutput, Slots, as_contiguous, compute_dtype
@@ -235,7 +235,7 @@ def gather_tokens(y_RM, slots: Slots, scores_SK, renormalize: bool, backend: str
 @torch.library.custom_op("turbomoe::grouped_mm", mutates_args=())
 def _grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, offs_G: Optional[torch.Tensor],
                 backend: str) -> torch.Tensor:
-    return mm_forward(x_RK, w_GKN, counts_G, cutlass_or_torch(x_RK, w_GKN, backend), offs_G)
+    return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
 
 @_grouped_mm.register_fake
@@ -248,8 +248,7 @@ def _grouped_mm_backward(dy_RN: torch.Tensor, x_RK: torch.Tensor, w_GKN: torch.T
                          offs_G: Optional[torch.Tensor], backend: str, need_dx: bool,
                          need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw); a gradient not needed is an empty tensor (a custom op returns no None)."""
-    ctx = _Saved(x_RK, w_GKN, counts_G, offs_G, backend=cutlass_or_torch(x_RK, w_GKN, backend),
-                 needs_input_grad=(need_dx, need_dw))
+    ctx = _Saved(x_RK, w_GKN, counts_G, offs_G, backend=backend, needs_input_grad=(need_dx, need_dw))
     dx, dw = GroupedMM.backward(ctx, dy_RN)[:2]
     return (x_RK.new_empty(0) if dx is None else dx), (w_GKN.new_empty(0) if dw is None else dw)
 

@@ -62,19 +62,13 @@ def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     G, K, N = w.shape
     layout_ok = w.stride() in ((K * N, N, 1), (K * N, 1, K))
-    # Traced tensors have no addresses: the custom op checks the alignment when it runs (cutlass_or_torch).
+    # Traced tensors have no addresses: mm_forward checks the alignment when the custom op runs.
     aligned = torch.compiler.is_compiling() or _aligned16(x, w)
     return layout_ok and aligned and _sm(_device_index(x)) == 90 and csrc.gmm_available()
 
 
 def _aligned16(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-
-
-def cutlass_or_torch(x: torch.Tensor, w: torch.Tensor, backend: str) -> str:
-    """The backend chosen at trace time, kept unless it is cutlass and the run's operands are not
-    16-byte aligned (TMA's need): torch._grouped_mm takes those."""
-    return "torch" if backend == "cutlass" and not _aligned16(x, w) else backend
 
 
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -137,7 +131,7 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
     """y [R, N], no autograd. w may be a transposed view: the input gradient calls this on w^T."""
     if backend in ("torch", "cutlass"):
         offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
-        if backend == "cutlass" and x_RK.data_ptr() % 16 == 0:  # TMA; a misaligned gradient view goes to torch
+        if backend == "cutlass" and _aligned16(x_RK, w_GKN):  # TMA; misaligned operands go to torch
             return csrc.grouped_mm(x_RK, w_GKN, offs_G)
         return torch._grouped_mm(x_RK, w_GKN, offs=offs_G)
     if backend == "triton":
