@@ -103,7 +103,7 @@ def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     torch.manual_seed(cfg.train.seed)
     moe = cfg.moe
     model = Qwen3MoeForCausalLM(cfg.model, MoEArgs(moe.ep_size, moe.capacity_factor, moe.eval_capacity_factor,
-                                                   moe.min_capacity))
+                                                   moe.min_capacity, moe.recompute))
     # DeepSpeed's expert-parallel groups are runs of ep_size consecutive ranks.
     ep_rank = rank % moe.ep_size
     model.init_weights(cfg.train.seed, ep_rank)

@@ -30,6 +30,7 @@ class MoESection:
     eval_capacity_factor: Optional[float] = None  # None: same as capacity_factor
     min_capacity: int = 4
     aux_loss_coef: float = 0.001  # Qwen3-MoE's router_aux_loss_coef
+    recompute: bool = False  # remake the expert rows and activation in backward (model.moe_impl turbomoe)
 
 
 @dataclass
@@ -299,6 +300,8 @@ def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
     m, moe, d, t = cfg.model, cfg.moe, cfg.data, cfg.train
     _require(m.num_experts % moe.ep_size == 0,
              f"moe.ep_size {moe.ep_size} does not divide model.num_experts {m.num_experts}")
+    _require(not moe.recompute or m.moe_impl == "turbomoe",
+             f"moe.recompute needs model.moe_impl: turbomoe, got {m.moe_impl!r}")
     _require(d.source == "stdlib" or d.paths, f"data.source {d.source!r} needs data.paths")
     _require(d.seq_len <= m.max_position_embeddings,
              f"data.seq_len {d.seq_len} must be in [1, model.max_position_embeddings = {m.max_position_embeddings}]")

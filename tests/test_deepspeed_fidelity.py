@@ -2,7 +2,9 @@
 
 Single process (ep_size = 1); expert parallelism is checked by tests/test_deepspeed_launcher.py.
 """
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -394,3 +396,41 @@ def test_host_syncs(k, expert, drop_tokens, max_syncs):
     assert turbo_syncs <= max_syncs, (turbo_syncs, stock_syncs)
     if not drop_tokens:
         assert turbo_syncs < stock_syncs or (turbo_syncs == stock_syncs == 1 and k == 2), (turbo_syncs, stock_syncs)
+
+
+@pytest.mark.parametrize("expert", ["mlp", "swiglu"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_recompute_same_bits_rows_freed(expert, k):
+    """recompute=True (turbomoe's argument beyond stock's) on the dropless grouped path: the same
+    bits as without, and the expert rows no longer alive between forward and backward."""
+    _, plain = make_pair(expert, k=k, drop_tokens=False)
+    again = tds.MoE(hidden_size=M, expert=EXPERTS[expert](), num_experts=E, min_capacity=0, k=k, drop_tokens=False,
+                    recompute=True)
+    again.load_state_dict(plain.state_dict())
+    x = torch.randn(50, M)
+    results, alive = [], []
+    scatter = ops.scatter_tokens
+    for layer in (plain, again):
+        rows = []
+
+        def scatter_noted(*args, **kw):
+            buf = scatter(*args, **kw)
+            rows.append(weakref.ref(buf))
+            return buf
+
+        ops.scatter_tokens = scatter_noted
+        try:
+            xi = x.clone().requires_grad_()
+            torch.manual_seed(5)
+            out, l_aux, _ = layer(xi)
+            gc.collect()
+            alive.append(rows[0]() is not None)
+            (out.square().sum() + l_aux).backward()
+        finally:
+            ops.scatter_tokens = scatter
+        results.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert alive == [True, False]
+    with pytest.raises(TypeError, match="recompute"):
+        tds.MoE(hidden_size=M, expert=EXPERTS[expert](), num_experts=E, recompute="yes")

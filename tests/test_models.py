@@ -195,6 +195,24 @@ def test_moe_impl_choice_and_norm_topk_prob():
     Qwen3MoeForCausalLM(tiny(moe_impl="deepspeed", num_experts_per_tok=1, norm_topk_prob=False))
 
 
+def test_moe_recompute_same_loss_and_gradients():
+    """MoEArgs.recompute (the recipe's moe.recompute): the turbomoe layers remake rows and activations
+    in backward; the model's loss and every gradient are the same bits. Stock's layer has no switch."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(tiny(), MoEArgs(recompute=recompute))
+        assert all(m.deepspeed_moe.recompute == recompute for m in model.modules() if hasattr(m, "deepspeed_moe"))
+        out = model(ids, labels_BT=ids)
+        (out.loss + out.aux_loss).backward()
+        grads.append([out.loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="moe.recompute"):
+        Qwen3MoeForCausalLM(tiny(moe_impl="deepspeed"), MoEArgs(recompute=True))
+
+
 @pytest.mark.parametrize("capacity", [None, 1.0])
 def test_turbomoe_and_deepspeed_layers_agree(capacity):
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))

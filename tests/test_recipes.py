@@ -88,13 +88,16 @@ def test_config_errors(tmp_path):
     ("data.paths=[1]", r"data.paths\[0\] must be a string"),
     ("checkpoint.keep=0", "checkpoint.keep must be in"),
     ("train.zero_stage=3", r"train.zero_stage must be one of \[0, 1, 2\]"),
+    ("moe.recompute=maybe", "moe.recompute must be true or false"),
+    ("model.moe_impl=deepspeed", "moe.recompute needs model.moe_impl: turbomoe"),  # with recompute on below
 ])
 def test_every_value_typed_and_range_checked(override, message):
     """Each key's type and range are checked when the config loads, before any work (failed before:
     the first three ended in a raw TypeError; per_tok above 8, min_capacity -1 and wandb 'maybe'
     passed validation and failed, or not, after the process group was up)."""
     extra = {"model.num_experts=16": ["model.num_experts_per_tok=9"],
-             "model.num_experts=4": ["model.num_experts_per_tok=8"]}.get(override, [])
+             "model.num_experts=4": ["model.num_experts_per_tok=8"],
+             "model.moe_impl=deepspeed": ["moe.recompute=true"]}.get(override, [])
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, [override, *extra])
 

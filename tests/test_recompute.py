@@ -8,6 +8,8 @@ import torch.utils.checkpoint
 from conftest import needs_cuda
 from recompute_cases import CASES, check_recompute
 from turbomoe.nn import MoELayer
+from turbomoe.nn import layer as layer_module
+from turbomoe.nn.recompute import remake_for
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -25,24 +27,28 @@ def test_recompute_steps_aside_for_checkpointing():
     again.load_state_dict(plain.state_dict())
     x = torch.randn(10, 8, dtype=torch.float64)
     made = []
-    remake = again._remake
-    again._remake = lambda: made.append(remake()) or made[-1]
+    remake_for = layer_module.remake_for
+    layer_module.remake_for = lambda enabled: made.append(remake_for(enabled)) or made[-1]
     grads = []
-    for layer in (plain, again):
-        xi = x.clone().requires_grad_()
-        out, aux = torch.utils.checkpoint.checkpoint(layer, xi, use_reentrant=False)
-        (out.square().sum() + aux).backward()
-        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
-    assert len(made) == 2 and made == [None, None]  # the forward and its recomputation
+    try:
+        for layer in (plain, again):
+            xi = x.clone().requires_grad_()
+            out, aux = torch.utils.checkpoint.checkpoint(layer, xi, use_reentrant=False)
+            (out.square().sum() + aux).backward()
+            grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+    finally:
+        layer_module.remake_for = remake_for
+    # plain: asked for nothing; again: its forward and the recomputation, under checkpoint's hooks
+    assert made == [None, None, None, None]
     for a, b in zip(*grads):
         assert torch.equal(a, b)
 
 
-def test_recompute_off_in_eval_and_no_grad():
-    layer = MoELayer(8, 12, 4, 2, recompute=True)
+def test_recompute_only_where_asked_with_autograd():
     with torch.no_grad():
-        assert layer._remake() is None
-    assert layer._remake() is not None
+        assert remake_for(True) is None
+    assert remake_for(False) is None
+    assert remake_for(True) is not None
 
 
 def test_recompute_type_checked():

@@ -29,6 +29,7 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops
+from ..nn.recompute import hooks_of, remake_for
 from .deepspeed_experts import (RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind, grouped_mlp,
                                 pack_expert_params, run_experts)
 from .deepspeed_gating import drop_policy, expert_capacity, route, router_logits
@@ -55,8 +56,9 @@ class TurboMOELayer(MOELayer):
     """Stock's MOELayer (same gate and experts submodules) with a forward on turbomoe's ops."""
 
     def __init__(self, gate: nn.Module, experts: nn.Module, ep_group_name: str, ep_size: int,
-                 num_local_experts: int, norm_topk_prob: Optional[bool] = None) -> None:
+                 num_local_experts: int, norm_topk_prob: Optional[bool] = None, recompute: bool = False) -> None:
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts, use_tutel=False)
+        self.recompute = recompute
         # None: stock's combine weights (renormalised over the kept routes for k >= 2, raw for k = 1).
         self.norm_topk_prob = gate.k >= 2 if norm_topk_prob is None else norm_topk_prob
         self.expert_fast_path = fast_path_kind(list(experts.deepspeed_experts))
@@ -84,8 +86,12 @@ class TurboMOELayer(MOELayer):
                 s, scores_SK = self._route_and_assign(x_SM, used_token, rows_layout)
             buf_RM = ops.scatter_tokens(x_SM, s)
             if rows_layout:
-                y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
-                                   RowGroups(s.kept_counts, s.num_rows))
+                remake = remake_for(self.recompute)
+                with hooks_of(remake):
+                    if remake is not None:  # the rows again from x_SM (the router's GEMM keeps it)
+                        remake.add(buf_RM, lambda: ops.scatter_tokens(x_SM, s))
+                    y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
+                                       RowGroups(s.kept_counts, s.num_rows), remake)
             else:
                 y_RM = self._exchange_and_run_experts(buf_RM.view(E, s.capacity, M)).reshape(E * s.capacity, M)
             # Stock's combine weights: for k >= 2 the kept routes' scores renormalised to sum 1.
@@ -150,7 +156,9 @@ class MoE(StockMoE):
     exp_counts). k may be 1 .. 8. use_tutel is accepted and ignored: turbomoe's dispatch replaces
     Tutel's. One optional argument beyond stock's: norm_topk_prob (Hugging Face's name), whether
     the combine weights are the kept routes' probabilities renormalised to sum 1; None keeps
-    stock's choice (yes for k >= 2, no for k = 1).
+    stock's choice (yes for k >= 2, no for k = 1). And recompute (as MoELayer's): on the dropless
+    grouped path at ep_size 1, the expert rows and the activation are remade in backward instead of
+    kept (turbomoe.nn.recompute).
     """
 
     def __init__(self,
@@ -169,10 +177,12 @@ class MoE(StockMoE):
                  use_tutel: bool = False,
                  enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True,
-                 norm_topk_prob: Optional[bool] = None) -> None:
+                 norm_topk_prob: Optional[bool] = None,
+                 recompute: bool = False) -> None:
         if not isinstance(k, int) or not 1 <= k <= min(num_experts, ops.MAX_K):
             raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got {k!r} "
                              f"with num_experts={num_experts}")
+        ops.check_bool("recompute", recompute)
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
             raise ValueError("noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', "
                              f"got {noisy_gate_policy!r}")
@@ -181,7 +191,7 @@ class MoE(StockMoE):
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
         stock = self.deepspeed_moe
         self.deepspeed_moe = TurboMOELayer(stock.gate, stock.experts, stock.ep_group_name, ep_size,
-                                           self.num_local_experts, norm_topk_prob)
+                                           self.num_local_experts, norm_topk_prob, recompute)
 
 
 def _new_turbomoe(cls, *args, **kwargs):

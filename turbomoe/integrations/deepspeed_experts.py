@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..autograd.swiglu import swiglu
+from ..nn.recompute import Remake
 from .expert_stack import EqualGroups, RowGroups, pack_expert_params, stack_expert_tensors  # noqa: F401 (re-exported)
 from .megatron_mlp import grouped_parallel_mlp, parallel_mlp_signature
 
@@ -84,20 +85,29 @@ def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups) -> torch.
     return groups.add_bias(y, stack_expert_tensors([[lin.bias] for lin in linears]))
 
 
-def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups) -> torch.Tensor:
+def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups, remake: Optional[Remake] = None) -> torch.Tensor:
     """Expert e's MLP on expert e's rows of x, all local experts at once: [.., M] -> [.., M].
 
-    groups: EqualGroups for x [E_local, C, M], RowGroups for expert-contiguous x [R, M].
+    groups: EqualGroups for x [E_local, C, M], RowGroups for expert-contiguous x [R, M]. remake: the
+    activation is remade from the first GEMM's output in backward instead of kept (swiglu and mlp kinds).
     """
+    if kind == "megatron":
+        return grouped_parallel_mlp(list(experts), x, groups)
     if kind == "swiglu":
         # [gate | up] per expert: one GEMM for both, then turbomoe's fused SwiGLU.
         h = groups.matmul(x, stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in experts]))
-        a = swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], h.shape[-1] // 2)  # not -1: rows may be 0
-        return _grouped_linear(a, [e.w2 for e in experts], groups)
-    if kind == "megatron":
-        return grouped_parallel_mlp(list(experts), x, groups)
-    act: Callable = experts[0][1]
-    return _grouped_linear(act(_grouped_linear(x, [e[0] for e in experts], groups)), [e[2] for e in experts], groups)
+
+        def act(h):
+            return swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], h.shape[-1] // 2)  # not -1: rows may be 0
+        second = [e.w2 for e in experts]
+    else:
+        h = _grouped_linear(x, [e[0] for e in experts], groups)
+        act: Callable = experts[0][1]
+        second = [e[2] for e in experts]
+    a = act(h)
+    if remake is not None:
+        remake.add(a, lambda: act(h))  # h is kept by the activation's own backward
+    return _grouped_linear(a, second, groups)
 
 
 def fast_path_applies(experts_module: nn.Module, kind: Optional[str], dtype: torch.dtype) -> bool:

@@ -132,6 +132,7 @@ class MoEArgs(NamedTuple):
     capacity_factor: Optional[float] = None  # None is dropless
     eval_capacity_factor: Optional[float] = None  # None: same as capacity_factor
     min_capacity: int = 4
+    recompute: bool = False  # turbomoe's MoE only: expert rows and activation remade in backward
 
 
 def build_moe(cfg: ModelConfig, args: MoEArgs) -> nn.Module:
@@ -143,6 +144,10 @@ def build_moe(cfg: ModelConfig, args: MoEArgs) -> nn.Module:
     elif fixed != cfg.norm_topk_prob:
         raise ValueError(f"{moe_cls.__module__}.MoE with k={cfg.num_experts_per_tok} always uses "
                          f"norm_topk_prob={fixed}; set model.norm_topk_prob: {str(fixed).lower()} or another moe_impl")
+    if args.recompute:
+        if "recompute" not in inspect.signature(moe_cls.__init__).parameters:
+            raise ValueError(f"moe.recompute needs model.moe_impl: turbomoe ({moe_cls.__module__}.MoE has no recompute)")
+        kwargs["recompute"] = True
     dropless = args.capacity_factor is None
     eval_cf = args.capacity_factor if args.eval_capacity_factor is None else args.eval_capacity_factor
     # turbomoe's SwiGLUExpert (w1 gate, w3 up, w2 down) is the expert its grouped-GEMM fast path knows.

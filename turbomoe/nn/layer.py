@@ -1,5 +1,4 @@
 """MoELayer: router -> assign_slots -> scatter -> grouped-GEMM experts -> gather (+ shared expert)."""
-import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -7,7 +6,7 @@ from torch import nn
 
 from .. import ops
 from .experts import GroupedExperts
-from .recompute import Remake
+from .recompute import hooks_of, remake_for
 from .router import TopKRouter
 
 
@@ -79,8 +78,8 @@ class MoELayer(nn.Module):
         buf_RM = ops.scatter_tokens(x_SM, s, backend=self.backend)
         # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
         counts_E = s.kept_counts if C is None else torch.full_like(s.kept_counts, C)
-        remake = self._remake()
-        with remake.hooks() if remake is not None else contextlib.nullcontext():
+        remake = remake_for(self.recompute)
+        with hooks_of(remake):
             if remake is not None:  # the rows again from x_SM, which the router keeps
                 remake.add(buf_RM, lambda: ops.scatter_tokens(x_SM, s, backend=self.backend))
             y_RM = self.experts(buf_RM, counts_E, remake)
@@ -91,15 +90,6 @@ class MoELayer(nn.Module):
             out_SM = out_SM + shared_SM
         self.expert_load = s.kept_counts.detach()
         return out_SM.view(x.shape), aux_loss
-
-    def _remake(self) -> Optional[Remake]:
-        """A Remake for this forward where recompute applies: training with autograd, eagerly, and
-        no other saved-tensor hooks active (an outer policy, e.g. checkpointing, decides then)."""
-        if not (self.recompute and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-            return None
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-            return None
-        return Remake()
 
     def _rts_draw(self, capacity: Optional[int]) -> Optional[torch.Tensor]:
         """What makes this forward's random token selection: nothing in eval (`seed` alone), and in

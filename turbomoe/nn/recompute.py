@@ -11,8 +11,8 @@ for fine-grained MoEs, where R = k * S makes these the largest saved tensors.
 Eager only: under torch.compile the partitioner decides what to save (it may remake cheap ops itself),
 and saved-tensor hooks are not traced.
 """
-from contextlib import contextmanager
-from typing import Callable, List, Tuple
+from contextlib import contextmanager, nullcontext
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -63,3 +63,18 @@ class Remake:
             # Autograd keeps the hooks (so this object) with every tensor saved under them: drop the
             # tensors named here, or they would live as long as the graph, the very thing to avoid.
             self.rules.clear()
+
+
+def remake_for(enabled: bool) -> Optional[Remake]:
+    """A Remake for this forward where recompute applies: asked for, autograd on, eager, and no other
+    saved-tensor hooks active (an outer policy such as activation checkpointing decides then)."""
+    if not (enabled and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return None
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return None
+    return Remake()
+
+
+def hooks_of(remake: Optional[Remake]):
+    """remake.hooks(), or nothing without one."""
+    return remake.hooks() if remake is not None else nullcontext()
