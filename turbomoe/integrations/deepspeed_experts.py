@@ -71,9 +71,14 @@ _DESCENDANTS: "weakref.WeakKeyDictionary[nn.Module, Tuple[nn.Module, ...]]" = we
 
 
 def _hooked(module: nn.Module) -> bool:
-    descendants = _DESCENDANTS.get(module)
-    if descendants is None:  # without module itself: the value must not hold its weak key alive
-        descendants = _DESCENDANTS[module] = tuple(module.modules())[1:]
+    if torch.compiler.is_compiling():
+        # The tree walked at trace time; never the cache: dynamo guarded on the weak dictionary's keys by
+        # position, and a module of another model collected meanwhile broke the guard (IndexError).
+        descendants = tuple(module.modules())[1:]
+    else:
+        descendants = _DESCENDANTS.get(module)
+        if descendants is None:  # without module itself: the value must not hold its weak key alive
+            descendants = _DESCENDANTS[module] = tuple(module.modules())[1:]
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in (module, ) + descendants)
 
 
