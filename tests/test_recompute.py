@@ -8,7 +8,7 @@ import torch.utils.checkpoint
 from conftest import needs_cuda
 from recompute_cases import CASES, check_recompute
 from turbomoe.nn import MoELayer
-from turbomoe.nn import layer as layer_module
+from turbomoe.nn import recompute as rc
 from turbomoe.nn.recompute import remake_for
 
 
@@ -27,8 +27,8 @@ def test_recompute_steps_aside_for_checkpointing():
     again.load_state_dict(plain.state_dict())
     x = torch.randn(10, 8, dtype=torch.float64)
     made = []
-    remake_for = layer_module.remake_for
-    layer_module.remake_for = lambda enabled: made.append(remake_for(enabled)) or made[-1]
+    remake_for = rc.remake_for
+    rc.remake_for = lambda enabled: made.append(remake_for(enabled)) or made[-1]
     grads = []
     try:
         for layer in (plain, again):
@@ -37,7 +37,7 @@ def test_recompute_steps_aside_for_checkpointing():
             (out.square().sum() + aux).backward()
             grads.append([xi.grad] + [p.grad for p in layer.parameters()])
     finally:
-        layer_module.remake_for = remake_for
+        rc.remake_for = remake_for
     # plain: asked for nothing; again: its forward and the recomputation, under checkpoint's hooks
     assert made == [None, None, None, None]
     for a, b in zip(*grads):

@@ -29,7 +29,7 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops
-from ..nn.recompute import hooks_of, remake_for
+from ..nn.recompute import remaking
 from .deepspeed_experts import (RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind, grouped_mlp,
                                 pack_expert_params, run_experts)
 from .deepspeed_gating import drop_policy, expert_capacity, route, router_logits
@@ -86,10 +86,8 @@ class TurboMOELayer(MOELayer):
                 s, scores_SK = self._route_and_assign(x_SM, used_token, rows_layout)
             buf_RM = ops.scatter_tokens(x_SM, s)
             if rows_layout:
-                remake = remake_for(self.recompute)
-                with hooks_of(remake):
-                    if remake is not None:  # the rows again from x_SM (the router's GEMM keeps it)
-                        remake.add(buf_RM, lambda: ops.scatter_tokens(x_SM, s))
+                # The rows again from x_SM (the router's GEMM keeps it).
+                with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s)) as remake:
                     y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
                                        RowGroups(s.kept_counts, s.num_rows), remake)
             else:

@@ -90,7 +90,8 @@ def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups) -> torch.
     return groups.add_bias(y, stack_expert_tensors([[lin.bias] for lin in linears]))
 
 
-def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups, remake: Optional[Remake] = None) -> torch.Tensor:
+def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
+                remake: Optional[Remake] = None) -> torch.Tensor:
     """Expert e's MLP on expert e's rows of x, all local experts at once: [.., M] -> [.., M].
 
     groups: EqualGroups for x [E_local, C, M], RowGroups for expert-contiguous x [R, M]. remake: the

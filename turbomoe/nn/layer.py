@@ -6,7 +6,7 @@ from torch import nn
 
 from .. import ops
 from .experts import GroupedExperts
-from .recompute import hooks_of, remake_for
+from .recompute import remaking
 from .router import TopKRouter
 
 
@@ -78,10 +78,8 @@ class MoELayer(nn.Module):
         buf_RM = ops.scatter_tokens(x_SM, s, backend=self.backend)
         # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
         counts_E = s.kept_counts if C is None else torch.full_like(s.kept_counts, C)
-        remake = remake_for(self.recompute)
-        with hooks_of(remake):
-            if remake is not None:  # the rows again from x_SM, which the router keeps
-                remake.add(buf_RM, lambda: ops.scatter_tokens(x_SM, s, backend=self.backend))
+        # The rows again from x_SM, which the router keeps.
+        with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s, backend=self.backend)) as remake:
             y_RM = self.experts(buf_RM, counts_E, remake)
             shared_SM = (None if self.shared_expert is None else
                          self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device), remake))

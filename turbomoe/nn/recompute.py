@@ -11,7 +11,7 @@ for fine-grained MoEs, where R = k * S makes these the largest saved tensors.
 Eager only: under torch.compile the partitioner decides what to save (it may remake cheap ops itself),
 and saved-tensor hooks are not traced.
 """
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -37,9 +37,8 @@ class Remake:
     def __init__(self):
         self.rules: List[Tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
 
-    def add(self, t: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def add(self, t: torch.Tensor, make: Callable[[], torch.Tensor]):
         self.rules.append((t, make))
-        return t
 
     def _pack(self, t: torch.Tensor):
         for src, make in self.rules:
@@ -75,6 +74,15 @@ def remake_for(enabled: bool) -> Optional[Remake]:
     return Remake()
 
 
-def hooks_of(remake: Optional[Remake]):
-    """remake.hooks(), or nothing without one."""
-    return remake.hooks() if remake is not None else nullcontext()
+@contextmanager
+def remaking(enabled: bool, rows: torch.Tensor, make_rows: Callable[[], torch.Tensor]):
+    """The experts' forward runs inside: where recompute applies (remake_for), the expert rows are
+    stored as make_rows and the Remake is yielded for the experts to add their activations to; else
+    None and nothing changes."""
+    remake = remake_for(enabled)
+    if remake is None:
+        yield None
+        return
+    remake.add(rows, make_rows)
+    with remake.hooks():
+        yield remake
