@@ -103,20 +103,61 @@ def check_moe(T, E, k, M, F_, score_func, renormalize, shared, prescale, mode, d
     assert torch.equal(out, moe(x)), "not deterministic"
 
 
-def check_few_rows(counts, K, NW, swiglu, device="cpu", dtype=torch.float32, tol=1e-5, tail=3, seed=0):
-    from turbomoe.autograd.grouped_gemm import _reference_mm
-    from turbomoe.kernels.few_rows_gemm import few_rows_mm
+def check_few_rows(counts, K, F_, N, device="cpu", dtype=torch.float32, tol=1e-5, seed=0, prescale=False, tiles=None):
+    """The decode experts' three kernels against the reference, each on fresh inputs: up (rows
+    gathered from x through row_routes, optionally prescaled), down (SwiGLU of split partial sums)
+    and combine (split sums, k weights a token, dropped routes skipped). Two routes a token; tokens
+    and rows that no route uses are left over."""
+    from turbomoe.kernels.few_rows_gemm import combine, few_rows_down, few_rows_up
     g = torch.Generator().manual_seed(seed)
     c = torch.tensor(counts, dtype=torch.int32)
-    R = int(c.sum()) + tail  # rows past sum(counts) are neither read as groups nor compared
-    x = torch.randn(R, K, generator=g)
-    w = torch.randn(len(counts), K, NW, generator=g) / K ** 0.5
-    y = few_rows_mm(x.to(device, dtype), w.to(device, dtype), c.to(device), max(max(counts), 1), swiglu=swiglu)
-    want = _reference_mm(x.double(), w.double(), c)
-    if swiglu:
-        want = swiglu_reference(want)
-    n = int(c.sum())
-    assert y.shape == (R, NW // 2 if swiglu else NW)
-    if n:
-        err = (y[:n].cpu().double() - want[:n]).norm() / want[:n].norm()
-        assert err < tol, err
+    n, G, kk = int(c.sum()), len(counts), 2
+    T = n // kk + 2
+    R = n + 3  # rows past sum(counts) are neither read as groups nor compared
+    routes = torch.randperm(T * kk, generator=g)[:n]
+    row_routes = torch.cat([routes, torch.full((R - n, ), -1)]).to(torch.int32)
+    group = torch.repeat_interleave(torch.arange(G), c)
+    max_rows = max(max(counts), 1)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    def close(got, want):
+        got, want = got.cpu().double(), want.cpu()
+        if n:
+            err = (got - want).norm() / want.norm().clamp_min(1e-30)
+            assert err < tol, err
+
+    def dev(t, dt=dtype):
+        return t.to(device=device, dtype=dt)
+
+    x, w1, scores = rnd(T, K), rnd(G, K, 2 * F_, scale=K ** -0.5), torch.rand(T, kk, generator=g, dtype=torch.float64)
+    h = few_rows_up(dev(x), dev(row_routes, torch.int32), kk, dev(w1), dev(c, torch.int32), max_rows,
+                    dev(scores, torch.float32) if prescale else None, tiles=tiles)
+    assert h.dtype == torch.float32 and h.shape[1:] == (R, 2 * F_)
+    a = dev(x).double()[routes // kk]  # x rounded to dtype, as the kernel reads it
+    if prescale:
+        a = (a * dev(scores, torch.float32).double()[..., None].reshape(-1, 1)[routes]).to(dtype).double()
+    close(h.sum(0)[:n], torch.einsum("rk,rkn->rn", a, dev(w1).double()[group]))
+    again = few_rows_up(dev(x), dev(row_routes, torch.int32), kk, dev(w1), dev(c, torch.int32), max_rows,
+                        dev(scores, torch.float32) if prescale else None, tiles=tiles)
+    assert torch.equal(h[:, :n], again[:, :n]), "not deterministic"
+
+    hp, w2 = rnd(3, R, 2 * F_), rnd(G, F_, N, scale=F_ ** -0.5)
+    y = few_rows_down(dev(hp, torch.float32), dev(w2), dev(c, torch.int32), max_rows, tiles=tiles)
+    assert y.dtype == torch.float32 and y.shape[1:] == (R, N)
+    act = swiglu_reference(dev(hp, torch.float32).sum(0).double()[:n]).to(dtype).double()
+    close(y.sum(0)[:n], torch.einsum("rk,rkn->rn", act, dev(w2).double()[group]))
+
+    yp = rnd(2, R, N)
+    slots = torch.full((T * kk, ), -1, dtype=torch.int32)
+    slots[routes] = torch.arange(n, dtype=torch.int32)
+    slots = slots.reshape(T, kk)
+    for weights in (scores, None):
+        out = combine(dev(yp, torch.float32), dev(slots, torch.int32),
+                      None if weights is None else dev(weights, torch.float32), dtype)
+        assert out.dtype == dtype and out.shape == (T, N)
+        want = torch.zeros(T, N, dtype=torch.float64)
+        for t, j in (slots >= 0).nonzero().tolist():
+            want[t] += (1.0 if weights is None else weights[t, j].float().double()) * dev(yp, torch.float32).double().cpu()[:, slots[t, j]].sum(0)
+        close(out, want)

@@ -29,11 +29,24 @@ def test_index_shuffling_one_hot_expert_and_bf16(one_block_tiles):
                   one_block_tiles=one_block_tiles)
 
 
-@pytest.mark.parametrize("counts,K,NW,swiglu", [([0, 3, 0, 1], 40, 24, False), ([5, 0, 0, 2, 1], 600, 48, True),
-                                                ([0, 0, 0], 40, 24, True), ([1], 700, 32, False),
-                                                ([17, 0, 3], 64, 40, True)])
-def test_few_rows_mm(counts, K, NW, swiglu):
-    check_few_rows(counts, K, NW, swiglu, DEVICE)
+# (counts, K, F, N): empty groups, one group with every row, no rows at all, one group, K not a
+# multiple of the K tile, more rows than a row tile (on the interpreter: 16)
+FEW_ROWS_CASES = [([0, 3, 0, 1], 40, 12, 24), ([5, 0, 0, 2, 1], 600, 24, 40), ([0, 0, 0], 40, 12, 8), ([1], 700, 16, 32),
+                  ([17, 0, 3], 64, 20, 24), ([0, 0, 9], 33, 8, 16)]
+
+
+@pytest.mark.parametrize("case", FEW_ROWS_CASES)
+@pytest.mark.parametrize("prescale", [False, True])
+def test_few_rows_kernels(case, prescale):
+    check_few_rows(*case, DEVICE, seed=len(case[0]) + case[1], prescale=prescale)
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 16])  # the CUDA-core path (one and two rows a tile), tl.dot
+@pytest.mark.parametrize("split", [1, 3])
+def test_few_rows_kernels_tiles(block_m, split):
+    from turbomoe.kernels.few_rows_gemm import Tiles
+    check_few_rows([3, 0, 5, 1], 96, 32, 48, DEVICE, seed=block_m + split,
+                   tiles=Tiles(block_m, 16, split, 16, 4, 1 if DEVICE == "cpu" else 3))
 
 
 @pytest.mark.parametrize("case", MOE_CASES)

@@ -117,23 +117,22 @@ class SparseMoE(nn.Module):
             y = _reference_mm(swiglu_reference(_reference_mm(rows, self.w1, r.counts)), self.w2, r.counts)
             weights = torch.ones_like(r.scores) if self.prescale else r.scores
             return reference.gather_tokens(y, r.slots, weights)
+        if mode == "few_rows":  # the gather, split sums and combine folded into three launches
+            from ..kernels.few_rows_gemm import combine, few_rows_down, few_rows_up
+            h = few_rows_up(x_TM, r.row_routes, r.slots.shape[1], self.w1, r.counts, T,
+                            r.scores if self.prescale else None)
+            return combine(few_rows_down(h, self.w2, r.counts, T), r.slots, None if self.prescale else r.scores,
+                           x_TM.dtype)
         impl = ops._impl(ops.choose_backend(x_TM, self.backend, self.num_experts + self.shared))
         rows = torch.empty(R, M, dtype=x_TM.dtype, device=x_TM.device)
         impl.push_rows(x_TM, r.slots, rows, r.counts, None, scores_SK=r.scores if self.prescale else None)
-        y = self._experts(rows, r.counts, T, mode)
+        from ..kernels.swiglu import swiglu_forward
+        gmm = choose_gmm_backend(rows, self.w1, self.gmm_backend)
+        offs = row_offsets(r.counts, R) if gmm in ("torch", "cutlass") else None
+        y = mm_forward(swiglu_forward(mm_forward(rows, self.w1, r.counts, gmm, offs)), self.w2, r.counts, gmm, offs)
         out = torch.empty_like(x_TM)
         impl.pull_rows(y, r.slots, out, None if self.prescale else r.scores)
         return out
-
-    def _experts(self, rows_RM: torch.Tensor, counts: torch.Tensor, T: int, mode: str) -> torch.Tensor:
-        if mode == "few_rows":
-            from ..kernels.few_rows_gemm import few_rows_mm
-            return few_rows_mm(few_rows_mm(rows_RM, self.w1, counts, T, swiglu=True), self.w2, counts, T)
-        from ..kernels.swiglu import swiglu_forward
-        gmm = choose_gmm_backend(rows_RM, self.w1, self.gmm_backend)
-        offs = row_offsets(counts, rows_RM.shape[0]) if gmm in ("torch", "cutlass") else None
-        a = swiglu_forward(mm_forward(rows_RM, self.w1, counts, gmm, offs))
-        return mm_forward(a, self.w2, counts, gmm, offs)
 
     def _dense(self, x_TM: torch.Tensor, logits_TE: torch.Tensor) -> torch.Tensor:
         """Every expert on every token (batched GEMMs), combined by a dense [T, E'] weight matrix."""
