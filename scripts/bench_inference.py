@@ -227,7 +227,7 @@ def bench_layer(args, log, bandwidth):
         except Exception as e:  # noqa: BLE001
             log(f"  transformers block unavailable for {name}: {type(e).__name__}: {e}")
             hf = None
-        for T in ([1, 16, 64] if args.quick else [1, 8, 16, 64, 256]):
+        for T in ([1, 16, 64] if args.quick else [1, 8, 16, 32, 64, 256]):
             x = torch.randn(T, M, generator=g, **dev)
             ids = F.linear(x, router).float().topk(k, -1).indices
             used = int(torch.unique(ids).numel())
@@ -270,7 +270,7 @@ def bench_tune(args, log):
                                                           for w in w1s])),
                      ("down", F_, M, lambda t: cycling([lambda w=w: few_rows_down(h, w, r.counts, T, tiles=t) for w in w2s])))
             for op, K, N, fn in gemms:
-                rule = few_rows_tiles(T, min(G, T * kk), N, K, x.device)
+                rule = few_rows_tiles(T, T * kk, G, N, K, x.device)
                 res = {}
                 block_ms = sorted({rule.block_m, 16} | ({1} if T <= 4 else set()))
                 for bm, bn, bk, split, (warps, stages) in itertools.product(

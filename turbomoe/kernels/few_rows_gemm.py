@@ -133,25 +133,30 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def few_rows_tiles(max_rows: int, max_groups: int, N: int, K: int, device: torch.device) -> Tiles:
-    """Tiles for at most max_groups groups with rows, max_rows rows each: up to 4 rows a tile on the
-    CUDA cores, else 16-64 through tl.dot; N tiles of 64 (128-byte rows of bf16 weights); K split in
-    powers of two (slices of at least 256) until the programs fill the SMs twice over."""
+def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: torch.device) -> Tiles:
+    """Tiles for `routes` rows in G groups, at most max_rows a group, from the H100 sweep at the decode
+    layers' shapes (notes/inference.md, 2026-11-23 05:41): one row a tile on the CUDA cores with N tiles
+    of 64 where every group has one row (T = 1), else 16 rows through tl.dot with N tiles of 128 (64
+    rows a tile was 2-5x slower at T = 64); K tiles of 128; K split in powers of two (slices of at
+    least two K tiles) until the programs that have rows fill the SMs 8 times over. The best tiling
+    or within 5% of it at 14 of 16 points swept (13% off at Qwen3's first GEMM at T = 1)."""
     if device.type != "cuda":  # the interpreter: small tiles, several splits
         return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32)), 16, 4, 1)
-    block_m = next_pow2(max_rows) if max_rows <= 4 else min(64, max(16, next_pow2(max_rows)))
-    block_n, block_k = 64, 128 if block_m >= 16 else 64
-    programs = max_groups * triton.cdiv(N, block_n) * triton.cdiv(max_rows, block_m)
+    block_m, block_n = (1, 64) if max_rows <= 1 else (16, 128)
+    block_k = 128
+    groups = max(1, min(G, routes))
+    programs = groups * triton.cdiv(N, block_n) * triton.cdiv(triton.cdiv(routes, groups), block_m)
     split = 1
-    while split < 16 and programs * split < 2 * _sm_count(device) and K // (2 * split) >= 256:
+    while split < 16 and programs * split < 8 * _sm_count(device) and K // (2 * split) >= block_k:
         split *= 2
     return Tiles(block_m, block_n, split, block_k, 4, 3)
 
 
-def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, max_groups, in_splits, routes_per_token, tiles):
+def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, in_splits, routes_per_token, tiles):
     R = row_routes.shape[0] if x.dim() == 2 else x.shape[1]
     G, K, N = w_GKN.shape
-    tiles = tiles or few_rows_tiles(max_rows, max_groups, N, K, x.device)
+    max_groups = min(G, R)  # groups that can have rows: program axis 1
+    tiles = tiles or few_rows_tiles(max_rows, R, G, N, K, x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, tiles.split), tiles.block_k) * tiles.block_k
     split = max(1, triton.cdiv(K, k_per_split))
     out = torch.empty(split, R, N, device=x.device, dtype=torch.float32)
@@ -188,9 +193,8 @@ def few_rows_up(x_TK: torch.Tensor, row_routes_R: torch.Tensor, routes_per_token
     _check_weights(w_GKN, counts_G)
     if x_TK.dim() != 2 or x_TK.shape[1] != w_GKN.shape[1] or x_TK.stride(1) != 1:
         raise ValueError(f"x must be [T, {w_GKN.shape[1]}] with contiguous rows, got {tuple(x_TK.shape)}")
-    max_groups = min(w_GKN.shape[0], row_routes_R.shape[0])
     return _launch(x_TK, row_routes_R, None if scores is None else scores.reshape(-1), w_GKN, counts_G, max_rows,
-                   max_groups, 1, routes_per_token, tiles)
+                   1, routes_per_token, tiles)
 
 
 def few_rows_down(h_SRN: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, max_rows: int,
@@ -201,8 +205,7 @@ def few_rows_down(h_SRN: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tens
     if h_SRN.dim() != 3 or h_SRN.shape[2] != 2 * w_GKN.shape[1] or h_SRN.dtype != torch.float32:
         raise ValueError(f"h must be fp32 [S, R, {2 * w_GKN.shape[1]}], got {h_SRN.dtype} {tuple(h_SRN.shape)}")
     h_SRN = h_SRN.contiguous()
-    max_groups = min(w_GKN.shape[0], h_SRN.shape[1])
-    return _launch(h_SRN, h_SRN, None, w_GKN, counts_G, max_rows, max_groups, h_SRN.shape[0], 1, tiles)
+    return _launch(h_SRN, h_SRN, None, w_GKN, counts_G, max_rows, h_SRN.shape[0], 1, tiles)
 
 
 def combine(y_SRN: torch.Tensor, slots_TK: torch.Tensor, scores_TK: Optional[torch.Tensor], dtype: torch.dtype):
