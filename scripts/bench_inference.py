@@ -227,7 +227,7 @@ def bench_layer(args, log, bandwidth):
         except Exception as e:  # noqa: BLE001
             log(f"  transformers block unavailable for {name}: {type(e).__name__}: {e}")
             hf = None
-        for T in ([1, 16, 64] if args.quick else [1, 8, 16, 32, 64, 256]):
+        for T in args.layer_tokens:
             x = torch.randn(T, M, generator=g, **dev)
             ids = F.linear(x, router).float().topk(k, -1).indices
             used = int(torch.unique(ids).numel())
@@ -353,6 +353,8 @@ def main():
                    help="batch sizes at which to time transformers' static-cache compiled generate")
     p.add_argument("--tune-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[1, 8, 16, 64],
                    help="token counts of the tune section")
+    p.add_argument("--layer-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[1, 8, 16, 32, 64, 256],
+                   help="token counts of the layer section")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)

@@ -7,6 +7,9 @@
 #                                                  # and tensor parallel 2 with expert tensor parallelism
 #   bash scripts/gpu_megatron_deepspeed.sh both    # two GPUs, shortest: one-GPU pair side by side,
 #                                                  # layer timing, tensor parallel 2 with expert parallel 2
+#   bash scripts/gpu_megatron_deepspeed.sh expert_tp  # two GPUs: tensor parallel 2 with expert tensor
+#                                                  # parallelism alone
+# MBS: micro-batch size (default 8; also the global batch: one data-parallel rank). LAYER=0: no layer timing.
 #
 # PEER: a Megatron-DeepSpeed tree at the pinned commit below (git archive of
 # github.com/microsoft/Megatron-DeepSpeed; megatron/ and pretrain_gpt.py suffice) with wheels/ holding a
@@ -63,14 +66,15 @@ print('dataset helpers: numpy', np.__version__, 'sample_idx rows',
   | grep -v "^ ") || {
   echo "Megatron-DeepSpeed's dataset helpers crash here (exit $?): its Python build_sample_idx serves instead"
   export MDS_PYTHON_SAMPLE_IDX=1; }
+MBS=${MBS:-8}
 cat > "$WORK/ds.json" <<EOF
-{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "steps_per_print": 100000,
+{"train_batch_size": $MBS, "train_micro_batch_size_per_gpu": $MBS, "steps_per_print": 100000,
  "gradient_clipping": 1.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": true},
  "wall_clock_breakdown": false}
 EOF
 
 GPT="--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 --max-position-embeddings 512
- --micro-batch-size 8 --global-batch-size 8 --train-iters $ITERS --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
+ --micro-batch-size $MBS --global-batch-size $MBS --train-iters $ITERS --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
  --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.02 --hidden-dropout 0
  --attention-dropout 0 --tokenizer-type NullTokenizer --vocab-size 1024 --data-path $DATA --split 98,2,0
  --bf16 --log-interval 1 --eval-interval 100000 --eval-iters 0 --seed 1234 --num-workers 0
@@ -124,11 +128,14 @@ case "$MODE" in
   both)  # one call on two GPUs: the one-GPU pair side by side (stock on GPU 0, turbomoe on GPU 1),
          # the layer timing, then TP 2 with EP 2
     train capacity localhost:0 stock $ONE & train capacity localhost:1 turbo $ONE & wait
-    layer 0
+    [ "${LAYER:-1}" = 1 ] && layer 0
     for impl in stock turbo; do train tp2_ep2 2 $impl $TP2_EP2; done
     SUMMARY+=(capacity "$OUT/capacity_stock.log" "$OUT/capacity_turbo.log")
     SUMMARY+=(tp2_ep2 "$OUT/tp2_ep2_stock.log" "$OUT/tp2_ep2_turbo.log") ;;
-  *) echo "usage: $0 1gpu|2gpu|both"; exit 2 ;;
+  expert_tp)  # two GPUs: TP 2 with expert tensor parallelism alone
+    for impl in stock turbo; do train tp2_expert_tp 2 $impl $TP2_ETP; done
+    SUMMARY+=(tp2_expert_tp "$OUT/tp2_expert_tp_stock.log" "$OUT/tp2_expert_tp_turbo.log") ;;
+  *) echo "usage: $0 1gpu|2gpu|both|expert_tp"; exit 2 ;;
 esac
 python3 "$ROOT/scripts/megatron_deepspeed.py" summary "${SUMMARY[@]}" | tee "$OUT/summary.txt"
 [ -f "$OUT/layer.log" ] && tail -4 "$OUT/layer.log"
