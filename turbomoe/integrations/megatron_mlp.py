@@ -58,22 +58,18 @@ def _plain(lin: nn.Module) -> bool:
             and isinstance(getattr(lin, "skip_bias_add", None), bool))
 
 
-def _column_signature(lin: nn.Module):
-    if not (_is(lin, "ColumnParallelLinear") and _plain(lin) and getattr(lin, "gather_output", True) is False):
+def _parallel_signature(lin: nn.Module, cls: str, flag: str, value: bool, sliced: int):
+    """(weight rows, weight columns, has bias, skip_bias_add, tp) of a plain Megatron parallel linear
+    of class cls with `flag` set to `value` (the setting that keeps its forward local), its weight
+    [out, in] sliced over tp ranks along dim `sliced` (0: a column-parallel linear's outputs, 1: a
+    row-parallel linear's inputs), the other dim whole; None for anything else."""
+    if not (_is(lin, cls) and _plain(lin) and getattr(lin, flag, not value) is value):
         return None
-    n, k = lin.weight.shape
-    if k != lin.input_size or lin.output_size % n:
+    full = (lin.output_size, lin.input_size)
+    shape = tuple(lin.weight.shape)
+    if shape[1 - sliced] != full[1 - sliced] or full[sliced] % shape[sliced]:
         return None
-    return (n, k, getattr(lin, "bias", None) is not None, lin.skip_bias_add, lin.output_size // n)
-
-
-def _row_signature(lin: nn.Module):
-    if not (_is(lin, "RowParallelLinear") and _plain(lin) and getattr(lin, "input_is_parallel", False) is True):
-        return None
-    m, n = lin.weight.shape
-    if m != lin.output_size or lin.input_size % n:
-        return None
-    return (m, n, getattr(lin, "bias", None) is not None, lin.skip_bias_add, lin.input_size // n)
+    return (*shape, getattr(lin, "bias", None) is not None, lin.skip_bias_add, full[sliced] // shape[sliced])
 
 
 def _activation_key(act) -> Optional[str]:
@@ -88,8 +84,8 @@ def parallel_mlp_signature(expert: nn.Module):
     if not _is(expert, "ParallelMLP") or getattr(expert, "ds_sequence_parallel_fpdt", False):
         return None
     fc1, fc2 = getattr(expert, "dense_h_to_4h", None), getattr(expert, "dense_4h_to_h", None)
-    col = _column_signature(fc1) if fc1 is not None else None
-    row = _row_signature(fc2) if fc2 is not None else None
+    col = _parallel_signature(fc1, "ColumnParallelLinear", "gather_output", False, 0) if fc1 is not None else None
+    row = _parallel_signature(fc2, "RowParallelLinear", "input_is_parallel", True, 1) if fc2 is not None else None
     fused = bool(getattr(expert, "bias_gelu_fusion", False))
     act = None if fused else _activation_key(getattr(expert, "activation_func", None))
     if col is None or row is None or (act is None and not fused) or col[4] != row[4]:

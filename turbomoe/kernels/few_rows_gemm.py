@@ -20,14 +20,13 @@ rows multiply on the CUDA cores (products kept per element, reduced once at the 
 tl.dot. No launch depends on the counts' values: CUDA-graph capturable. Rows past sum(counts) are
 neither read nor written.
 """
-from functools import lru_cache
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import next_pow2
+from .launch import next_pow2, sm_count
 
 
 @triton.jit(do_not_specialize=["R", "K", "N", "G", "k_per_split", "n_splits", "in_splits", "routes_per_token"])
@@ -128,11 +127,6 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
-@lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: torch.device) -> Tiles:
     """Tiles for `routes` rows in G groups, at most max_rows a group, from the H100 sweep at the decode
     layers' shapes (notes/inference.md, 2026-11-23 05:41): one row a tile on the CUDA cores with N tiles
@@ -147,7 +141,7 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     groups = max(1, min(G, routes))
     programs = groups * triton.cdiv(N, block_n) * triton.cdiv(triton.cdiv(routes, groups), block_m)
     split = 1
-    while split < 16 and programs * split < 8 * _sm_count(device) and K // (2 * split) >= block_k:
+    while split < 16 and programs * split < 8 * sm_count(device) and K // (2 * split) >= block_k:
         split *= 2
     return Tiles(block_m, block_n, split, block_k, 4, 3)
 

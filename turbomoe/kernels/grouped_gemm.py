@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import sm_count
+
 _MM_CONFIGS = [  # bf16 / fp16 tiles, then fp32 (IEEE products need smaller tiles to fit shared memory)
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_stages=3, num_warps=8),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_stages=4, num_warps=4),
@@ -131,12 +133,6 @@ def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, R, N, K, G,
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
-def _num_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs still exercise the tile interleaving
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
     """y [R, N]: rows of group g times w[g]. w may be a transposed view (w_GNK.transpose(1, 2))."""
     R, K = x_RK.shape
@@ -144,7 +140,7 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) 
     y = torch.empty(R, N, device=x_RK.device, dtype=x_RK.dtype)
     if R == 0 or N == 0:
         return y
-    P = _num_programs(x_RK.device)
+    P = sm_count(x_RK.device)
     _grouped_mm_kernel[(P,)](x_RK, w_GKN, y, counts_G, R, N, K, G,
                              x_RK.stride(0), x_RK.stride(1), *w_GKN.stride(), y.stride(0), y.stride(1),
                              NUM_PROGRAMS=P, PRECISION=_input_precision(x_RK.dtype))

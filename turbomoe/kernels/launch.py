@@ -13,3 +13,8 @@ def next_pow2(n: int) -> int:
 
 def tl_dtype(dtype: torch.dtype):
     return _TL[dtype]
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SMs; 4 off the GPU (the interpreter: a few programs still exercise the tiling)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
