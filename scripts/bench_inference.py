@@ -109,18 +109,16 @@ def torch_shuffling(scores_TE, k):
 def bench_shuffle(args, log):
     fb = fbgemm_ops()
     rows = []
-    for T in ([128, 2048] if args.quick else [1, 16, 128, 2048, 8192]):
+    for T in ([128, 2048] if args.quick else [1, 16, 128, 256, 2048, 8192]):
         for E in (16, 128):
             logits = torch.randn(T, E, device="cuda", dtype=torch.bfloat16)
             scores = torch.sigmoid(logits)
             r = {"T": T, "E": E, "k": 1}
             r["torch_us"], _ = timed_us(lambda: torch_shuffling(torch.sigmoid(logits), 1))
             r["default_us"], _ = timed_us(lambda: index_shuffling(logits, 1, "sigmoid"))  # turbomoe's choice
-            r["cuda_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid"))
+            r["cuda_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid"))  # one block, whatever T
             r["triton_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid"))
-            # each path forced, for the crossovers: one block (one launch) and two launches
-            r["cuda_one_block_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid", one_block_max=T))
-            r["cuda_two_launch_us"], _ = timed_us(lambda: csrc.index_shuffling(logits, 1, "sigmoid", one_block_max=0))
+            # each path forced, for the crossovers: CUDA's one block, Triton's one program and two launches
             r["triton_one_block_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid", one_block_tiles=T))
             r["triton_two_launch_us"], _ = timed_us(lambda: triton_shuffling(logits, 1, "sigmoid", one_block_tiles=0))
             if fb is not None:
@@ -251,8 +249,9 @@ def bench_tune(args, log):
     """The decode experts' two GEMM kernels (few_rows_up, few_rows_down) swept at the decode layers'
     shapes on real routes: (BLOCK_M, BLOCK_N, SPLIT, BLOCK_K, warps, stages) per GEMM, the rule's
     choice beside the best and the weight-read floor (the data behind few_rows_tiles). down reads
-    the partial sums of up at the rule's split."""
-    from turbomoe.kernels.few_rows_gemm import Tiles, few_rows_down, few_rows_tiles, few_rows_up
+    the partial sums of up at the rule's split (each GEMM alone: up's split also sets down's cost,
+    tuned in the layer: UP_SPLITS)."""
+    from turbomoe.kernels.few_rows_gemm import UP_SPLITS, Tiles, few_rows_down, few_rows_tiles, few_rows_up
     rows_out = []
     for name, cfg in LAYERS.items():
         E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
@@ -270,7 +269,7 @@ def bench_tune(args, log):
                                                           for w in w1s])),
                      ("down", F_, M, lambda t: cycling([lambda w=w: few_rows_down(h, w, r.counts, T, tiles=t) for w in w2s])))
             for op, K, N, fn in gemms:
-                rule = few_rows_tiles(T, T * kk, G, N, K, x.device)
+                rule = few_rows_tiles(T, T * kk, G, N, K, x.device, *(UP_SPLITS if op == "up" else ()))
                 res = {}
                 block_ms = sorted({rule.block_m, 16} | ({1} if T <= 4 else set()))
                 for bm, bn, bk, split, (warps, stages) in itertools.product(

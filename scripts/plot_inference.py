@@ -18,7 +18,7 @@ def main(src: str, dst: str):
     fig, axes = plt.subplots(1, 1 + len(layers), figsize=(6 + 5 * len(layers), 4.5))
     ax = axes[0]
     shuffle = res.get("shuffle", [])
-    series = [("turbomoe (default)", "default_us"), ("turbomoe cuda", "cuda_us"), ("turbomoe triton", "triton_us"),
+    series = [("turbomoe (default)", "default_us"), ("turbomoe cuda (one block, any T)", "cuda_us"), ("turbomoe triton", "triton_us"),
               ("FBGEMM", "fbgemm_us"), ("plain PyTorch", "torch_us")]
     series = [(n, k) for n, k in series if any(k in r for r in shuffle)]
     width = 0.8 / max(len(series), 1)

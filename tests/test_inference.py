@@ -56,21 +56,20 @@ def test_sparse_moe_errors():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("case", SHUFFLE_CASES)
-@pytest.mark.parametrize("one_block_max", [0, 512])  # the two-launch path, and one block where T allows
-def test_index_shuffling_cuda(case, one_block_max):
-    check_shuffle(csrc.index_shuffling, *case, "cuda", seed=7 * case[0] + case[1], one_block_max=one_block_max)
+def test_index_shuffling_cuda(case):
+    check_shuffle(csrc.index_shuffling, *case, "cuda", seed=7 * case[0] + case[1])
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("one_block_max", [0, 4096])
-def test_index_shuffling_cuda_hot_expert_bf16_large(one_block_max):
-    check_shuffle(csrc.index_shuffling, 100, 16, 2, "softmax", True, True, "cuda", seed=3, hot=True,
-                  one_block_max=one_block_max)
-    check_shuffle(csrc.index_shuffling, 33, 32, 4, "softmax", False, False, "cuda", dtype=torch.bfloat16, seed=4,
-                  one_block_max=one_block_max)
-    check_shuffle(csrc.index_shuffling, 3001, 1000, 8, "softmax", True, True, "cuda", seed=5,
-                  one_block_max=one_block_max)
+def test_index_shuffling_cuda_hot_expert_bf16_large():
+    # a thread a token (E <= 32) and a warp a token, one block at thousands of tokens
+    check_shuffle(csrc.index_shuffling, 100, 16, 2, "softmax", True, True, "cuda", seed=3, hot=True)
+    check_shuffle(csrc.index_shuffling, 4099, 32, 8, "softmax", True, False, "cuda", seed=6, hot=True)
+    check_shuffle(csrc.index_shuffling, 2049, 5, 2, "sigmoid", True, True, "cuda", dtype=torch.bfloat16, seed=7)
+    check_shuffle(csrc.index_shuffling, 33, 32, 4, "softmax", False, False, "cuda", dtype=torch.bfloat16, seed=4)
+    check_shuffle(csrc.index_shuffling, 33, 33, 4, "softmax", False, False, "cuda", dtype=torch.bfloat16, seed=4)
+    check_shuffle(csrc.index_shuffling, 3001, 1000, 8, "softmax", True, True, "cuda", seed=5)
 
 
 @pytest.mark.gpu

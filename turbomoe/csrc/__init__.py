@@ -156,11 +156,18 @@ def second_expert_backward(logits_SE, ids_S2, first_scores_S1, grad_scores_S2):
                                               as_contiguous(grad_scores_S2, logits_SE.dtype))
 
 
-ONE_BLOCK_MAX_TOKENS = 32  # index_shuffling's one-launch path up to this many tokens (notes/inference.md)
+# index_shuffling's one block wins up to these token counts (H100, notes/inference.md), Triton beyond
+ONE_BLOCK_MAX_TOKENS = 32  # a warp a token
+THREAD_ROWS_MAX_TOKENS = 256  # a thread a token (E <= 32, T > 32): one step of the block
+
+
+def one_block_max_tokens(E: int) -> int:
+    return THREAD_ROWS_MAX_TOKENS if E <= 32 else ONE_BLOCK_MAX_TOKENS
 
 
 def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
-                    shared_expert: bool = False, one_block_max: int = ONE_BLOCK_MAX_TOKENS):
-    """reference.index_shuffling on the GPU: one launch up to one_block_max tokens, two beyond."""
+                    shared_expert: bool = False):
+    """reference.index_shuffling on the GPU in one block (any T; turbomoe.inference.index_shuffling
+    goes to Triton beyond one_block_max_tokens(E))."""
     return reference.ShuffledRoutes(*extension().index_shuffling(logits_TE.contiguous(), k, shared_expert,
-                                                                 score_func == "sigmoid", renormalize, one_block_max))
+                                                                 score_func == "sigmoid", renormalize))

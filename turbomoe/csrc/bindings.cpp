@@ -20,8 +20,7 @@ std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at
                                               const at::Tensor& rand);
 std::vector<at::Tensor> second_expert_backward(const at::Tensor& logits, const at::Tensor& ids,
                                                const at::Tensor& first_score, const at::Tensor& grad_scores);
-std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool shared, bool sigmoid, bool renorm,
-                                        int64_t one_block_max);
+std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool shared, bool sigmoid, bool renorm);
 }  // namespace turbomoe
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

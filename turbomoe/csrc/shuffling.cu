@@ -2,14 +2,18 @@
 // top-k ids [T, k], scores [T, k], counts [E], slots [T, k] (expert-contiguous rows, token order
 // within an expert) and row_routes [T * k] (the route each row holds, -1 past the routed total).
 //
-// A warp owns a token for the top-k (lane l holds columns l, l + 32, ...); counts go to shared
-// memory by integer atomics (same totals every run). Ranks go by chunks of CHUNK tokens in token
-// order: each expert gets a CHUNK-bit mask of the tokens that chose it (atomicOr), and a route's
-// rank is the expert's running base plus the popcount of the mask below its token: integer only,
-// deterministic. Up to one_block_max tokens one block does everything in one launch; beyond, one
-// block per TOPK_TOKENS tokens does the top-k and writes its histogram, then one block per chunk
-// sums the histograms before it (fixed order) and ranks its chunk. No host sync: graph-capturable.
+// One block, one launch. Top-k: a warp owns a token (lane l holds columns l, l + 32, ...), or with
+// at most 32 experts and more than 32 tokens a thread does (the row in its registers, 256 tokens a
+// step: slower per token, ahead once a warp a token would take several steps); counts go
+// to shared memory by integer atomics (same totals every run). Ranks go by chunks of CHUNK tokens in
+// token order: each expert gets a CHUNK-bit mask of the tokens that chose it (atomicOr), and a
+// route's rank is the expert's running base plus the popcount of the mask below its token: integer
+// only, deterministic. Beyond the sizes where one block wins, turbomoe.inference.index_shuffling
+// takes the Triton kernels (faster there than any multi-block CUDA variant measured:
+// notes/inference.md). No host sync: graph-capturable.
 #include <cub/cub.cuh>
+
+#include <type_traits>
 
 #include "topk.cuh"
 
@@ -18,7 +22,6 @@ namespace turbomoe {
 constexpr int CHUNK = BLOCK_THREADS;       // tokens ranked per step, one a thread
 constexpr int MASK_WORDS = CHUNK / WARP;   // 32-bit words of an expert's token mask
 constexpr int SCAN_ITEMS = MAX_EXPERTS / BLOCK_THREADS;
-constexpr int TOPK_TOKENS = 32;            // tokens per block of the multi-block top-k: many blocks
 
 template <typename acc_t> struct ShuffleOut {
   int32_t* ids;
@@ -54,6 +57,48 @@ __device__ void topk_token(const scalar_t* __restrict__ logits, int64_t t, int E
   if (lane < kr) {
     out.ids[t * kr + lane] = my_id;
     out.scores[t * kr + lane] = my_score;
+  }
+}
+
+// topk_token by one thread (E <= 32: the row in its registers, CPL = the columns), the same outputs;
+// the k largest in turn, ties to the lower column (beats), scores summed in choice order to renormalise.
+template <typename scalar_t, typename acc_t, int CPL>
+__device__ void topk_token_thread(const scalar_t* __restrict__ logits, int64_t t, int E, int k, int kr, bool sigmoid,
+                                  bool renorm, ShuffleOut<acc_t> out, int* counts) {
+  static_assert(CPL <= 32, "the chosen columns are bits of one word");
+  acc_t p[CPL], softmax[CPL];
+  const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL, 1>(logits, t, E, sigmoid, p, softmax);
+  int ids[MAX_K];
+  acc_t scores[MAX_K], total = 0;
+  unsigned chosen = 0;
+#pragma unroll
+  for (int j = 0; j < MAX_K; ++j) {
+    if (j >= k) break;
+    acc_t bv = -std::numeric_limits<acc_t>::infinity();
+    int bc = NO_COLUMN;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i)
+      if (i < E && !((chosen >> i) & 1u) && beats(p[i], i, bv, bc)) {
+        bv = p[i];
+        bc = i;
+      }
+    chosen |= 1u << bc;
+    ids[j] = rp.valid ? bc : -1;
+    scores[j] = rp.valid ? bv : acc_t(0);
+    total += scores[j];
+    if (rp.valid) atomicAdd(&counts[bc], 1);
+  }
+  total = total > 0 ? total : acc_t(1);
+#pragma unroll
+  for (int j = 0; j < MAX_K; ++j) {
+    if (j >= k) break;
+    out.ids[t * kr + j] = ids[j];
+    out.scores[t * kr + j] = renorm ? scores[j] / total : scores[j];  // k = 1: exactly 1, as the reference
+  }
+  if (kr > k) {
+    out.ids[t * kr + k] = E;
+    out.scores[t * kr + k] = 1;
+    atomicAdd(&counts[E], 1);
   }
 }
 
@@ -117,7 +162,7 @@ __device__ void clear_rows(int32_t* routes, int64_t r0, int64_t r1, int64_t tota
   for (int64_t r = max(r0, total) + threadIdx.x; r < r1; r += BLOCK_THREADS) routes[r] = -1;
 }
 
-template <typename scalar_t, typename acc_t, int CPL>
+template <typename scalar_t, typename acc_t, int CPL, bool THREAD_ROWS>
 __global__ void __launch_bounds__(BLOCK_THREADS)
 shuffle_one_block_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool shared, bool sigmoid,
                          bool renorm, ShuffleOut<acc_t> out) {
@@ -126,8 +171,13 @@ shuffle_one_block_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, 
   const int ec = E + shared, kr = k + shared;  // count columns, routes per token
   for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] = 0;
   __syncthreads();
-  for (int64_t t = threadIdx.x / WARP; t < T; t += WARPS_PER_BLOCK)
-    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, kr, sigmoid, renorm, out, base);
+  if (THREAD_ROWS) {
+    for (int64_t t = threadIdx.x; t < T; t += BLOCK_THREADS)
+      topk_token_thread<scalar_t, acc_t, CPL>(logits, t, E, k, kr, sigmoid, renorm, out, base);
+  } else {
+    for (int64_t t = threadIdx.x / WARP; t < T; t += WARPS_PER_BLOCK)
+      topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, kr, sigmoid, renorm, out, base);
+  }
   __syncthreads();  // ids in global memory and the counts are complete for the whole block
   for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) out.counts[e] = base[e];
   const int total = exclusive_scan(base, ec);
@@ -135,52 +185,8 @@ shuffle_one_block_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, 
   clear_rows(out.routes, 0, T * kr, total);
 }
 
-template <typename scalar_t, typename acc_t, int CPL>
-__global__ void __launch_bounds__(BLOCK_THREADS)
-shuffle_topk_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool shared, bool sigmoid,
-                    bool renorm, ShuffleOut<acc_t> out, int32_t* __restrict__ hist) {
-  __shared__ int counts[MAX_EXPERTS];
-  const int ec = E + shared;
-  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) counts[e] = 0;
-  __syncthreads();
-  const int64_t t1 = min(T, int64_t(blockIdx.x + 1) * TOPK_TOKENS);
-  for (int64_t t = int64_t(blockIdx.x) * TOPK_TOKENS + threadIdx.x / WARP; t < t1; t += WARPS_PER_BLOCK)
-    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, k + shared, sigmoid, renorm, out, counts);
-  __syncthreads();
-  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) hist[int64_t(blockIdx.x) * ec + e] = counts[e];
-}
-
-template <typename acc_t>
-__global__ void __launch_bounds__(BLOCK_THREADS)
-shuffle_rank_kernel(int64_t T, int ec, int kr, int topk_blocks, ShuffleOut<acc_t> out, const int32_t* __restrict__ hist) {
-  __shared__ int base[MAX_EXPERTS];
-  __shared__ int before[MAX_EXPERTS];
-  extern __shared__ uint32_t masks[];
-  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] = before[e] = 0;
-  __syncthreads();
-  // Every thread adds a strided share of the histograms: integer sums, the same whatever the order.
-  const int64_t prior_end = int64_t(blockIdx.x) * (CHUNK / TOPK_TOKENS) * ec;
-  for (int64_t i = threadIdx.x; i < int64_t(topk_blocks) * ec; i += BLOCK_THREADS) {
-    const int h = hist[i], e = static_cast<int>(i % ec);
-    if (h) {
-      atomicAdd(&base[e], h);
-      if (i < prior_end) atomicAdd(&before[e], h);
-    }
-  }
-  __syncthreads();
-  if (blockIdx.x == 0)
-    for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) out.counts[e] = base[e];
-  const int total = exclusive_scan(base, ec);
-  for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] += before[e];
-  __syncthreads();
-  const int64_t t0 = int64_t(blockIdx.x) * CHUNK;
-  rank_chunk<acc_t>(t0, T, ec, kr, out, base, masks);
-  clear_rows(out.routes, t0 * kr, min(T, t0 + CHUNK) * kr, total);
-}
-
 // Returns ids, scores, counts, slots, row_routes.
-std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool shared, bool sigmoid, bool renorm,
-                                        int64_t one_block_max) {
+std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool shared, bool sigmoid, bool renorm) {
   check_2d(logits, "logits");
   const int64_t T = logits.size(0);
   const int E = logits.size(1);
@@ -202,22 +208,16 @@ std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, boo
     using acc_t = typename Acc<scalar_t>::type;
     ShuffleOut<acc_t> out{ids.data_ptr<int32_t>(), scores.data_ptr<acc_t>(), counts.data_ptr<int32_t>(),
                           slots.data_ptr<int32_t>(), routes.data_ptr<int32_t>()};
-    TURBOMOE_DISPATCH_CPL(E, [&] {
-      if (T <= one_block_max) {
-        shuffle_one_block_kernel<scalar_t, acc_t, CPL><<<1, BLOCK_THREADS, mask_bytes, stream>>>(
-            logits.data_ptr<scalar_t>(), T, E, k, shared, sigmoid, renorm, out);
-        TURBOMOE_CHECK_LAUNCH();
-      } else {
-        const int topk_blocks = cdiv(T, TOPK_TOKENS);
-        at::Tensor hist = at::empty({topk_blocks, ec}, opts.dtype(at::kInt));
-        shuffle_topk_kernel<scalar_t, acc_t, CPL><<<topk_blocks, BLOCK_THREADS, 0, stream>>>(
-            logits.data_ptr<scalar_t>(), T, E, k, shared, sigmoid, renorm, out, hist.data_ptr<int32_t>());
-        TURBOMOE_CHECK_LAUNCH();
-        shuffle_rank_kernel<acc_t><<<cdiv(T, CHUNK), BLOCK_THREADS, mask_bytes, stream>>>(
-            T, ec, kr, topk_blocks, out, hist.data_ptr<int32_t>());
-        TURBOMOE_CHECK_LAUNCH();
-      }
-    });
+    auto launch = [&](auto cpl, auto thread_rows) {
+      shuffle_one_block_kernel<scalar_t, acc_t, decltype(cpl)::value, decltype(thread_rows)::value>
+          <<<1, BLOCK_THREADS, mask_bytes, stream>>>(logits.data_ptr<scalar_t>(), T, E, k, shared, sigmoid, renorm, out);
+    };
+    if (E <= WARP && T > WARP) {  // a thread a token, its E columns rounded up to a power of two
+      TURBOMOE_DISPATCH_POW2(pow2_at_least(E), CPL, [&] { launch(std::integral_constant<int, CPL>(), std::true_type()); });
+    } else {
+      TURBOMOE_DISPATCH_CPL(E, [&] { launch(std::integral_constant<int, CPL>(), std::false_type()); });
+    }
+    TURBOMOE_CHECK_LAUNCH();
   });
   return {ids, scores, counts, slots, routes};
 }

@@ -28,6 +28,11 @@ import triton.language as tl
 
 from .launch import next_pow2, sm_count
 
+# The first GEMM's (fill, max_split) for few_rows_tiles: every program of the second GEMM re-reads
+# the first's K slices (its SwiGLU operand), so the first splits less (tuned with both GEMMs in the
+# layer: 4-19% faster than 8x the SMs and 16 slices at T = 1-8, notes/inference.md).
+UP_SPLITS = (2, 4)
+
 
 @triton.jit(do_not_specialize=["R", "K", "N", "G", "k_per_split", "n_splits", "in_splits", "routes_per_token"])
 def _few_rows_mm_kernel(x_ptr, row_routes_ptr, scale_ptr, w_ptr, out_ptr, counts_ptr,
@@ -127,21 +132,21 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
-def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: torch.device) -> Tiles:
-    """Tiles for `routes` rows in G groups, at most max_rows a group, from the H100 sweep at the decode
-    layers' shapes (notes/inference.md, 2026-11-23 05:41): one row a tile on the CUDA cores with N tiles
-    of 64 where every group has one row (T = 1), else 16 rows through tl.dot with N tiles of 128 (64
-    rows a tile was 2-5x slower at T = 64); K tiles of 128; K split in powers of two (slices of at
-    least two K tiles) until the programs that have rows fill the SMs 8 times over. The best tiling
-    or within 5% of it at 14 of 16 points swept (13% off at Qwen3's first GEMM at T = 1)."""
+def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: torch.device, fill: int = 8,
+                   max_split: int = 16) -> Tiles:
+    """Tiles for `routes` rows in G groups, at most max_rows a group, from the H100 sweeps at the decode
+    layers' shapes (notes/inference.md): one row a tile on the CUDA cores with N tiles of 64 where
+    every group has one row (T = 1), else 16 rows through tl.dot with N tiles of 128 (64 rows a tile
+    was 2-5x slower at T = 64); K tiles of 128; K split in powers of two (slices of at least two K
+    tiles, at most max_split) until the programs that have rows fill the SMs `fill` times over."""
     if device.type != "cuda":  # the interpreter: small tiles, several splits
-        return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32)), 16, 4, 1)
+        return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32, max_split)), 16, 4, 1)
     block_m, block_n = (1, 64) if max_rows <= 1 else (16, 128)
     block_k = 128
     groups = max(1, min(G, routes))
     programs = groups * triton.cdiv(N, block_n) * triton.cdiv(triton.cdiv(routes, groups), block_m)
     split = 1
-    while split < 16 and programs * split < 8 * sm_count(device) and K // (2 * split) >= block_k:
+    while split < max_split and programs * split < fill * sm_count(device) and K // (2 * split) >= block_k:
         split *= 2
     return Tiles(block_m, block_n, split, block_k, 4, 3)
 
@@ -150,7 +155,8 @@ def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, in_splits, routes_p
     R = row_routes.shape[0] if x.dim() == 2 else x.shape[1]
     G, K, N = w_GKN.shape
     max_groups = min(G, R)  # groups that can have rows: program axis 1
-    tiles = tiles or few_rows_tiles(max_rows, R, G, N, K, x.device)
+    if tiles is None:
+        tiles = few_rows_tiles(max_rows, R, G, N, K, x.device, *(UP_SPLITS if x.dim() == 2 else ()))
     k_per_split = triton.cdiv(triton.cdiv(K, tiles.split), tiles.block_k) * tiles.block_k
     split = max(1, triton.cdiv(K, k_per_split))
     out = torch.empty(split, R, N, device=x.device, dtype=torch.float32)
