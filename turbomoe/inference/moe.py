@@ -13,8 +13,7 @@ By token count T:
   few_rows  T * k <= few_routes_max (8): turbomoe.kernels.few_rows_gemm, three launches after the shuffle
             (first GEMM gathering rows from x, second GEMM summing the first's K splits and applying
             SwiGLU as it loads, combine summing the second's splits); only experts with tokens read.
-            H100: faster than grouped up to 8 routes (Qwen3 T = 1: 67 vs 94 us, Scout T = 4: 132 vs
-            147), slower from 16 (Qwen3 T = 2: 123 vs 111); Scout T = 8 (8 routes) 167 vs 161
+            H100: ahead of grouped up to 8 routes, level or behind at 16, behind from 32 (notes/inference.md)
   grouped   beyond: the training path's row kernels (push_rows / pull_rows) around its grouped GEMM
             (CUTLASS or torch._grouped_mm) and SwiGLU kernel
   dense     T <= dense_max (off unless set) and T * k >= E: every expert on every token as batched GEMMs, combined

@@ -151,12 +151,12 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     return Tiles(block_m, block_n, split, block_k, 4, 3)
 
 
-def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, in_splits, routes_per_token, tiles):
+def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, in_splits, routes_per_token, tiles, splits=()):
+    """splits: few_rows_tiles' (fill, max_split) where tiles is None, its defaults if empty."""
     R = row_routes.shape[0] if x.dim() == 2 else x.shape[1]
     G, K, N = w_GKN.shape
     max_groups = min(G, R)  # groups that can have rows: program axis 1
-    if tiles is None:
-        tiles = few_rows_tiles(max_rows, R, G, N, K, x.device, *(UP_SPLITS if x.dim() == 2 else ()))
+    tiles = tiles or few_rows_tiles(max_rows, R, G, N, K, x.device, *splits)
     k_per_split = triton.cdiv(triton.cdiv(K, tiles.split), tiles.block_k) * tiles.block_k
     split = max(1, triton.cdiv(K, k_per_split))
     out = torch.empty(split, R, N, device=x.device, dtype=torch.float32)
@@ -194,7 +194,7 @@ def few_rows_up(x_TK: torch.Tensor, row_routes_R: torch.Tensor, routes_per_token
     if x_TK.dim() != 2 or x_TK.shape[1] != w_GKN.shape[1] or x_TK.stride(1) != 1:
         raise ValueError(f"x must be [T, {w_GKN.shape[1]}] with contiguous rows, got {tuple(x_TK.shape)}")
     return _launch(x_TK, row_routes_R, None if scores is None else scores.reshape(-1), w_GKN, counts_G, max_rows,
-                   1, routes_per_token, tiles)
+                   1, routes_per_token, tiles, UP_SPLITS)
 
 
 def few_rows_down(h_SRN: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, max_rows: int,
