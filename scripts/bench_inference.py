@@ -247,11 +247,11 @@ def bench_layer(args, log, bandwidth):
 
 def bench_tune(args, log):
     """The decode experts' two GEMM kernels (few_rows_up, few_rows_down) swept at the decode layers'
-    shapes on real routes: (BLOCK_M, BLOCK_N, SPLIT, BLOCK_K, warps, stages) per GEMM, the rule's
-    choice beside the best and the weight-read floor (the data behind few_rows_tiles). down reads
-    the partial sums of up at the rule's split (each GEMM alone: up's split also sets down's cost,
-    tuned in the layer: UP_SPLITS)."""
-    from turbomoe.kernels.few_rows_gemm import UP_SPLITS, Tiles, few_rows_down, few_rows_tiles, few_rows_up
+    shapes on real routes: (BLOCK_M, BLOCK_N, SPLIT, BLOCK_K, warps, stages, swap, TMA) per GEMM, the
+    rule's choice beside the best and the weight-read floor (the data behind few_rows_tiles). down
+    reads up's output at the rule's tiles (SwiGLU rows, or partial sums where up splits K; each GEMM
+    alone: up's split also sets down's cost, so it is tuned in the layer too: UP_MAX_SPLIT)."""
+    from turbomoe.kernels.few_rows_gemm import UP_MAX_SPLIT, Tiles, few_rows_down, few_rows_tiles, few_rows_up
     rows_out = []
     for name, cfg in LAYERS.items():
         E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
@@ -269,15 +269,17 @@ def bench_tune(args, log):
                                                           for w in w1s])),
                      ("down", F_, M, lambda t: cycling([lambda w=w: few_rows_down(h, w, r.counts, T, tiles=t) for w in w2s])))
             for op, K, N, fn in gemms:
-                rule = few_rows_tiles(T, T * kk, G, N, K, x.device, *(UP_SPLITS if op == "up" else ()))
+                rule = few_rows_tiles(T, T * kk, G, N, K, x.device, *((UP_MAX_SPLIT, ) if op == "up" else ()))
                 res = {}
-                block_ms = sorted({rule.block_m, 16} | ({1} if T <= 4 else set()))
-                for bm, bn, bk, split, (warps, stages) in itertools.product(
-                        block_ms, (32, 64, 128), (64, 128), (1, 2, 4, 8, 16), ((4, 3), (8, 3))):
-                    if K // split < bk or (bm < 16 and bm * bk * bn > 16384):
+                shapes = [(1, False, True), (1, False, False)] if T == 1 else []
+                shapes += [(16, False, True), (16, True, True), (32, True, True)]
+                for (bm, swap, tma), bn, split, stages in itertools.product(shapes, (64, 128), (1, 2, 4, 8), (3, 4)):
+                    if K // split < 128:
                         continue
-                    tiles = Tiles(bm, bn, split, bk, warps, stages)
-                    res[tiles] = graph_us(fn(tiles), iters=10)
+                    tiles = Tiles(bm, bn, split, 128, 4, stages, swap, tma)
+                    t = graph_us(fn(tiles), iters=10)
+                    if t is not None:  # None: the tiling does not fit the device (shared memory)
+                        res[tiles] = t
                 t_rule = graph_us(fn(rule), iters=10)
                 best = min(res, key=res.get)
                 bytes_ = used * K * N * 2

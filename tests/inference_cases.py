@@ -134,20 +134,26 @@ def check_few_rows(counts, K, F_, N, device="cpu", dtype=torch.float32, tol=1e-5
     x, w1, scores = rnd(T, K), rnd(G, K, 2 * F_, scale=K ** -0.5), torch.rand(T, kk, generator=g, dtype=torch.float64)
     h = few_rows_up(dev(x), dev(row_routes, torch.int32), kk, dev(w1), dev(c, torch.int32), max_rows,
                     dev(scores, torch.float32) if prescale else None, tiles=tiles)
-    assert h.dtype == torch.float32 and h.shape[1:] == (R, 2 * F_)
     a = dev(x).double()[routes // kk]  # x rounded to dtype, as the kernel reads it
     if prescale:
         a = (a * dev(scores, torch.float32).double()[..., None].reshape(-1, 1)[routes]).to(dtype).double()
-    close(h.sum(0)[:n], torch.einsum("rk,rkn->rn", a, dev(w1).double()[group]))
+    want = torch.einsum("rk,rkn->rn", a, dev(w1).double()[group])
+    if h.dim() == 2:  # K not split: the SwiGLU applied in the GEMM's epilogue
+        assert h.dtype == dtype and h.shape == (R, F_)
+        close(h[:n], swiglu_reference(want))
+    else:
+        assert h.dtype == torch.float32 and h.shape[1:] == (R, 2 * F_)
+        close(h.sum(0)[:n], want)
     again = few_rows_up(dev(x), dev(row_routes, torch.int32), kk, dev(w1), dev(c, torch.int32), max_rows,
                         dev(scores, torch.float32) if prescale else None, tiles=tiles)
-    assert torch.equal(h[:, :n], again[:, :n]), "not deterministic"
+    assert torch.equal(h[..., :n, :], again[..., :n, :]), "not deterministic"
 
-    hp, w2 = rnd(3, R, 2 * F_), rnd(G, F_, N, scale=F_ ** -0.5)
-    y = few_rows_down(dev(hp, torch.float32), dev(w2), dev(c, torch.int32), max_rows, tiles=tiles)
-    assert y.dtype == torch.float32 and y.shape[1:] == (R, N)
-    act = swiglu_reference(dev(hp, torch.float32).sum(0).double()[:n]).to(dtype).double()
-    close(y.sum(0)[:n], torch.einsum("rk,rkn->rn", act, dev(w2).double()[group]))
+    w2 = rnd(G, F_, N, scale=F_ ** -0.5)
+    for hp in (dev(rnd(3, R, 2 * F_), torch.float32), dev(rnd(R, F_))):  # split partials, or SwiGLU rows
+        y = few_rows_down(hp, dev(w2), dev(c, torch.int32), max_rows, tiles=tiles)
+        assert y.dtype == torch.float32 and y.shape[1:] == (R, N)
+        act = swiglu_reference(hp.sum(0).double()[:n]).to(dtype).double() if hp.dim() == 3 else hp.double()[:n]
+        close(y.sum(0)[:n], torch.einsum("rk,rkn->rn", act, dev(w2).double()[group]))
 
     yp = rnd(2, R, N)
     slots = torch.full((T * kk, ), -1, dtype=torch.int32)

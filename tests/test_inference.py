@@ -63,7 +63,7 @@ def test_index_shuffling_cuda(case):
 @pytest.mark.gpu
 @needs_cuda
 def test_index_shuffling_cuda_hot_expert_bf16_large():
-    # a thread a token (E <= 32) and a warp a token, one block at thousands of tokens
+    # one block at thousands of tokens (the kernel takes any T; the dispatcher only up to 8), hot experts
     check_shuffle(csrc.index_shuffling, 100, 16, 2, "softmax", True, True, "cuda", seed=3, hot=True)
     check_shuffle(csrc.index_shuffling, 4099, 32, 8, "softmax", True, False, "cuda", seed=6, hot=True)
     check_shuffle(csrc.index_shuffling, 2049, 5, 2, "sigmoid", True, True, "cuda", dtype=torch.bfloat16, seed=7)

@@ -41,12 +41,14 @@ def test_few_rows_kernels(case, prescale):
     check_few_rows(*case, DEVICE, seed=len(case[0]) + case[1], prescale=prescale)
 
 
-@pytest.mark.parametrize("block_m", [1, 2, 16])  # the CUDA-core path (one and two rows a tile), tl.dot
-@pytest.mark.parametrize("split", [1, 3])
-def test_few_rows_kernels_tiles(block_m, split):
+# the CUDA-core path (one and two rows a tile), tl.dot, and tl.dot with the weights as its M side
+@pytest.mark.parametrize("block_m, swap", [(1, False), (2, False), (16, False), (16, True), (32, True)])
+@pytest.mark.parametrize("split", [1, 3])  # 1: the first GEMM's SwiGLU epilogue; 3: split partials
+@pytest.mark.parametrize("tma", [False, True])
+def test_few_rows_kernels_tiles(block_m, swap, split, tma):
     from turbomoe.kernels.few_rows_gemm import Tiles
-    check_few_rows([3, 0, 5, 1], 96, 32, 48, DEVICE, seed=block_m + split,
-                   tiles=Tiles(block_m, 16, split, 16, 4, 1 if DEVICE == "cpu" else 3))
+    check_few_rows([3, 0, 5, 1, 17], 96, 32, 48, DEVICE, seed=block_m + split,
+                   tiles=Tiles(block_m, 16, split, 16, 4, 1 if DEVICE == "cpu" else 3, swap, tma))
 
 
 @pytest.mark.parametrize("case", MOE_CASES)

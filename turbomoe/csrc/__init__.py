@@ -156,18 +156,14 @@ def second_expert_backward(logits_SE, ids_S2, first_scores_S1, grad_scores_S2):
                                               as_contiguous(grad_scores_S2, logits_SE.dtype))
 
 
-# index_shuffling's one block wins up to these token counts (H100, notes/inference.md), Triton beyond
-ONE_BLOCK_MAX_TOKENS = 32  # a warp a token
-THREAD_ROWS_MAX_TOKENS = 256  # a thread a token (E <= 32, T > 32): one step of the block
-
-
-def one_block_max_tokens(E: int) -> int:
-    return THREAD_ROWS_MAX_TOKENS if E <= 32 else ONE_BLOCK_MAX_TOKENS
+# index_shuffling's one block (a warp a token) wins up to this many tokens, the Triton kernels beyond
+# (H100, E 16 to 128, k 1 to 8: notes/inference.md)
+ONE_BLOCK_MAX_TOKENS = 8
 
 
 def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
                     shared_expert: bool = False):
     """reference.index_shuffling on the GPU in one block (any T; turbomoe.inference.index_shuffling
-    goes to Triton beyond one_block_max_tokens(E))."""
+    goes to Triton beyond ONE_BLOCK_MAX_TOKENS)."""
     return reference.ShuffledRoutes(*extension().index_shuffling(logits_TE.contiguous(), k, shared_expert,
                                                                  score_func == "sigmoid", renormalize))

@@ -25,16 +25,15 @@ template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
 
 // Butterfly reductions: every lane ends with the same value, summed in the same order every run.
-// LANES = 1: a row held by one thread, nothing to reduce.
-template <typename T, int LANES = WARP> __device__ __forceinline__ T warp_sum(T v) {
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
-  for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
   return v;
 }
 
-template <typename T, int LANES = WARP> __device__ __forceinline__ T warp_max(T v) {
+template <typename T> __device__ __forceinline__ T warp_max(T v) {
 #pragma unroll
-  for (int o = LANES / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(FULL_MASK, v, o));
   return v;
 }
 
@@ -56,27 +55,22 @@ inline void check_2d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), name, ": contiguous CUDA 2-D tensor");
 }
 
-inline int pow2_at_least(int n) {
-  int p = 1;
-  while (p < n) p *= 2;
-  return p;
+// Columns of a row each lane of a warp holds (a power of two, at most 32: E <= MAX_EXPERTS).
+inline int columns_per_lane(int E) {
+  int cpl = 1;
+  while (cpl * WARP < E) cpl *= 2;
+  return cpl;
 }
 
-// Columns of a row each lane of a warp holds (a power of two, at most 32: E <= MAX_EXPERTS).
-inline int columns_per_lane(int E) { return pow2_at_least(static_cast<int>(cdiv(E, WARP))); }
-
-// Runs the lambda with constexpr int NAME = n (a power of two, 1 to 32; larger n: 32) in scope.
-#define TURBOMOE_DISPATCH_POW2(n, NAME, ...)                           \
-  switch (n) {                                                          \
-    case 1: { constexpr int NAME = 1; __VA_ARGS__(); break; }           \
-    case 2: { constexpr int NAME = 2; __VA_ARGS__(); break; }           \
-    case 4: { constexpr int NAME = 4; __VA_ARGS__(); break; }           \
-    case 8: { constexpr int NAME = 8; __VA_ARGS__(); break; }           \
-    case 16: { constexpr int NAME = 16; __VA_ARGS__(); break; }         \
-    default: { constexpr int NAME = 32; __VA_ARGS__(); break; }         \
-  }
-
 // Runs the lambda with constexpr int CPL = columns_per_lane(E) in scope.
-#define TURBOMOE_DISPATCH_CPL(E, ...) TURBOMOE_DISPATCH_POW2(turbomoe::columns_per_lane(E), CPL, __VA_ARGS__)
+#define TURBOMOE_DISPATCH_CPL(E, ...)                                   \
+  switch (turbomoe::columns_per_lane(E)) {                             \
+    case 1: { constexpr int CPL = 1; __VA_ARGS__(); break; }            \
+    case 2: { constexpr int CPL = 2; __VA_ARGS__(); break; }            \
+    case 4: { constexpr int CPL = 4; __VA_ARGS__(); break; }            \
+    case 8: { constexpr int CPL = 8; __VA_ARGS__(); break; }            \
+    case 16: { constexpr int CPL = 16; __VA_ARGS__(); break; }          \
+    default: { constexpr int CPL = 32; __VA_ARGS__(); break; }          \
+  }
 
 }  // namespace turbomoe

@@ -2,9 +2,7 @@
 // top-k ids [T, k], scores [T, k], counts [E], slots [T, k] (expert-contiguous rows, token order
 // within an expert) and row_routes [T * k] (the route each row holds, -1 past the routed total).
 //
-// One block, one launch. Top-k: a warp owns a token (lane l holds columns l, l + 32, ...), or with
-// at most 32 experts and more than 32 tokens a thread does (the row in its registers, 256 tokens a
-// step: slower per token, ahead once a warp a token would take several steps); counts go
+// One block, one launch. Top-k: a warp owns a token (lane l holds columns l, l + 32, ...); counts go
 // to shared memory by integer atomics (same totals every run). Ranks go by chunks of CHUNK tokens in
 // token order: each expert gets a CHUNK-bit mask of the tokens that chose it (atomicOr), and a
 // route's rank is the expert's running base plus the popcount of the mask below its token: integer
@@ -12,8 +10,6 @@
 // takes the Triton kernels (faster there than any multi-block CUDA variant measured:
 // notes/inference.md). No host sync: graph-capturable.
 #include <cub/cub.cuh>
-
-#include <type_traits>
 
 #include "topk.cuh"
 
@@ -57,48 +53,6 @@ __device__ void topk_token(const scalar_t* __restrict__ logits, int64_t t, int E
   if (lane < kr) {
     out.ids[t * kr + lane] = my_id;
     out.scores[t * kr + lane] = my_score;
-  }
-}
-
-// topk_token by one thread (E <= 32: the row in its registers, CPL = the columns), the same outputs;
-// the k largest in turn, ties to the lower column (beats), scores summed in choice order to renormalise.
-template <typename scalar_t, typename acc_t, int CPL>
-__device__ void topk_token_thread(const scalar_t* __restrict__ logits, int64_t t, int E, int k, int kr, bool sigmoid,
-                                  bool renorm, ShuffleOut<acc_t> out, int* counts) {
-  static_assert(CPL <= 32, "the chosen columns are bits of one word");
-  acc_t p[CPL], softmax[CPL];
-  const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL, 1>(logits, t, E, sigmoid, p, softmax);
-  int ids[MAX_K];
-  acc_t scores[MAX_K], total = 0;
-  unsigned chosen = 0;
-#pragma unroll
-  for (int j = 0; j < MAX_K; ++j) {
-    if (j >= k) break;
-    acc_t bv = -std::numeric_limits<acc_t>::infinity();
-    int bc = NO_COLUMN;
-#pragma unroll
-    for (int i = 0; i < CPL; ++i)
-      if (i < E && !((chosen >> i) & 1u) && beats(p[i], i, bv, bc)) {
-        bv = p[i];
-        bc = i;
-      }
-    chosen |= 1u << bc;
-    ids[j] = rp.valid ? bc : -1;
-    scores[j] = rp.valid ? bv : acc_t(0);
-    total += scores[j];
-    if (rp.valid) atomicAdd(&counts[bc], 1);
-  }
-  total = total > 0 ? total : acc_t(1);
-#pragma unroll
-  for (int j = 0; j < MAX_K; ++j) {
-    if (j >= k) break;
-    out.ids[t * kr + j] = ids[j];
-    out.scores[t * kr + j] = renorm ? scores[j] / total : scores[j];  // k = 1: exactly 1, as the reference
-  }
-  if (kr > k) {
-    out.ids[t * kr + k] = E;
-    out.scores[t * kr + k] = 1;
-    atomicAdd(&counts[E], 1);
   }
 }
 
@@ -162,7 +116,7 @@ __device__ void clear_rows(int32_t* routes, int64_t r0, int64_t r1, int64_t tota
   for (int64_t r = max(r0, total) + threadIdx.x; r < r1; r += BLOCK_THREADS) routes[r] = -1;
 }
 
-template <typename scalar_t, typename acc_t, int CPL, bool THREAD_ROWS>
+template <typename scalar_t, typename acc_t, int CPL>
 __global__ void __launch_bounds__(BLOCK_THREADS)
 shuffle_one_block_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, int k, bool shared, bool sigmoid,
                          bool renorm, ShuffleOut<acc_t> out) {
@@ -171,13 +125,8 @@ shuffle_one_block_kernel(const scalar_t* __restrict__ logits, int64_t T, int E, 
   const int ec = E + shared, kr = k + shared;  // count columns, routes per token
   for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) base[e] = 0;
   __syncthreads();
-  if (THREAD_ROWS) {
-    for (int64_t t = threadIdx.x; t < T; t += BLOCK_THREADS)
-      topk_token_thread<scalar_t, acc_t, CPL>(logits, t, E, k, kr, sigmoid, renorm, out, base);
-  } else {
-    for (int64_t t = threadIdx.x / WARP; t < T; t += WARPS_PER_BLOCK)
-      topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, kr, sigmoid, renorm, out, base);
-  }
+  for (int64_t t = threadIdx.x / WARP; t < T; t += WARPS_PER_BLOCK)
+    topk_token<scalar_t, acc_t, CPL>(logits, t, E, k, kr, sigmoid, renorm, out, base);
   __syncthreads();  // ids in global memory and the counts are complete for the whole block
   for (int e = threadIdx.x; e < ec; e += BLOCK_THREADS) out.counts[e] = base[e];
   const int total = exclusive_scan(base, ec);
@@ -208,15 +157,10 @@ std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, boo
     using acc_t = typename Acc<scalar_t>::type;
     ShuffleOut<acc_t> out{ids.data_ptr<int32_t>(), scores.data_ptr<acc_t>(), counts.data_ptr<int32_t>(),
                           slots.data_ptr<int32_t>(), routes.data_ptr<int32_t>()};
-    auto launch = [&](auto cpl, auto thread_rows) {
-      shuffle_one_block_kernel<scalar_t, acc_t, decltype(cpl)::value, decltype(thread_rows)::value>
+    TURBOMOE_DISPATCH_CPL(E, [&] {
+      shuffle_one_block_kernel<scalar_t, acc_t, CPL>
           <<<1, BLOCK_THREADS, mask_bytes, stream>>>(logits.data_ptr<scalar_t>(), T, E, k, shared, sigmoid, renorm, out);
-    };
-    if (E <= WARP && T > WARP) {  // a thread a token, its E columns rounded up to a power of two
-      TURBOMOE_DISPATCH_POW2(pow2_at_least(E), CPL, [&] { launch(std::integral_constant<int, CPL>(), std::true_type()); });
-    } else {
-      TURBOMOE_DISPATCH_CPL(E, [&] { launch(std::integral_constant<int, CPL>(), std::false_type()); });
-    }
+    });
     TURBOMOE_CHECK_LAUNCH();
   });
   return {ids, scores, counts, slots, routes};

@@ -13,40 +13,38 @@ template <typename acc_t> struct RowProbs {
   acc_t lse;
 };
 
-// Loads a row; fills probs (softmax or sigmoid) and softmax for this lane's columns. LANES: the
-// threads holding the row, a warp (lane l: columns l, l + 32, ...) or one thread (every column).
-template <typename scalar_t, typename acc_t, int CPL, int LANES = WARP>
+// Loads a row; fills probs (softmax or sigmoid) and softmax for this lane's columns.
+template <typename scalar_t, typename acc_t, int CPL>
 __device__ __forceinline__ RowProbs<acc_t> row_probs(const scalar_t* __restrict__ logits, int64_t row, int E,
                                                      bool sigmoid, acc_t (&probs)[CPL], acc_t (&softmax)[CPL]) {
-  static_assert(LANES == WARP || LANES == 1, "a row is held by a warp or by a thread");
-  const int lane = LANES == 1 ? 0 : threadIdx.x % WARP;
+  const int lane = threadIdx.x % WARP;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   acc_t x[CPL];
   bool bad = false;
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
-    const int c = lane + LANES * i;
+    const int c = lane + WARP * i;
     x[i] = c < E ? static_cast<acc_t>(logits[row * E + c]) : neg_inf;
     bad |= c < E && !isfinite(x[i]);
   }
   RowProbs<acc_t> r;
-  r.valid = LANES == 1 ? !bad : !__any_sync(FULL_MASK, bad);
+  r.valid = !__any_sync(FULL_MASK, bad);
   acc_t mx = neg_inf;
 #pragma unroll
   for (int i = 0; i < CPL; ++i) mx = max(mx, x[i]);
-  mx = r.valid ? warp_max<acc_t, LANES>(mx) : acc_t(0);
+  mx = r.valid ? warp_max(mx) : acc_t(0);
   acc_t den = 0;
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
-    softmax[i] = (r.valid && lane + LANES * i < E) ? exp(x[i] - mx) : acc_t(0);
+    softmax[i] = (r.valid && lane + WARP * i < E) ? exp(x[i] - mx) : acc_t(0);
     den += softmax[i];
   }
-  den = r.valid ? warp_sum<acc_t, LANES>(den) : acc_t(1);
+  den = r.valid ? warp_sum(den) : acc_t(1);
   r.lse = r.valid ? mx + log(den) : acc_t(0);
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
     softmax[i] = softmax[i] / den;
-    const bool cell = r.valid && lane + LANES * i < E;
+    const bool cell = r.valid && lane + WARP * i < E;
     probs[i] = sigmoid ? (cell ? acc_t(1) / (acc_t(1) + exp(-x[i])) : acc_t(0)) : softmax[i];
   }
   return r;

@@ -10,10 +10,11 @@ combine (+ shared expert).
 The shared expert is group E of the same GEMMs and column k of the same combine, so it costs no
 launch of its own. Every path is deterministic (one writer per output, fixed summation order).
 By token count T:
-  few_rows  T * k <= few_routes_max (8): turbomoe.kernels.few_rows_gemm, three launches after the shuffle
-            (first GEMM gathering rows from x, second GEMM summing the first's K splits and applying
-            SwiGLU as it loads, combine summing the second's splits); only experts with tokens read.
-            H100: ahead of grouped up to 8 routes, level or behind at 16, behind from 32 (notes/inference.md)
+  few_rows  T * k <= few_rows_per_expert (24) * E: turbomoe.kernels.few_rows_gemm, three launches
+            after the shuffle (the first GEMM gathers rows from x and, unless it splits K, applies
+            SwiGLU; the second GEMM; the combine sums the second's K splits); only experts with tokens
+            are read. H100: ahead of grouped up to 24 routes an expert, level at 32, behind from 48
+            (notes/inference.md)
   grouped   beyond: the training path's row kernels (push_rows / pull_rows) around its grouped GEMM
             (CUTLASS or torch._grouped_mm) and SwiGLU kernel
   dense     T <= dense_max (off unless set) and T * k >= E: every expert on every token as batched GEMMs, combined
@@ -32,7 +33,7 @@ from ..autograd.swiglu import swiglu_reference
 from .shuffling import index_shuffling
 
 MODES = ("auto", "few_rows", "grouped", "dense", "reference")
-FEW_ROUTES_MAX = 8  # routes (T * k) up to which the few-rows kernels serve (H100 crossover, notes/inference.md)
+FEW_ROWS_PER_EXPERT = 24  # the few-rows kernels serve up to T * k = this times E (H100 crossover, notes/inference.md)
 
 
 class SparseMoE(nn.Module):
@@ -44,7 +45,7 @@ class SparseMoE(nn.Module):
     def __init__(self, router_EM: torch.Tensor, w1_EMN: torch.Tensor, w2_EFM: torch.Tensor, k: int,
                  score_func: str = "softmax", renormalize: bool = False, shared_w1_MN: Optional[torch.Tensor] = None,
                  shared_w2_FM: Optional[torch.Tensor] = None, prescale: bool = False, mode: str = "auto",
-                 backend: Optional[str] = None, gmm_backend: Optional[str] = None, few_routes_max: int = FEW_ROUTES_MAX,
+                 backend: Optional[str] = None, gmm_backend: Optional[str] = None, few_rows_per_expert: int = FEW_ROWS_PER_EXPERT,
                  dense_max: int = 0):
         super().__init__()
         E, M, N2 = w1_EMN.shape
@@ -68,7 +69,7 @@ class SparseMoE(nn.Module):
         self.num_experts, self.k, self.score_func, self.renormalize = E, k, score_func, renormalize
         self.shared, self.prescale, self.mode = shared_w1_MN is not None, prescale, mode
         self.backend, self.gmm_backend = backend, gmm_backend
-        self.few_routes_max, self.dense_max = few_routes_max, dense_max
+        self.few_rows_per_expert, self.dense_max = few_rows_per_expert, dense_max
         self.register_buffer("router", router_EM.contiguous(), persistent=False)
         self.register_buffer("w1", w1_EMN.contiguous(), persistent=False)
         self.register_buffer("w2", w2_EFM.contiguous(), persistent=False)
@@ -95,7 +96,8 @@ class SparseMoE(nn.Module):
             return "reference"
         if T <= self.dense_max and T * self.k >= self.num_experts:
             return "dense"
-        return "few_rows" if T * self.k <= self.few_routes_max and x_TM.is_cuda else "grouped"
+        few = T * self.k <= self.few_rows_per_expert * self.num_experts
+        return "few_rows" if few and x_TM.is_cuda else "grouped"
 
     @torch.no_grad()
     def forward(self, x_TM: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,8 @@ slots, row_routes); the spec is turbomoe.reference.index_shuffling.
 
 Backends as turbomoe.ops: "cuda" (turbomoe/csrc/shuffling.cu), "triton"
 (turbomoe/kernels/shuffling.py), "reference" (the CPU path). The default on the GPU: the CUDA kernel's
-one block up to csrc.one_block_max_tokens(E) tokens (32 with a warp a token, 256 with a thread a
-token at E <= 32), the Triton kernels beyond (one launch while one tile holds every token, two
-after). No host sync, deterministic.
+one block up to csrc.ONE_BLOCK_MAX_TOKENS (8) tokens, the Triton kernels beyond (two launches, tiles
+of 4 to 64 tokens). No host sync, deterministic.
 """
 from typing import Optional
 
@@ -27,7 +26,7 @@ def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax"
     check_bool("renormalize", renormalize)
     check_bool("shared_expert", shared_expert)
     backend = choose_backend(logits_TE, backend, E + shared_expert)
-    if backend == "cuda" and (logits_TE.shape[0] > csrc.one_block_max_tokens(E) or k + shared_expert > MAX_K):
+    if backend == "cuda" and (logits_TE.shape[0] > csrc.ONE_BLOCK_MAX_TOKENS or k + shared_expert > MAX_K):
         # Beyond one block's sizes the Triton kernels were faster on the H100 (notes/inference.md).
         # The CUDA kernel holds at most MAX_K routes a token: k = MAX_K plus a shared expert goes to Triton.
         backend = "triton"

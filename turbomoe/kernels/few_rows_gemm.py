@@ -1,24 +1,28 @@
 """Triton kernels of the decode experts: few rows per expert, counts read on the device.
 
-    up       h [S1, R, 2F] fp32  partial sums over S1 slices of K of  x[token(r)] (* score) @ w1[g]
-    down     y [S2, R, M]  fp32  partial sums over S2 slices of F of  silu(h_gate) * h_up @ w2[g],
-                                 h = sum_s h[s], the SwiGLU rounded to the weights' dtype
-    combine  out [T, M]          out[t] = sum_j w[t, j] * sum_s y[s, slots[t, j]]  (fp32, x's dtype)
+    up       a [R, F] in w's dtype  SwiGLU of  x[token(r)] (* score) @ w1[g]  (gate | up columns), or
+             h [S1, R, 2F] fp32     partial sums over S1 slices of K where K is split
+    down     y [S2, R, M]  fp32     partial sums over S2 slices of F of  a @ w2[g]  (from h: a = the
+                                    SwiGLU of sum_s h[s], rounded to the weights' dtype)
+    combine  out [T, M]             out[t] = sum_j w[t, j] * sum_s y[s, slots[t, j]]  (fp32, x's dtype)
 
 Rows are grouped as in turbomoe.kernels.grouped_gemm (group g owns rows offset_g .. offset_g +
 counts[g]). Each kernel reads its producer's output as it is, so the experts are three launches after
 the shuffle, not six (push_rows, two GEMMs, two split-K sums, pull_rows): the row gather is folded into
-the first GEMM (row r reads x at token row_routes[r] // k', times its score with prescale), the first
-GEMM's split sums and SwiGLU into the second's operand load, the second's split sums into the
-combine. Splits are summed in a fixed order: deterministic, no atomics.
+the first GEMM (row r reads x at token row_routes[r] // k', times its score with prescale); the
+first GEMM applies SwiGLU itself (a program owns a tile of gate columns and the matching up columns)
+unless K is split, when the second sums its split partials and applies it as it loads; the second's
+split sums go into the combine. Splits are summed in a fixed order: deterministic, no atomics.
 
 Why kernels beside the persistent grouped GEMM: at decode a group holds 1 to 64 rows, so the step is a
-read of the selected experts' weights. Program axis 1 walks only the experts with rows (the u-th
+read of the selected experts' weights. Program axis 2 walks only the experts with rows (the u-th
 nonzero count, found in the kernel), so the grid holds no idle expert programs and only those
-experts' weights are read (selective loading); K is split until every SM has programs. Fewer than 16
-rows multiply on the CUDA cores (products kept per element, reduced once at the end), more through
-tl.dot. No launch depends on the counts' values: CUDA-graph capturable. Rows past sum(counts) are
-neither read nor written.
+experts' weights are read (selective loading); K is split where the programs would not fill the SMs.
+On Hopper the weight tiles come by TMA (a descriptor over w [G, K, N]: 1.3-1.7x the bandwidth of
+per-thread loads at these shapes, notes/inference.md). Fewer than 16 rows a tile multiply on the CUDA
+cores (products kept per element, reduced once at the end), more through tl.dot, with the weights as
+the MMA's wide side (SWAP) where a tile holds 32 rows. No launch depends on the counts' values:
+CUDA-graph capturable. Rows past sum(counts) are neither read nor written.
 """
 from typing import NamedTuple, Optional
 
@@ -26,27 +30,72 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import next_pow2, sm_count
+from .launch import max_shared_mem, next_pow2, sm_count
 
-# The first GEMM's (fill, max_split) for few_rows_tiles: every program of the second GEMM re-reads
-# the first's K slices (its SwiGLU operand), so the first splits less (tuned with both GEMMs in the
-# layer: 4-19% faster than 8x the SMs and 16 slices at T = 1-8, notes/inference.md).
-UP_SPLITS = (2, 4)
+# The first GEMM splits K at most this many ways: every program of the second re-reads all of the
+# first's K slices (fp32 gate and up partials) where it splits (tuned in the layer, notes/inference.md).
+UP_MAX_SPLIT = 4
+
+
+@triton.jit
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
+    if BLOCK_M < 16:  # CUDA cores: products per element, one reduction over K at the end
+        return tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+    elif SWAP:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _acc_add(acc, a, b, BLOCK_M: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += a [BLOCK_M, BLOCK_K] @ b [BLOCK_K, BLOCK_N] in acc's layout."""
+    if BLOCK_M < 16:
+        return acc + a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+    elif SWAP:  # the weights are the MMA's M side (64+ wide), the rows its N side
+        return tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _acc_value(acc, BLOCK_M: tl.constexpr, SWAP: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32."""
+    if BLOCK_M < 16:
+        return tl.sum(acc, axis=1)
+    elif SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
+def _w_tile(w_desc, w_g, g, k0, ks, k_ok, c0, N, stride_wk, TMA: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """Group g's weights [BLOCK_K, BLOCK_N] at rows ks (= k0 + arange), columns c0 + arange."""
+    if TMA:  # zero past K and N (the descriptor's bounds); a K slice ends at K or on a BLOCK_K edge
+        return w_desc.load([g, k0, c0]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        cols = c0 + tl.arange(0, BLOCK_N)
+        return tl.load(w_g + ks[:, None].to(tl.int64) * stride_wk + cols[None, :],
+                       mask=k_ok[:, None] & (cols < N)[None, :], other=0.0)
 
 
 @triton.jit(do_not_specialize=["R", "K", "N", "G", "k_per_split", "n_splits", "in_splits", "routes_per_token"])
-def _few_rows_mm_kernel(x_ptr, row_routes_ptr, scale_ptr, w_ptr, out_ptr, counts_ptr,
+def _few_rows_mm_kernel(x_ptr, row_routes_ptr, scale_ptr, w_ptr, w_desc, out_ptr, counts_ptr,
                         R, K, N, G, k_per_split, n_splits, in_splits, routes_per_token,
                         stride_xs, stride_xr, stride_wg, stride_wk, stride_os, stride_or,
-                        GATHER: tl.constexpr, SCALE: tl.constexpr, PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_G: tl.constexpr):
-    """GATHER: a = x [T, K] rows row_routes[r] // routes_per_token (* scale[row_routes[r]]); else
-    a = SwiGLU of the sum over in_splits of x [in_splits, R, 2K] (gate then up). out: [n_splits, R, N]."""
-    pid_n = tl.program_id(0)
-    u = tl.program_id(1)
-    pid_m = tl.program_id(2) // n_splits
-    split = tl.program_id(2) % n_splits
+                        GATHER: tl.constexpr, SCALE: tl.constexpr, GLU_IN: tl.constexpr, GLU_OUT: tl.constexpr,
+                        SWAP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The rows a: GATHER x [T, K] rows row_routes[r] // routes_per_token (* scale[row_routes[r]]);
+    GLU_IN the SwiGLU of the sum over in_splits of x [in_splits, R, 2K] fp32 (gate then up); else x [R, K].
+    out: GLU_OUT SwiGLU(a @ w) [R, N / 2] in out's dtype (w's columns: gate then up; one K slice),
+    else the partial sums [n_splits, R, N] fp32."""
+    pid_m = tl.program_id(0)  # the row tiles of one weight tile run side by side: their reads meet in L2
+    pid_n = tl.program_id(1) // n_splits
+    split = tl.program_id(1) % n_splits
+    u = tl.program_id(2)
     gs = tl.arange(0, BLOCK_G)
     counts = tl.load(counts_ptr + gs, mask=gs < G, other=0)
     nz = counts > 0
@@ -59,49 +108,50 @@ def _few_rows_mm_kernel(x_ptr, row_routes_ptr, scale_ptr, w_ptr, out_ptr, counts
     rows_in = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = (rows_in < m) & (row_start + rows_in < R)
     rows = tl.where(row_ok, row_start + rows_in, 0).to(tl.int64)
+    scale = tl.zeros((BLOCK_M, ), dtype=tl.float32)
+    src = rows
     if GATHER:
         route = tl.load(row_routes_ptr + rows, mask=row_ok, other=0)
         src = (route // routes_per_token).to(tl.int64)
         if SCALE:
             scale = tl.load(scale_ptr + route, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        src = rows
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    out_n = N // 2 if GLU_OUT else N
+    c0 = pid_n * BLOCK_N
     w_g = w_ptr + g.to(tl.int64) * stride_wg
-    if BLOCK_M >= 16:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:  # CUDA cores: products per element, one reduction over K at the end
-        acc3 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
+    if GLU_OUT:
+        acc_up = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K, SWAP)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_hi
         a_ok = row_ok[:, None] & k_ok[None, :]
-        if GATHER:
-            a = tl.load(x_ptr + src[:, None] * stride_xr + ks[None, :], mask=a_ok, other=0.0)
-            if SCALE:
-                a = a.to(tl.float32) * scale[:, None]
-        else:
+        p = x_ptr + src[:, None] * stride_xr + ks[None, :]
+        if GLU_IN:
             gate = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
             for s in range(in_splits):  # a fixed order: deterministic
-                p = x_ptr + s * stride_xs + src[:, None] * stride_xr + ks[None, :]
-                gate += tl.load(p, mask=a_ok, other=0.0)
-                up += tl.load(p + K, mask=a_ok, other=0.0)
+                gate += tl.load(p + s * stride_xs, mask=a_ok, other=0.0)
+                up += tl.load(p + s * stride_xs + K, mask=a_ok, other=0.0)
             a = gate * tl.sigmoid(gate) * up
-        a = a.to(w_ptr.dtype.element_ty)
-        b = tl.load(w_g + ks[:, None].to(tl.int64) * stride_wk + cols[None, :],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if BLOCK_M >= 16:
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:
-            acc3 += a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
-    if BLOCK_M < 16:
-        acc = tl.sum(acc3, axis=1)
-    out = out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_or + cols[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+            a = tl.load(p, mask=a_ok, other=0.0)
+            if SCALE:
+                a = a.to(tl.float32) * scale[:, None]
+        a = a.to(w_ptr.dtype.element_ty)
+        acc = _acc_add(acc, a, _w_tile(w_desc, w_g, g, k0, ks, k_ok, c0, N, stride_wk, TMA, BLOCK_K, BLOCK_N),
+                       BLOCK_M, SWAP, PRECISION)
+        if GLU_OUT:
+            acc_up = _acc_add(acc_up, a, _w_tile(w_desc, w_g, g, k0, ks, k_ok, c0 + out_n, N, stride_wk, TMA,
+                                                 BLOCK_K, BLOCK_N), BLOCK_M, SWAP, PRECISION)
+    y = _acc_value(acc, BLOCK_M, SWAP)
+    cols = c0 + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < out_n)[None, :]
+    if GLU_OUT:
+        up = _acc_value(acc_up, BLOCK_M, SWAP)
+        y = (y * tl.sigmoid(y) * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_or + cols[None, :], y, mask=mask)
 
 
 @triton.jit(do_not_specialize=["N", "n_splits"])
@@ -130,50 +180,91 @@ class Tiles(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    swap: bool = False  # the weights as the MMA's M side (block_m >= 16)
+    tma: bool = True  # weight tiles by TMA where the device and the strides allow
 
 
-def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: torch.device, fill: int = 8,
+def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: torch.device,
                    max_split: int = 16) -> Tiles:
     """Tiles for `routes` rows in G groups, at most max_rows a group, from the H100 sweeps at the decode
     layers' shapes (notes/inference.md): one row a tile on the CUDA cores with N tiles of 64 where
-    every group has one row (T = 1), else 16 rows through tl.dot with N tiles of 128 (64 rows a tile
-    was 2-5x slower at T = 64); K tiles of 128; K split in powers of two (slices of at least two K
-    tiles, at most max_split) until the programs that have rows fill the SMs `fill` times over."""
+    every group has one row (T = 1); else N tiles of 128 and 16 rows through tl.dot, or 32 rows with
+    the weights as the MMA's M side where groups average 12 rows or more (64 rows a tile was 2-5x
+    slower at T = 64); K tiles of 128. K is split in powers of two (slices of at least two K tiles, at
+    most max_split) only until the programs that have rows fill the SMs (twice for one-row tiles):
+    a split costs the first GEMM its SwiGLU epilogue and the second a re-read of fp32 partials."""
     if device.type != "cuda":  # the interpreter: small tiles, several splits
         return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32, max_split)), 16, 4, 1)
-    block_m, block_n = (1, 64) if max_rows <= 1 else (16, 128)
-    block_k = 128
     groups = max(1, min(G, routes))
+    if max_rows <= 1:
+        block_m, block_n, swap = 1, 64, False
+    else:
+        swap = routes >= 12 * groups
+        block_m, block_n = 32 if swap else 16, 128
+    block_k = 128
     programs = groups * triton.cdiv(N, block_n) * triton.cdiv(triton.cdiv(routes, groups), block_m)
+    fill = (2 if block_m == 1 else 1) * sm_count(device)
     split = 1
-    while split < max_split and programs * split < fill * sm_count(device) and K // (2 * split) >= block_k:
+    while split < max_split and programs * split < fill and K // (2 * split) >= block_k:
         split *= 2
-    return Tiles(block_m, block_n, split, block_k, 4, 3)
+    return Tiles(block_m, block_n, split, block_k, 4, 3, swap)
 
 
-def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, in_splits, routes_per_token, tiles, splits=()):
-    """splits: few_rows_tiles' (fill, max_split) where tiles is None, its defaults if empty."""
-    R = row_routes.shape[0] if x.dim() == 2 else x.shape[1]
+def _use_tma(w_GKN: torch.Tensor, tiles: Tiles) -> bool:
+    """TMA needs 16-byte aligned rows and a Hopper or later GPU (the interpreter runs it anywhere)."""
+    es = w_GKN.element_size()
+    if not tiles.tma or w_GKN.data_ptr() % 16 or any(st * es % 16 for st in w_GKN.stride()[:-1]):
+        return False
+    return w_GKN.device.type != "cuda" or torch.cuda.get_device_capability(w_GKN.device)[0] >= 9
+
+
+def _fit_smem(tiles: Tiles, w_GKN: torch.Tensor, glu_out: bool) -> Tiles:
+    """Fewer stages, then shorter K tiles, until the pipeline's buffers (a weight tile a stage, two
+    with the SwiGLU epilogue, and the rows) fit the device's shared memory: fp32 weights need it."""
+    if w_GKN.device.type != "cuda":
+        return tiles
+    budget = max_shared_mem(w_GKN.device.index)
+    def need(t):
+        return ((1 + glu_out) * t.block_k * t.block_n * t.num_stages + t.block_m * t.block_k) * w_GKN.element_size()
+    while need(tiles) > budget and (tiles.num_stages > 2 or tiles.block_k > 32):
+        tiles = (tiles._replace(num_stages=tiles.num_stages - 1) if tiles.num_stages > 2
+                 else tiles._replace(block_k=tiles.block_k // 2))
+    return tiles
+
+
+def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, routes_per_token, tiles, max_split=16, glu_out=False):
+    """x: [T, K] with row_routes (rows gathered), [S, R, 2K] fp32 (the SwiGLU of its split sums) or
+    [R, K]. glu_out: w's columns are [gate | up] and, where K is not split, the output is their SwiGLU
+    [R, N / 2] in w's dtype. max_split: few_rows_tiles' where tiles is None."""
+    gather, glu_in = row_routes is not None, x.dim() == 3
+    R = row_routes.shape[0] if gather else x.shape[-2]
     G, K, N = w_GKN.shape
-    max_groups = min(G, R)  # groups that can have rows: program axis 1
-    tiles = tiles or few_rows_tiles(max_rows, R, G, N, K, x.device, *splits)
+    max_groups = min(G, R)  # groups that can have rows: program axis 2
+    tiles = _fit_smem(tiles or few_rows_tiles(max_rows, R, G, N, K, x.device, max_split), w_GKN, glu_out)
     k_per_split = triton.cdiv(triton.cdiv(K, tiles.split), tiles.block_k) * tiles.block_k
     split = max(1, triton.cdiv(K, k_per_split))
-    out = torch.empty(split, R, N, device=x.device, dtype=torch.float32)
-    if R == 0 or N == 0 or max_groups == 0:
+    glu_out = glu_out and split == 1
+    out_n = N // 2 if glu_out else N
+    out = (torch.empty(R, out_n, device=x.device, dtype=w_GKN.dtype) if glu_out
+           else torch.empty(split, R, N, device=x.device, dtype=torch.float32))
+    if R == 0 or out_n == 0 or max_groups == 0:
         return out
-    if K == 0:  # empty sums: zero
+    if K == 0:  # empty sums: zero (and SwiGLU(0) = 0)
         return out.zero_()
     precision = "ieee" if w_GKN.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
-    grid = (triton.cdiv(N, tiles.block_n), max_groups, triton.cdiv(max(max_rows, 1), tiles.block_m) * split)
-    gather = x.dim() == 2
-    _few_rows_mm_kernel[grid](x, row_routes, scale if scale is not None else x, w_GKN, out, counts_G,
-                              R, K, N, G, k_per_split, split, in_splits, routes_per_token,
-                              0 if gather else x.stride(0), x.stride(-2), w_GKN.stride(0), w_GKN.stride(1),
-                              out.stride(0), out.stride(1), GATHER=gather, SCALE=scale is not None,
-                              PRECISION=precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                              BLOCK_K=tiles.block_k, BLOCK_G=next_pow2(G), num_warps=tiles.num_warps,
-                              num_stages=tiles.num_stages)
+    grid = (triton.cdiv(max(max_rows, 1), tiles.block_m), triton.cdiv(out_n, tiles.block_n) * split, max_groups)
+    w_desc = None
+    if _use_tma(w_GKN, tiles):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        w_desc = TensorDescriptor.from_tensor(w_GKN, [1, tiles.block_k, tiles.block_n])
+    _few_rows_mm_kernel[grid](x, row_routes if gather else x, scale if scale is not None else x, w_GKN, w_desc, out,
+                              counts_G, R, K, N, G, k_per_split, split, x.shape[0] if glu_in else 0, routes_per_token,
+                              x.stride(0) if glu_in else 0, x.stride(-2), w_GKN.stride(0), w_GKN.stride(1),
+                              0 if glu_out else out.stride(0), out.stride(-2), GATHER=gather,
+                              SCALE=scale is not None, GLU_IN=glu_in, GLU_OUT=glu_out, SWAP=tiles.swap,
+                              TMA=w_desc is not None, PRECISION=precision, BLOCK_M=tiles.block_m,
+                              BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_G=next_pow2(G),
+                              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -187,25 +278,30 @@ def _check_weights(w_GKN: torch.Tensor, counts_G: torch.Tensor):
 def few_rows_up(x_TK: torch.Tensor, row_routes_R: torch.Tensor, routes_per_token: int, w_GKN: torch.Tensor,
                 counts_G: torch.Tensor, max_rows: int, scores: Optional[torch.Tensor] = None,
                 tiles: Optional[Tiles] = None) -> torch.Tensor:
-    """h [S, R, N] fp32 partial sums: row r of group g is x[row_routes[r] // routes_per_token] @ w[g]
-    (times scores.flatten()[row_routes[r]] first, rounded to x's dtype: Llama 4's prescale).
-    max_rows bounds every count (at decode: the token count)."""
+    """Row r of group g is x[row_routes[r] // routes_per_token] (times scores.flatten()[row_routes[r]]
+    first, rounded to x's dtype: Llama 4's prescale) @ w[g], w's columns [gate | up] (2F). Returns its
+    SwiGLU a [R, F] in w's dtype, or where K is split the fp32 partial sums h [S, R, 2F] (few_rows_down
+    takes either). max_rows bounds every count (at decode: the token count)."""
     _check_weights(w_GKN, counts_G)
     if x_TK.dim() != 2 or x_TK.shape[1] != w_GKN.shape[1] or x_TK.stride(1) != 1:
         raise ValueError(f"x must be [T, {w_GKN.shape[1]}] with contiguous rows, got {tuple(x_TK.shape)}")
+    if w_GKN.shape[2] % 2:
+        raise ValueError(f"w's columns must be [gate | up], an even count, got {w_GKN.shape[2]}")
     return _launch(x_TK, row_routes_R, None if scores is None else scores.reshape(-1), w_GKN, counts_G, max_rows,
-                   1, routes_per_token, tiles, UP_SPLITS)
+                   routes_per_token, tiles, UP_MAX_SPLIT, glu_out=True)
 
 
-def few_rows_down(h_SRN: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, max_rows: int,
+def few_rows_down(h: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, max_rows: int,
                   tiles: Optional[Tiles] = None) -> torch.Tensor:
-    """y [S', R, N] fp32 partial sums: row r of group g is SwiGLU(sum_s h[s, r]) @ w[g], h's columns
-    [gate | up] (2K), the SwiGLU in fp32 rounded to w's dtype."""
+    """y [S', R, N] fp32 partial sums: row r of group g is a[r] @ w[g], where a is few_rows_up's
+    output: the SwiGLU rows [R, K] in w's dtype, or fp32 partial sums h [S, R, 2K] (columns [gate |
+    up]) whose sum's SwiGLU, in fp32 rounded to w's dtype, is a."""
     _check_weights(w_GKN, counts_G)
-    if h_SRN.dim() != 3 or h_SRN.shape[2] != 2 * w_GKN.shape[1] or h_SRN.dtype != torch.float32:
-        raise ValueError(f"h must be fp32 [S, R, {2 * w_GKN.shape[1]}], got {h_SRN.dtype} {tuple(h_SRN.shape)}")
-    h_SRN = h_SRN.contiguous()
-    return _launch(h_SRN, h_SRN, None, w_GKN, counts_G, max_rows, h_SRN.shape[0], 1, tiles)
+    K = w_GKN.shape[1]
+    if not ((h.dim() == 3 and h.shape[2] == 2 * K and h.dtype == torch.float32)
+            or (h.dim() == 2 and h.shape[1] == K and h.dtype == w_GKN.dtype)):
+        raise ValueError(f"h must be fp32 [S, R, {2 * K}] or {w_GKN.dtype} [R, {K}], got {h.dtype} {tuple(h.shape)}")
+    return _launch(h.contiguous(), None, None, w_GKN, counts_G, max_rows, 1, tiles)
 
 
 def combine(y_SRN: torch.Tensor, slots_TK: torch.Tensor, scores_TK: Optional[torch.Tensor], dtype: torch.dtype):

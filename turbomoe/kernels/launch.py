@@ -1,5 +1,8 @@
 """Small helpers shared by the kernel launchers: block sizes and dtype mapping."""
+import functools
+
 import torch
+import triton
 import triton.language as tl
 
 from ..reference import compute_dtype as acc_dtype  # noqa: F401 (re-exported for the launchers)
@@ -18,3 +21,9 @@ def tl_dtype(dtype: torch.dtype):
 def sm_count(device: torch.device) -> int:
     """The device's SMs; 4 off the GPU (the interpreter: a few programs still exercise the tiling)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def max_shared_mem(device_index: int) -> int:
+    """Bytes of shared memory a program may use on that GPU (the opt-in limit)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
