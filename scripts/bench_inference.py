@@ -269,7 +269,7 @@ def bench_tune(args, log):
                                                           for w in w1s])),
                      ("down", F_, M, lambda t: cycling([lambda w=w: few_rows_down(h, w, r.counts, T, tiles=t) for w in w2s])))
             for op, K, N, fn in gemms:
-                rule = few_rows_tiles(T, T * kk, G, N, K, x.device, *((UP_MAX_SPLIT, ) if op == "up" else ()))
+                rule = few_rows_tiles(T, T * kk, G, N, K, x.device, *((UP_MAX_SPLIT, True) if op == "up" else ()))
                 res = {}
                 shapes = [(1, False, True), (1, False, False)] if T == 1 else []
                 shapes += [(16, False, True), (16, True, True), (32, True, True)]

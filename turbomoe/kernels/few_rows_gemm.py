@@ -185,29 +185,35 @@ class Tiles(NamedTuple):
 
 
 def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: torch.device,
-                   max_split: int = 16) -> Tiles:
+                   max_split: int = 16, glu: bool = False) -> Tiles:
     """Tiles for `routes` rows in G groups, at most max_rows a group, from the H100 sweeps at the decode
     layers' shapes (notes/inference.md): one row a tile on the CUDA cores with N tiles of 64 where
     every group has one row (T = 1); else N tiles of 128 and 16 rows through tl.dot, or 32 rows with
     the weights as the MMA's M side where groups average 12 rows or more (64 rows a tile was 2-5x
-    slower at T = 64); K tiles of 128. K is split in powers of two (slices of at least two K tiles, at
-    most max_split) only until the programs that have rows fill the SMs (twice for one-row tiles):
-    a split costs the first GEMM its SwiGLU epilogue and the second a re-read of fp32 partials."""
+    slower at T = 64); K tiles of 128 in 3 stages. K is split in powers of two (slices of at least two
+    K tiles, at most max_split) only until the programs that have rows fill the SMs (twice for
+    one-row tiles): a split costs the first GEMM (glu: N is gate and up columns) its SwiGLU epilogue
+    and the second a re-read of fp32 partials. With that epilogue a program buffers two weight tiles
+    a stage, so one fits an SM: where its programs would take one to two such waves, shallower
+    buffers let three share an SM (2 stages, or K tiles of 64 with 32-row tiles)."""
     if device.type != "cuda":  # the interpreter: small tiles, several splits
         return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32, max_split)), 16, 4, 1)
-    groups = max(1, min(G, routes))
+    groups = max(1.0, G * (1 - (1 - 1 / G) ** routes))  # expected groups with rows, routes spread evenly
     if max_rows <= 1:
         block_m, block_n, swap = 1, 64, False
     else:
         swap = routes >= 12 * groups
         block_m, block_n = 32 if swap else 16, 128
-    block_k = 128
-    programs = groups * triton.cdiv(N, block_n) * triton.cdiv(triton.cdiv(routes, groups), block_m)
-    fill = (2 if block_m == 1 else 1) * sm_count(device)
+    block_k, stages = 128, 3
+    row_tiles = max(groups, routes / block_m)  # a program's rows: at least one tile a group with rows
+    sms = sm_count(device)
+    fill = (2 if block_m == 1 else 1) * sms
     split = 1
-    while split < max_split and programs * split < fill and K // (2 * split) >= block_k:
+    while split < max_split and row_tiles * triton.cdiv(N, block_n) * split < fill and K // (2 * split) >= block_k:
         split *= 2
-    return Tiles(block_m, block_n, split, block_k, 4, 3, swap)
+    if glu and split == 1 and block_m > 1 and sms < row_tiles * triton.cdiv(N // 2, block_n) < 2 * sms:
+        block_k, stages = (64, 3) if swap else (128, 2)
+    return Tiles(block_m, block_n, split, block_k, 4, stages, swap)
 
 
 def _use_tma(w_GKN: torch.Tensor, tiles: Tiles) -> bool:
@@ -240,7 +246,7 @@ def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, routes_per_token, t
     R = row_routes.shape[0] if gather else x.shape[-2]
     G, K, N = w_GKN.shape
     max_groups = min(G, R)  # groups that can have rows: program axis 2
-    tiles = _fit_smem(tiles or few_rows_tiles(max_rows, R, G, N, K, x.device, max_split), w_GKN, glu_out)
+    tiles = _fit_smem(tiles or few_rows_tiles(max_rows, R, G, N, K, x.device, max_split, glu_out), w_GKN, glu_out)
     k_per_split = triton.cdiv(triton.cdiv(K, tiles.split), tiles.block_k) * tiles.block_k
     split = max(1, triton.cdiv(K, k_per_split))
     glu_out = glu_out and split == 1
