@@ -45,8 +45,8 @@ class SparseMoE(nn.Module):
     def __init__(self, router_EM: torch.Tensor, w1_EMN: torch.Tensor, w2_EFM: torch.Tensor, k: int,
                  score_func: str = "softmax", renormalize: bool = False, shared_w1_MN: Optional[torch.Tensor] = None,
                  shared_w2_FM: Optional[torch.Tensor] = None, prescale: bool = False, mode: str = "auto",
-                 backend: Optional[str] = None, gmm_backend: Optional[str] = None, few_rows_per_expert: int = FEW_ROWS_PER_EXPERT,
-                 dense_max: int = 0):
+                 backend: Optional[str] = None, gmm_backend: Optional[str] = None,
+                 few_rows_per_expert: int = FEW_ROWS_PER_EXPERT, dense_max: int = 0):
         super().__init__()
         E, M, N2 = w1_EMN.shape
         if router_EM.shape != (E, M) or w2_EFM.shape != (E, N2 // 2, M) or N2 % 2:

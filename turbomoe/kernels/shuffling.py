@@ -4,10 +4,11 @@ row_routes [T * k]); the spec is reference.index_shuffling.
 
 Up to ONE_BLOCK_TILES tiles of tokens (BLOCK_T tokens each: _tile), one program does it all in one
 launch: a pass of top-k over the tiles (counting per expert in registers), then a pass that ranks
-each route among its expert's routes in token order (a cumsum over a one-hot tile, carried from tile to tile). Beyond, two
-launches: one program per tile does the top-k and writes its expert histogram; then each program
-sums the histograms of the tiles before it (fixed order) and ranks its own tile. Integer ranks, no
-atomics: deterministic. Nothing is read on the host, so both paths are CUDA-graph capturable.
+each route among its expert's routes in token order (a cumsum over a one-hot tile, carried from
+tile to tile). Beyond, two launches: one program per tile does the top-k and writes its expert
+histogram; then each program sums the histograms of the tiles before it (fixed order) and ranks its
+own tile. Integer ranks, no atomics: deterministic. Nothing is read on the host, so both paths are
+CUDA-graph capturable.
 """
 import torch
 import triton
@@ -128,7 +129,7 @@ def _tile(EC: int, T: int):
     """(BLOCK_T, BLOCK_E, num_warps): tiles of 4 tokens up to 512 tokens, then as many as keep the
     programs near 128 (at most 64 tokens a tile); 8 warps from 16 tokens. A program's top-k runs k
     reductions over its tile in turn, so small tiles in many programs win: H100, E 16 to 128, k 1 to
-    8, 2.2-3x faster than tiles of 4096 cells (notes/inference.md)."""
+    8, 1.9-3x faster than tiles of 4096 cells (notes/inference.md)."""
     block_t = min(64, max(4, next_pow2(triton.cdiv(T, 128))))
     return block_t, next_pow2(EC), 8 if block_t >= 16 else 4
 
