@@ -21,7 +21,6 @@ Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] 
 The default on CUDA is the first of cutlass, torch, triton that applies; on the CPU "reference".
 Force one with backend= or TURBOMOE_GMM_BACKEND.
 """
-import functools
 import os
 from typing import Optional
 
@@ -36,13 +35,8 @@ GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 @torch.compiler.assume_constant_result  # a constant to torch.compile (lru_cache is not, to dynamo)
 def _sm(device_index: int) -> int:
     """The compute capability as one int (90: sm_90), an int so that traced comparisons are plain."""
-    return _sm_cached(device_index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_cached(device_index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return 10 * major + minor
+    from ..kernels.launch import compute_capability  # lazily: kernels import triton (TRITON_INTERPRET)
+    return compute_capability(device_index)
 
 
 def _device_index(t: torch.Tensor) -> int:

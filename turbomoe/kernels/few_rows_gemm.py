@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import max_shared_mem, next_pow2, sm_count
+from .launch import compute_capability, max_shared_mem, next_pow2, sm_count
 
 # The first GEMM splits K at most this many ways: every program of the second re-reads all of the
 # first's K slices (fp32 gate and up partials) where it splits (tuned in the layer, notes/inference.md).
@@ -221,7 +221,7 @@ def _use_tma(w_GKN: torch.Tensor, tiles: Tiles) -> bool:
     es = w_GKN.element_size()
     if not tiles.tma or w_GKN.data_ptr() % 16 or any(st * es % 16 for st in w_GKN.stride()[:-1]):
         return False
-    return w_GKN.device.type != "cuda" or torch.cuda.get_device_capability(w_GKN.device)[0] >= 9
+    return w_GKN.device.type != "cuda" or compute_capability(w_GKN.device.index) >= 90
 
 
 def _fit_smem(tiles: Tiles, w_GKN: torch.Tensor, glu_out: bool) -> Tiles:

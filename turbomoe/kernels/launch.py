@@ -24,6 +24,13 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def compute_capability(device_index: int) -> int:
+    """The GPU's compute capability as one int (90: sm_90)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
+@functools.lru_cache(maxsize=None)
 def max_shared_mem(device_index: int) -> int:
     """Bytes of shared memory a program may use on that GPU (the opt-in limit)."""
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
