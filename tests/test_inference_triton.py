@@ -29,6 +29,31 @@ def test_index_shuffling_one_hot_expert_and_bf16(one_block_tiles):
                   one_block_tiles=one_block_tiles)
 
 
+# (T, E, M): no tokens, one token, T not a multiple of the 8-token tile, one expert, M of one
+# partial K tile and of several (on the GPU: 8192-wide tiles at T = 1)
+@pytest.mark.parametrize("T, E, M", [(0, 4, 40), (1, 16, 5120), (3, 1, 37), (13, 5, 700), (8, 128, 96), (1, 3, 9000)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_router_logits(T, E, M, dtype):
+    from turbomoe.kernels.router import router_logits
+    g = torch.Generator().manual_seed(T * 31 + E + M)
+    x, w = (torch.randn(n, M, generator=g, dtype=torch.float64) for n in (T, E))
+    got = router_logits(x.to(DEVICE, dtype), w.to(DEVICE, dtype))
+    want = x.to(dtype).double() @ w.to(dtype).double().t()
+    assert got.dtype == dtype and got.shape == (T, E)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol * M ** 0.5)
+    assert torch.equal(got, router_logits(x.to(DEVICE, dtype), w.to(DEVICE, dtype))), "not deterministic"
+
+
+def test_router_logits_errors():
+    from turbomoe.kernels.router import router_logits
+    with pytest.raises(ValueError, match="x \\[T, M\\] and w \\[E, M\\]"):
+        router_logits(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="share dtype"):
+        router_logits(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE, dtype=torch.float64))
+    assert router_logits(torch.zeros(2, 0, device=DEVICE), torch.zeros(4, 0, device=DEVICE)).abs().sum() == 0
+
+
 # (counts, K, F, N): empty groups, one group with every row, no rows at all, one group, K not a
 # multiple of the K tile, more rows than a row tile (on the interpreter: 16)
 FEW_ROWS_CASES = [([0, 3, 0, 1], 40, 12, 24), ([5, 0, 0, 2, 1], 600, 24, 40), ([0, 0, 0], 40, 12, 8), ([1], 700, 16, 32),

@@ -1,7 +1,7 @@
 """The serving MoE block, no autograd: router -> index_shuffling -> gather rows -> grouped GEMMs ->
 combine (+ shared expert).
 
-    x [T, M] -> logits = x @ router^T [T, E]
+    x [T, M] -> logits = x @ router^T [T, E] (turbomoe.kernels.router's GEMV for few tokens)
              -> index_shuffling: ids, scores, counts, slots (+ the shared expert as route k, expert E)
              -> rows [T * k', M]: row slots[t, j] = x[t] (times its score with prescale: Llama 4)
              -> y = (silu(rows @ w1_gate) * rows @ w1_up) @ w2, grouped by expert, counts on the device
@@ -33,6 +33,9 @@ from ..autograd.swiglu import swiglu_reference
 from .shuffling import index_shuffling
 
 MODES = ("auto", "few_rows", "grouped", "dense", "reference")
+# The router's GEMV kernel up to T * E logits (each expert's program re-reads the tokens), F.linear
+# beyond: H100 crossover, Qwen3 T = 8 and Scout T = 64 (notes/inference.md).
+ROUTER_KERNEL_MAX_CELLS = 1024
 FEW_ROWS_PER_EXPERT = 24  # the few-rows kernels serve up to T * k = this times E (H100 crossover, notes/inference.md)
 
 
@@ -104,8 +107,8 @@ class SparseMoE(nn.Module):
         if x_TM.dim() != 2 or x_TM.shape[1] != self.w1.shape[1]:
             raise ValueError(f"x must be [T, {self.w1.shape[1]}], got {tuple(x_TM.shape)}")
         x_TM = x_TM.contiguous()
-        logits = F.linear(x_TM, self.router)
         mode = self.choose_mode(x_TM)
+        logits = self._logits(x_TM, mode)
         if mode == "dense":
             return self._dense(x_TM, logits)
         backend = "reference" if mode == "reference" else self.backend
@@ -137,6 +140,15 @@ class SparseMoE(nn.Module):
         out = torch.empty_like(x_TM)
         impl.pull_rows(y, r.slots, out, None if self.prescale else r.scores)
         return out
+
+    def _logits(self, x_TM: torch.Tensor, mode: str) -> torch.Tensor:
+        """The router's logits: its own GEMV kernel for a few tokens (one launch where BLAS takes two),
+        F.linear beyond and on the reference path."""
+        if (mode == "reference" or x_TM.shape[0] * self.num_experts > ROUTER_KERNEL_MAX_CELLS
+                or ops.choose_backend(x_TM, self.backend) == "reference"):
+            return F.linear(x_TM, self.router)
+        from ..kernels.router import router_logits
+        return router_logits(x_TM, self.router)
 
     def _dense(self, x_TM: torch.Tensor, logits_TE: torch.Tensor) -> torch.Tensor:
         """Every expert on every token (batched GEMMs), combined by a dense [T, E'] weight matrix."""

@@ -195,7 +195,9 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     one-row tiles): a split costs the first GEMM (glu: N is gate and up columns) its SwiGLU epilogue
     and the second a re-read of fp32 partials. With that epilogue a program buffers two weight tiles
     a stage, so one fits an SM: where its programs would take one to two such waves, shallower
-    buffers let three share an SM (2 stages, or K tiles of 64 with 32-row tiles)."""
+    buffers let three share an SM (2 stages, or K tiles of 64 with 32-row tiles), and where groups
+    average 6 rows or more (a shared expert's many row tiles make the waves uneven) N and K tiles of
+    64 double the programs. The second GEMM takes K tiles of 64 with 32-row tiles."""
     if device.type != "cuda":  # the interpreter: small tiles, several splits
         return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32, max_split)), 16, 4, 1)
     groups = max(1.0, G * (1 - (1 - 1 / G) ** routes))  # expected groups with rows, routes spread evenly
@@ -212,7 +214,12 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     while split < max_split and row_tiles * triton.cdiv(N, block_n) * split < fill and K // (2 * split) >= block_k:
         split *= 2
     if glu and split == 1 and block_m > 1 and sms < row_tiles * triton.cdiv(N // 2, block_n) < 2 * sms:
-        block_k, stages = (64, 3) if swap else (128, 2)
+        if routes >= 6 * groups:  # several row tiles a group: twice the programs, each on 64-K tiles
+            block_n, block_k = 64, 64
+        else:
+            block_k, stages = (64, 3) if swap else (128, 2)
+    elif not glu and swap:
+        block_k = 64
     return Tiles(block_m, block_n, split, block_k, 4, stages, swap)
 
 
@@ -319,6 +326,8 @@ def combine(y_SRN: torch.Tensor, slots_TK: torch.Tensor, scores_TK: Optional[tor
     if T == 0 or N == 0:
         return out
     block = min(1024, next_pow2(N))
+    while block > 128 and T * triton.cdiv(N, block) < 2 * sm_count(out.device):  # few tokens: more programs
+        block //= 2
     _combine_kernel[(T, triton.cdiv(N, block))](y_SRN, slots_TK.contiguous(),
                                                 slots_TK if scores_TK is None else scores_TK.contiguous(), out,
                                                 N, S, y_SRN.stride(0), y_SRN.stride(1), out.stride(0), KK=kk,
