@@ -4,7 +4,8 @@ slots, row_routes); the spec is turbomoe.reference.index_shuffling.
 Backends as turbomoe.ops: "cuda" (turbomoe/csrc/shuffling.cu), "triton"
 (turbomoe/kernels/shuffling.py), "reference" (the CPU path). The default on the GPU: the CUDA kernel's
 one block up to csrc.ONE_BLOCK_MAX_TOKENS (8) tokens, the Triton kernels beyond (two launches, tiles
-of 4 to 64 tokens). No host sync, deterministic.
+of 4 to 64 tokens); top-1 routing takes Triton's one program up to TOP1_TRITON_MAX_TOKENS. No host
+sync, deterministic.
 """
 from typing import Optional
 
@@ -13,6 +14,10 @@ import torch
 from .. import csrc, reference
 from ..ops import MAX_K, check_bool, check_routing, choose_backend
 from ..reference import ShuffledRoutes
+
+# H100, Scout's E 16 top-1 + shared, T = 1-4: Triton's one program 2.3-2.4 us, the CUDA block 3.4-3.5;
+# level at T = 8 (notes/inference.md). With k > 1 (Qwen3's E 128, k 8) the CUDA block stays ahead.
+TOP1_TRITON_MAX_TOKENS = 4
 
 
 def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
@@ -26,8 +31,11 @@ def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax"
     check_bool("renormalize", renormalize)
     check_bool("shared_expert", shared_expert)
     backend = choose_backend(logits_TE, backend, E + shared_expert)
-    if backend == "cuda" and (logits_TE.shape[0] > csrc.ONE_BLOCK_MAX_TOKENS or k + shared_expert > MAX_K):
-        # Beyond one block's sizes the Triton kernels were faster on the H100 (notes/inference.md).
+    T = logits_TE.shape[0]
+    if backend == "cuda" and (T > csrc.ONE_BLOCK_MAX_TOKENS or k + shared_expert > MAX_K
+                              or (k == 1 and T <= TOP1_TRITON_MAX_TOKENS)):
+        # Beyond one block's sizes, and for top-1 at a few tokens, the Triton kernels were faster on
+        # the H100 (notes/inference.md).
         # The CUDA kernel holds at most MAX_K routes a token: k = MAX_K plus a shared expert goes to Triton.
         backend = "triton"
     if backend == "cuda":

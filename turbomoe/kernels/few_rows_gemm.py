@@ -191,13 +191,15 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     every group has one row (T = 1); else N tiles of 128 and 16 rows through tl.dot, or 32 rows with
     the weights as the MMA's M side where groups average 12 rows or more (64 rows a tile was 2-5x
     slower at T = 64); K tiles of 128 in 3 stages. K is split in powers of two (slices of at least two
-    K tiles, at most max_split) only until the programs that have rows fill the SMs (twice for
-    one-row tiles): a split costs the first GEMM (glu: N is gate and up columns) its SwiGLU epilogue
-    and the second a re-read of fp32 partials. With that epilogue a program buffers two weight tiles
-    a stage, so one fits an SM: where its programs would take one to two such waves, shallower
-    buffers let three share an SM (2 stages, or K tiles of 64 with 32-row tiles), and where groups
-    average 6 rows or more (a shared expert's many row tiles make the waves uneven) N and K tiles of
-    64 double the programs. The second GEMM takes K tiles of 64 with 32-row tiles."""
+    K tiles, at most max_split) only until the programs that have rows fill the SMs: in the first GEMM
+    once (twice for one-row tiles), as a split costs it (glu: N is gate and up columns) its SwiGLU
+    epilogue; in the second four times, as its programs are short (K = F, 6-8 K tiles) and the
+    fixed cost of each (finding its group, the epilogue) is hidden only by many (Scout's down GEMM
+    at T = 2-4: 32 us unsplit, 19-26 split 4-8 ways, for a 10-18 us floor). With that epilogue a
+    program buffers two weight tiles a stage, so one fits an SM: where its programs would take one to
+    two such waves, shallower buffers let three share an SM (2 stages, or K tiles of 64 with 32-row
+    tiles), and where groups average 6 rows or more (a shared expert's many row tiles make the waves
+    uneven) N and K tiles of 64 double the programs. The second GEMM takes K tiles of 64 with 32-row tiles."""
     if device.type != "cuda":  # the interpreter: small tiles, several splits
         return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32, max_split)), 16, 4, 1)
     groups = max(1.0, G * (1 - (1 - 1 / G) ** routes))  # expected groups with rows, routes spread evenly
@@ -209,7 +211,7 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     block_k, stages = 128, 3
     row_tiles = max(groups, routes / block_m)  # a program's rows: at least one tile a group with rows
     sms = sm_count(device)
-    fill = (2 if block_m == 1 else 1) * sms
+    fill = (4 if not glu else 2 if block_m == 1 else 1) * sms
     split = 1
     while split < max_split and row_tiles * triton.cdiv(N, block_n) * split < fill and K // (2 * split) >= block_k:
         split *= 2
