@@ -14,6 +14,10 @@ layer     the decode MoE layer at T = 1, 8, 16, 64, 256 tokens, bf16: Qwen3-30B-
           read (experts with tokens, the shared expert, the router) over the measured copy bandwidth
 generate  tokens/s of a ~1B-parameter random Qwen3-MoE (turbomoe.inference.Engine, CUDA-graph
           decode) vs transformers' generate (eager, and static cache + torch.compile) at batch 1, 8, 64
+stages    (not by default) the few-rows layer's kernels each timed alone (router, shuffle, the two
+          GEMMs, combine) beside the whole layer, at --tune-tokens: where a decode step's time goes
+tune      (not by default) the two few-rows GEMMs swept over their tilings at --tune-tokens, the
+          rule's choice beside the best and the floor: the data behind few_rows_tiles
 
 Times: the op captured REPS times in one CUDA graph, the graph replayed, CUDA-event medians / REPS
 (peers that cannot be captured: queued eager medians, marked). JSON and a log go to --out.
@@ -80,6 +84,11 @@ def timed_us(fn):
     return (t, "graph") if t is not None else (eager_us(fn), "eager")
 
 
+def rounded(row, digits=2):
+    """A result row for the log: floats rounded."""
+    return {k: (round(v, digits) if isinstance(v, float) else v) for k, v in row.items()}
+
+
 def copy_bandwidth_gbs():
     """Device copy of 1 GiB: (read + write bytes) / time, the memory's practical ceiling."""
     src = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
@@ -127,7 +136,7 @@ def bench_shuffle(args, log):
                 except Exception as e:  # noqa: BLE001
                     log(f"  FBGEMM index_shuffling failed at T={T} E={E}: {type(e).__name__}: {str(e)[:200]}")
             rows.append(r)
-            log("shuffle " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+            log("shuffle " + json.dumps(rounded(r)))
     return rows
 
 
@@ -205,21 +214,33 @@ def cycling(fns):
     return lambda: next(it)()
 
 
+def layer_weights(cfg, g):
+    """A decode layer's random bf16 weights on g's device: the router and COPIES sets of (w1, w2,
+    shared w1, shared w2), drawn from g in a fixed order (every section sees the same weights)."""
+    E, M, F_ = cfg["E"], cfg["M"], cfg["F"]
+    dev = dict(device=g.device, dtype=torch.bfloat16)
+    router = torch.randn(E, M, generator=g, **dev) * M ** -0.5
+    sets = [(torch.randn(E, M, 2 * F_, generator=g, **dev) * M ** -0.5,
+             torch.randn(E, F_, M, generator=g, **dev) * F_ ** -0.5,
+             torch.randn(M, 2 * F_, generator=g, **dev) * M ** -0.5 if cfg["shared"] else None,
+             torch.randn(F_, M, generator=g, **dev) * F_ ** -0.5 if cfg["shared"] else None) for _ in range(COPIES)]
+    return router, sets
+
+
+def layer_moes(cfg, router, sets, mode):
+    return [SparseMoE(router, w1, w2, cfg["k"], shared_w1_MN=sw1, shared_w2_FM=sw2, mode=mode,
+                      dense_max=10 ** 9 if mode == "dense" else 0, score_func=cfg["score_func"],
+                      renormalize=cfg["renormalize"], prescale=cfg["prescale"]) for w1, w2, sw1, sw2 in sets]
+
+
 def bench_layer(args, log, bandwidth):
     rows = []
     for name, cfg in LAYERS.items():
         E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
         g = torch.Generator(device="cuda").manual_seed(0)
         dev = dict(device="cuda", dtype=torch.bfloat16)
-        router = torch.randn(E, M, generator=g, **dev) * M ** -0.5
-        sets = [(torch.randn(E, M, 2 * F_, generator=g, **dev) * M ** -0.5,
-                 torch.randn(E, F_, M, generator=g, **dev) * F_ ** -0.5,
-                 torch.randn(M, 2 * F_, generator=g, **dev) * M ** -0.5 if cfg["shared"] else None,
-                 torch.randn(F_, M, generator=g, **dev) * F_ ** -0.5 if cfg["shared"] else None) for _ in range(COPIES)]
-        kw = dict(score_func=cfg["score_func"], renormalize=cfg["renormalize"], prescale=cfg["prescale"])
-        moes = {mode: [SparseMoE(router, w1, w2, k, shared_w1_MN=sw1, shared_w2_FM=sw2, mode=mode,
-                                 dense_max=10 ** 9 if mode == "dense" else 0, **kw) for w1, w2, sw1, sw2 in sets]
-                for mode in ("auto", "few_rows", "grouped", "dense")}
+        router, sets = layer_weights(cfg, g)
+        moes = {mode: layer_moes(cfg, router, sets, mode) for mode in ("auto", "few_rows", "grouped", "dense")}
         try:
             hf = [hf_block(name, cfg, router, *ws) for ws in sets]
         except Exception as e:  # noqa: BLE001
@@ -241,53 +262,107 @@ def bench_layer(args, log, bandwidth):
                     r["transformers_us"], r["transformers_timing"] = timed_us(cycling([lambda b=b: b(x[None]) for b in hf]))
             r["floor_fraction"] = r["floor_us"] / r["auto_us"]
             rows.append(r)
-            log("layer " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}))
+            log("layer " + json.dumps(rounded(r)))
     return rows
 
 
-def bench_tune(args, log):
-    """The decode experts' two GEMM kernels (few_rows_up, few_rows_down) swept at the decode layers'
-    shapes on real routes: (BLOCK_M, BLOCK_N, SPLIT, BLOCK_K, warps, stages, swap, TMA) per GEMM, the
-    rule's choice beside the best and the weight-read floor (the data behind few_rows_tiles). down
-    reads up's output at the rule's tiles (SwiGLU rows, or partial sums where up splits K; each GEMM
-    alone: up's split also sets down's cost, so it is tuned in the layer too: UP_MAX_SPLIT)."""
-    from turbomoe.kernels.few_rows_gemm import UP_MAX_SPLIT, Tiles, few_rows_down, few_rows_tiles, few_rows_up
-    rows_out = []
+def few_rows_steps(args, device="cuda"):
+    """Per decode layer and token count of --tune-tokens: the few-rows SparseMoE over COPIES weight
+    sets (the layer section's weights and first draws) and the step's x, logits and shuffled routes."""
     for name, cfg in LAYERS.items():
-        E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
-        G = E + cfg["shared"]
-        dev = dict(device="cuda", dtype=torch.bfloat16)
-        w1s = [torch.randn(G, M, 2 * F_, **dev) * M ** -0.5 for _ in range(COPIES)]
-        w2s = [torch.randn(G, F_, M, **dev) * F_ ** -0.5 for _ in range(COPIES)]
+        g = torch.Generator(device=device).manual_seed(0)
+        router, sets = layer_weights(cfg, g)
+        moes = layer_moes(cfg, router, sets, "few_rows")
         for T in args.tune_tokens:
-            r = index_shuffling(torch.randn(T, E, device="cuda"), k, shared_expert=bool(cfg["shared"]), backend="triton")
-            x = torch.randn(T, M, **dev)
-            used = int((r.counts > 0).sum())
-            kk = r.slots.shape[1]
-            h = few_rows_up(x, r.row_routes, kk, w1s[0], r.counts, T)
-            gemms = (("up", M, 2 * F_, lambda t: cycling([lambda w=w: few_rows_up(x, r.row_routes, kk, w, r.counts, T, tiles=t)
-                                                          for w in w1s])),
-                     ("down", F_, M, lambda t: cycling([lambda w=w: few_rows_down(h, w, r.counts, T, tiles=t) for w in w2s])))
-            for op, K, N, fn in gemms:
-                rule = few_rows_tiles(T, T * kk, G, N, K, x.device, *((UP_MAX_SPLIT, True) if op == "up" else ()))
-                res = {}
-                shapes = [(1, False, True), (1, False, False)] if T == 1 else []
-                shapes += [(16, False, True), (16, True, True), (32, True, True)]
-                for (bm, swap, tma), bn, split, stages in itertools.product(shapes, (64, 128), (1, 2, 4, 8), (3, 4)):
-                    if K // split < 128:
-                        continue
-                    tiles = Tiles(bm, bn, split, 128, 4, stages, swap, tma)
-                    t = graph_us(fn(tiles), iters=10)
-                    if t is not None:  # None: the tiling does not fit the device (shared memory)
-                        res[tiles] = t
-                t_rule = graph_us(fn(rule), iters=10)
-                best = min(res, key=res.get)
-                bytes_ = used * K * N * 2
-                row = {"layer": name, "T": T, "gemm": op, "used": used, "rule": list(rule), "rule_us": t_rule,
-                       "best": list(best), "best_us": res[best], "floor_us": bytes_ / 2.97e12 * 1e6,
-                       "top5": {"x".join(map(str, c)): round(res[c], 1) for c in sorted(res, key=res.get)[:5]}}
-                rows_out.append(row)
-                log("tune " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}))
+            x = torch.randn(T, cfg["M"], generator=g, device=device, dtype=torch.bfloat16)
+            logits = moes[0]._logits(x, "few_rows")
+            r = index_shuffling(logits, cfg["k"], cfg["score_func"], cfg["renormalize"], bool(cfg["shared"]))
+            yield name, cfg, moes, T, x, logits, r
+
+
+def bench_stages(args, log, device="cuda"):
+    """The few-rows layer's kernels each timed alone on the step's real routes, beside the layer."""
+    from turbomoe.kernels.few_rows_gemm import combine, few_rows_down, few_rows_up
+    rows = []
+    for name, cfg, moes, T, x, logits, r in few_rows_steps(args, device):
+        kk, m0 = r.slots.shape[1], moes[0]
+        scale = r.scores if cfg["prescale"] else None
+        h = few_rows_up(x, r.row_routes, kk, m0.w1, r.counts, T, scale)
+        y = few_rows_down(h, m0.w2, r.counts, T)
+        routing = (cfg["k"], cfg["score_func"], cfg["renormalize"], bool(cfg["shared"]))
+        st = {"layer_us": graph_us(cycling([lambda m=m: m(x) for m in moes])),
+              "router_us": graph_us(lambda: m0._logits(x, "few_rows")),
+              "shuffle_us": graph_us(lambda: index_shuffling(logits, *routing)),
+              "up_us": graph_us(cycling([lambda m=m: few_rows_up(x, r.row_routes, kk, m.w1, r.counts, T, scale)
+                                         for m in moes])),
+              "down_us": graph_us(cycling([lambda m=m: few_rows_down(h, m.w2, r.counts, T) for m in moes])),
+              "combine_us": graph_us(lambda: combine(y, r.slots, None if cfg["prescale"] else r.scores, x.dtype))}
+        row = {"layer": name, "T": T, "groups_used": int((r.counts > 0).sum()), **st,
+               "kernels_sum_us": sum(st.values()) - st["layer_us"], "up_partials": list(h.shape)}
+        rows.append(row)
+        log("stages " + json.dumps(rounded(row)))
+    return rows
+
+
+def tile_space(T: int, K: int):
+    """The few-rows GEMMs' tilings swept (Tiles: block_m, block_n, split, block_k, warps, stages, swap,
+    tma): one-row tiles at T = 1 (TMA or per-thread loads); beyond, up to 8 rows on the CUDA cores at
+    T <= 8, 16 rows through tl.dot, and from T = 32 16 or 32 with the weights as the MMA's M side;
+    N tiles of 32 (CUDA-core tiles only), 64 and 128 (not on multi-row CUDA-core tiles: their
+    registers); K split 1-8 ways in 64- or 128-K tiles; 2 or 3 stages. 32-96 tilings a GEMM."""
+    from turbomoe.kernels.few_rows_gemm import Tiles
+    from turbomoe.kernels.launch import next_pow2
+    if T == 1:
+        rows = [(1, False, True), (1, False, False)]
+    else:
+        rows = [(next_pow2(T), False, True)] if T <= 8 else []
+        rows += [(16, False, True)] + ([(16, True, True), (32, True, True)] if T >= 32 else [])
+    for (bm, swap, tma), bn, split, bk, stages in itertools.product(rows, (32, 64, 128), (1, 2, 4, 8), (64, 128), (2, 3)):
+        if K // split < bk or (bn == 32 and bm >= 16) or (bn == 128 and 1 < bm < 16):
+            continue
+        yield Tiles(bm, bn, split, bk, 4, stages, swap, tma)
+
+
+def tile_name(t) -> str:
+    """block_m x block_n x split x block_k x stages, s: swapped MMA operands, p: per-thread weight loads."""
+    return f"{t.block_m}x{t.block_n}x{t.split}x{t.block_k}x{t.num_stages}" + "s" * t.swap + "p" * (not t.tma)
+
+
+def bench_tune(args, log, bandwidth, device="cuda"):
+    """The decode experts' two GEMM kernels (few_rows_up, few_rows_down) swept over tile_space on the
+    step's real routes, the rule's choice beside the best and the weight-read floor (the data behind
+    few_rows_tiles). down reads up's output at the rule's tiles (SwiGLU rows, or partial sums where
+    up splits K; each GEMM alone: up's split also sets down's cost, so it is tuned in the layer too:
+    UP_MAX_SPLIT)."""
+    from turbomoe.kernels.few_rows_gemm import UP_MAX_SPLIT, few_rows_down, few_rows_tiles, few_rows_up
+    rows_out = []
+    for name, cfg, moes, T, x, logits, r in few_rows_steps(args, device):
+        kk, m0 = r.slots.shape[1], moes[0]
+        scale = r.scores if cfg["prescale"] else None
+        G, M, F_ = m0.w1.shape[0], cfg["M"], cfg["F"]
+        used = int((r.counts > 0).sum())
+        h = few_rows_up(x, r.row_routes, kk, m0.w1, r.counts, T, scale)
+        gemms = (("up", M, 2 * F_, lambda t: cycling([lambda m=m: few_rows_up(x, r.row_routes, kk, m.w1, r.counts, T,
+                                                                             scale, tiles=t) for m in moes])),
+                 ("down", F_, M, lambda t: cycling([lambda m=m: few_rows_down(h, m.w2, r.counts, T, tiles=t)
+                                                    for m in moes])))
+        for op, K, N, fn in gemms:
+            rule = few_rows_tiles(T, T * kk, G, N, K, x.device, *((UP_MAX_SPLIT, True) if op == "up" else ()))
+            res = {}
+            for tiles in tile_space(T, K):
+                t = graph_us(fn(tiles), iters=10)
+                if t is not None:  # None: the tiling does not fit the device (shared memory)
+                    res[tiles] = t
+            if not res:
+                log(f"tune: no tiling of {op} fits at {name} T = {T}")
+                continue
+            best = min(res, key=res.get)
+            row = {"layer": name, "T": T, "gemm": op, "groups_used": used, "rule": list(rule),
+                   "rule_us": graph_us(fn(rule), iters=10), "best": list(best), "best_us": res[best],
+                   "floor_us": used * K * N * 2 / (bandwidth * 1e9) * 1e6,
+                   "top8": {tile_name(c): round(res[c], 1) for c in sorted(res, key=res.get)[:8]}}
+            rows_out.append(row)
+            log("tune " + json.dumps(rounded(row)))
     return rows_out
 
 
@@ -342,18 +417,19 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
                     log(f"  transformers static-cache compiled generate failed: {type(e).__name__}: {str(e)[:200]}")
         r["speedup_vs_eager"] = r["turbomoe_tok_s"] / r["transformers_eager_tok_s"]
         rows.append(r)
-        log("generate " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
+        log("generate " + json.dumps(rounded(r, 3)))
     return rows
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bench_inference")
-    p.add_argument("--sections", default="shuffle,layer,generate", help="also: tune (the few-rows GEMMs' sweep)")
+    p.add_argument("--sections", default="shuffle,layer,generate",
+                   help="also: stages (the few-rows layer's kernels one by one), tune (the few-rows GEMMs' sweep)")
     p.add_argument("--hf-compile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1],
                    help="batch sizes at which to time transformers' static-cache compiled generate")
     p.add_argument("--tune-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[1, 8, 16, 64],
-                   help="token counts of the tune section")
+                   help="token counts of the stages and tune sections")
     p.add_argument("--layer-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[1, 8, 16, 32, 64, 256],
                    help="token counts of the layer section")
     p.add_argument("--quick", action="store_true")
@@ -376,8 +452,10 @@ def main():
         result["shuffle"] = bench_shuffle(args, log)
     if "layer" in sections:
         result["layer"] = bench_layer(args, log, result["copy_GBs"])
+    if "stages" in sections:
+        result["stages"] = bench_stages(args, log)
     if "tune" in sections:
-        result["tune"] = bench_tune(args, log)
+        result["tune"] = bench_tune(args, log, result["copy_GBs"])
     if "generate" in sections:
         result["generate"] = bench_generate(args, log)
     with open(os.path.join(args.out, "bench_inference.json"), "w") as f:
