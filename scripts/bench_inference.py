@@ -268,7 +268,9 @@ def bench_layer(args, log, bandwidth):
 
 def few_rows_steps(args, device="cuda"):
     """Per decode layer and token count of --tune-tokens: the few-rows SparseMoE over COPIES weight
-    sets (the layer section's weights and first draws) and the step's x, logits and shuffled routes."""
+    sets (the layer section's weights and first draws), the step's x, logits and shuffled routes r,
+    the prescale scores (or None) and the first GEMM's output h at its rule's tiles."""
+    from turbomoe.kernels.few_rows_gemm import few_rows_up
     for name, cfg in LAYERS.items():
         g = torch.Generator(device=device).manual_seed(0)
         router, sets = layer_weights(cfg, g)
@@ -277,17 +279,17 @@ def few_rows_steps(args, device="cuda"):
             x = torch.randn(T, cfg["M"], generator=g, device=device, dtype=torch.bfloat16)
             logits = moes[0]._logits(x, "few_rows")
             r = index_shuffling(logits, cfg["k"], cfg["score_func"], cfg["renormalize"], bool(cfg["shared"]))
-            yield name, cfg, moes, T, x, logits, r
+            scale = r.scores if cfg["prescale"] else None
+            h = few_rows_up(x, r.row_routes, r.slots.shape[1], moes[0].w1, r.counts, T, scale)
+            yield name, cfg, moes, T, x, logits, r, scale, h
 
 
 def bench_stages(args, log, device="cuda"):
     """The few-rows layer's kernels each timed alone on the step's real routes, beside the layer."""
     from turbomoe.kernels.few_rows_gemm import combine, few_rows_down, few_rows_up
     rows = []
-    for name, cfg, moes, T, x, logits, r in few_rows_steps(args, device):
+    for name, cfg, moes, T, x, logits, r, scale, h in few_rows_steps(args, device):
         kk, m0 = r.slots.shape[1], moes[0]
-        scale = r.scores if cfg["prescale"] else None
-        h = few_rows_up(x, r.row_routes, kk, m0.w1, r.counts, T, scale)
         y = few_rows_down(h, m0.w2, r.counts, T)
         routing = (cfg["k"], cfg["score_func"], cfg["renormalize"], bool(cfg["shared"]))
         st = {"layer_us": graph_us(cycling([lambda m=m: m(x) for m in moes])),
@@ -336,12 +338,9 @@ def bench_tune(args, log, bandwidth, device="cuda"):
     UP_MAX_SPLIT)."""
     from turbomoe.kernels.few_rows_gemm import UP_MAX_SPLIT, few_rows_down, few_rows_tiles, few_rows_up
     rows_out = []
-    for name, cfg, moes, T, x, logits, r in few_rows_steps(args, device):
-        kk, m0 = r.slots.shape[1], moes[0]
-        scale = r.scores if cfg["prescale"] else None
-        G, M, F_ = m0.w1.shape[0], cfg["M"], cfg["F"]
+    for name, cfg, moes, T, x, logits, r, scale, h in few_rows_steps(args, device):
+        kk, G, M, F_ = r.slots.shape[1], moes[0].w1.shape[0], cfg["M"], cfg["F"]
         used = int((r.counts > 0).sum())
-        h = few_rows_up(x, r.row_routes, kk, m0.w1, r.counts, T, scale)
         gemms = (("up", M, 2 * F_, lambda t: cycling([lambda m=m: few_rows_up(x, r.row_routes, kk, m.w1, r.counts, T,
                                                                              scale, tiles=t) for m in moes])),
                  ("down", F_, M, lambda t: cycling([lambda m=m: few_rows_down(h, m.w2, r.counts, T, tiles=t)
