@@ -208,6 +208,10 @@ def hf_block(name, cfg, router, w1, w2, sw1, sw2):
 COPIES = 3  # weight sets a timing cycles through: no call finds its weights in L2 (H100: 50 MB) from the call before
 
 
+def chosen_layers(args):
+    return [(name, cfg) for name, cfg in LAYERS.items() if name in args.layers]
+
+
 def cycling(fns):
     """One callable calling fns in turn (captured REPS times, a graph cycles through them)."""
     it = itertools.cycle(fns)
@@ -235,7 +239,7 @@ def layer_moes(cfg, router, sets, mode):
 
 def bench_layer(args, log, bandwidth):
     rows = []
-    for name, cfg in LAYERS.items():
+    for name, cfg in chosen_layers(args):
         E, k, M, F_ = cfg["E"], cfg["k"], cfg["M"], cfg["F"]
         g = torch.Generator(device="cuda").manual_seed(0)
         dev = dict(device="cuda", dtype=torch.bfloat16)
@@ -271,7 +275,7 @@ def few_rows_steps(args, device="cuda"):
     sets (the layer section's weights and first draws), the step's x, logits and shuffled routes r,
     the prescale scores (or None) and the first GEMM's output h at its rule's tiles."""
     from turbomoe.kernels.few_rows_gemm import few_rows_up
-    for name, cfg in LAYERS.items():
+    for name, cfg in chosen_layers(args):
         g = torch.Generator(device=device).manual_seed(0)
         router, sets = layer_weights(cfg, g)
         moes = layer_moes(cfg, router, sets, "few_rows")
@@ -431,8 +435,12 @@ def main():
                    help="token counts of the stages and tune sections")
     p.add_argument("--layer-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[1, 8, 16, 32, 64, 256],
                    help="token counts of the layer section")
+    p.add_argument("--layers", type=lambda v: v.split(","), default=list(LAYERS),
+                   help="decode layers of the layer, stages and tune sections (default: all)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
+    if set(args.layers) - set(LAYERS):
+        p.error(f"--layers: unknown {sorted(set(args.layers) - set(LAYERS))}, choose from {list(LAYERS)}")
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench_inference.log"), "a")
 

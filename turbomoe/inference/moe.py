@@ -33,9 +33,10 @@ from ..autograd.swiglu import swiglu_reference
 from .shuffling import index_shuffling
 
 MODES = ("auto", "few_rows", "grouped", "dense", "reference")
-# The router's GEMV kernel up to T * E logits (each expert's program re-reads the tokens), F.linear
-# beyond: H100 crossover, Qwen3 T = 8 and Scout T = 64 (notes/inference.md).
-ROUTER_KERNEL_MAX_CELLS = 1024
+# The router's GEMV kernel up to T * E * M products (a program a logit: each re-reads its token's
+# row and its expert's row), F.linear beyond: H100, kernel / F.linear at Qwen3 T = 8 4.1 / 5.0 us
+# (2.1M products), T = 16 6.8 / 5.1; Scout T = 32 5.6 / 6.4 (2.6M), T = 64 9.9 / 6.4 (notes/inference.md).
+ROUTER_KERNEL_MAX_PRODUCTS = 3 * 2 ** 20
 FEW_ROWS_PER_EXPERT = 24  # the few-rows kernels serve up to T * k = this times E (H100 crossover, notes/inference.md)
 
 
@@ -144,7 +145,7 @@ class SparseMoE(nn.Module):
     def _logits(self, x_TM: torch.Tensor, mode: str) -> torch.Tensor:
         """The router's logits: its own GEMV kernel for a few tokens (one launch where BLAS takes two),
         F.linear beyond and on the reference path."""
-        if (mode == "reference" or x_TM.shape[0] * self.num_experts > ROUTER_KERNEL_MAX_CELLS
+        if (mode == "reference" or x_TM.numel() * self.num_experts > ROUTER_KERNEL_MAX_PRODUCTS
                 or ops.choose_backend(x_TM, self.backend) == "reference"):
             return F.linear(x_TM, self.router)
         from ..kernels.router import router_logits

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import compute_capability, max_shared_mem, next_pow2, sm_count
+from .launch import chain_launch, chain_wait, compute_capability, max_shared_mem, next_pow2, sm_count
 
 # The first GEMM splits K at most this many ways: every program of the second re-reads all of the
 # first's K slices (fp32 gate and up partials) where it splits (tuned in the layer, notes/inference.md).
@@ -87,11 +87,12 @@ def _few_rows_mm_kernel(x_ptr, row_routes_ptr, scale_ptr, w_ptr, w_desc, out_ptr
                         stride_xs, stride_xr, stride_wg, stride_wk, stride_os, stride_or,
                         GATHER: tl.constexpr, SCALE: tl.constexpr, GLU_IN: tl.constexpr, GLU_OUT: tl.constexpr,
                         SWAP: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
     """The rows a: GATHER x [T, K] rows row_routes[r] // routes_per_token (* scale[row_routes[r]]);
     GLU_IN the SwiGLU of the sum over in_splits of x [in_splits, R, 2K] fp32 (gate then up); else x [R, K].
     out: GLU_OUT SwiGLU(a @ w) [R, N / 2] in out's dtype (w's columns: gate then up; one K slice),
     else the partial sums [n_splits, R, N] fp32."""
+    chain_wait(PDL)
     pid_m = tl.program_id(0)  # the row tiles of one weight tile run side by side: their reads meet in L2
     pid_n = tl.program_id(1) // n_splits
     split = tl.program_id(1) % n_splits
@@ -156,7 +157,8 @@ def _few_rows_mm_kernel(x_ptr, row_routes_ptr, scale_ptr, w_ptr, w_desc, out_ptr
 
 @triton.jit(do_not_specialize=["N", "n_splits"])
 def _combine_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, N, n_splits, stride_ys, stride_yr, stride_ot,
-                    KK: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr):
+                    KK: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    chain_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -187,19 +189,23 @@ class Tiles(NamedTuple):
 def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: torch.device,
                    max_split: int = 16, glu: bool = False) -> Tiles:
     """Tiles for `routes` rows in G groups, at most max_rows a group, from the H100 sweeps at the decode
-    layers' shapes (notes/inference.md): one row a tile on the CUDA cores with N tiles of 64 where
-    every group has one row (T = 1); else N tiles of 128 and 16 rows through tl.dot, or 32 rows with
-    the weights as the MMA's M side where groups average 12 rows or more (64 rows a tile was 2-5x
-    slower at T = 64); K tiles of 128 in 3 stages. K is split in powers of two (slices of at least two
-    K tiles, at most max_split) only until the programs that have rows fill the SMs: in the first GEMM
-    once (twice for one-row tiles), as a split costs it (glu: N is gate and up columns) its SwiGLU
-    epilogue; in the second four times, as its programs are short (K = F, 6-8 K tiles) and the
-    fixed cost of each (finding its group, the epilogue) is hidden only by many (Scout's down GEMM
-    at T = 2-4: 32 us unsplit, 19-26 split 4-8 ways, for a 10-18 us floor). With that epilogue a
-    program buffers two weight tiles a stage, so one fits an SM: where its programs would take one to
-    two such waves, shallower buffers let three share an SM (2 stages, or K tiles of 64 with 32-row
-    tiles), and where groups average 6 rows or more (a shared expert's many row tiles make the waves
-    uneven) N and K tiles of 64 double the programs. The second GEMM takes K tiles of 64 with 32-row tiles."""
+    layers' shapes (notes/inference.md): one row a tile on the CUDA cores where every group has one
+    row (T = 1), in N tiles of 64 (32 where 64 fall short of the fill below at the largest split);
+    else N tiles of 128 and 16 rows through tl.dot, or 32 rows with the weights as the MMA's M side
+    where groups average 12 rows or more (64 rows a tile was 2-5x slower at T = 64); K tiles of 128
+    in 3 stages. K is split in powers of two (slices of at least two K tiles, at most max_split)
+    only until the programs that have rows fill the SMs: in the first GEMM once (twice for one-row
+    tiles), counting gate and up columns apart (glu: N is both), as a split costs it its SwiGLU
+    epilogue and the second GEMM then re-reads fp32 partials (Scout T = 8: the second GEMM 32 ->
+    51 us); in the second four times, as its programs are short (K = F, 6-8 K tiles) and the fixed
+    cost of each (finding its group, the epilogue) is hidden only by many (Scout's down GEMM at T =
+    2-4: 32 us unsplit, 19-26 split 4-8 ways, for a 10-18 us floor). Unsplit, a first-GEMM program
+    owns a tile of gate and one of up columns and buffers both a stage, so one fits an SM: where
+    its programs would not fill the SMs once, N tiles of 64 double them (Scout T = 16: 91 -> 89
+    us); where they take one to two waves, shallower buffers let three share an SM (2 stages, or K
+    tiles of 64 with 32-row tiles), and where groups average 6 rows or more (a shared expert's many
+    row tiles make the waves uneven) N and K tiles of 64 double the programs. The second GEMM takes
+    K tiles of 64 with one-row tiles (2 stages) and with 32-row tiles."""
     if device.type != "cuda":  # the interpreter: small tiles, several splits
         return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32, max_split)), 16, 4, 1)
     groups = max(1.0, G * (1 - (1 - 1 / G) ** routes))  # expected groups with rows, routes spread evenly
@@ -212,16 +218,26 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     row_tiles = max(groups, routes / block_m)  # a program's rows: at least one tile a group with rows
     sms = sm_count(device)
     fill = (4 if not glu else 2 if block_m == 1 else 1) * sms
-    split = 1
-    while split < max_split and row_tiles * triton.cdiv(N, block_n) * split < fill and K // (2 * split) >= block_k:
-        split *= 2
-    if glu and split == 1 and block_m > 1 and sms < row_tiles * triton.cdiv(N // 2, block_n) < 2 * sms:
+
+    def split_for(block_n):  # glu: gate and up columns counted apart (the split kernel's programs)
+        split = 1
+        while split < max_split and row_tiles * triton.cdiv(N, block_n) * split < fill and K // (2 * split) >= block_k:
+            split *= 2
+        return split
+    split = split_for(block_n)
+    if block_m == 1 and row_tiles * triton.cdiv(N, block_n) * split < fill:  # split to the limit, still short
+        block_n = 32
+        split = split_for(block_n)
+    unsplit = row_tiles * triton.cdiv(N // 2, block_n)  # glu programs: a tile of gate and of up columns each
+    if glu and split == 1 and block_m > 1 and unsplit < sms:  # too few programs, and a split would cost more
+        block_n = 64
+    elif glu and split == 1 and block_m > 1 and unsplit < 2 * sms:
         if routes >= 6 * groups:  # several row tiles a group: twice the programs, each on 64-K tiles
             block_n, block_k = 64, 64
         else:
             block_k, stages = (64, 3) if swap else (128, 2)
-    elif not glu and swap:
-        block_k = 64
+    elif not glu and (swap or block_m == 1):
+        block_k, stages = 64, 3 if swap else 2
     return Tiles(block_m, block_n, split, block_k, 4, stages, swap)
 
 
@@ -279,7 +295,7 @@ def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, routes_per_token, t
                               SCALE=scale is not None, GLU_IN=glu_in, GLU_OUT=glu_out, SWAP=tiles.swap,
                               TMA=w_desc is not None, PRECISION=precision, BLOCK_M=tiles.block_m,
                               BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_G=next_pow2(G),
-                              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                              num_warps=tiles.num_warps, num_stages=tiles.num_stages, **chain_launch(x.device))
     return out
 
 
@@ -333,5 +349,6 @@ def combine(y_SRN: torch.Tensor, slots_TK: torch.Tensor, scores_TK: Optional[tor
     _combine_kernel[(T, triton.cdiv(N, block))](y_SRN, slots_TK.contiguous(),
                                                 slots_TK if scores_TK is None else scores_TK.contiguous(), out,
                                                 N, S, y_SRN.stride(0), y_SRN.stride(1), out.stride(0), KK=kk,
-                                                WEIGHTED=scores_TK is not None, BLOCK=block)
+                                                WEIGHTED=scores_TK is not None, BLOCK=block,
+                                                **chain_launch(out.device))
     return out

@@ -1,5 +1,7 @@
-"""Small helpers shared by the kernel launchers: block sizes and dtype mapping."""
+"""Small helpers shared by the kernel launchers: block sizes, dtype mapping, device properties and
+the decode chain's dependent launches."""
 import functools
+import os
 
 import torch
 import triton
@@ -34,3 +36,32 @@ def compute_capability(device_index: int) -> int:
 def max_shared_mem(device_index: int) -> int:
     """Bytes of shared memory a program may use on that GPU (the opt-in limit)."""
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+# Programmatic dependent launch (Hopper+): a kernel of the decode chain (router -> shuffle -> the
+# few-rows GEMMs -> combine) is scheduled while its producer still runs and waits on the device for
+# it, which hides a launch's latency at each link (a decode layer is a few microseconds of work per
+# kernel). TURBOMOE_PDL=0 turns it off.
+PDL = os.environ.get("TURBOMOE_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_ok(device_index: int) -> bool:
+    from triton.backends.nvidia.compiler import CUDAOptions
+    return compute_capability(device_index) >= 90 and "launch_pdl" in CUDAOptions.__dataclass_fields__
+
+
+def chain_launch(device: torch.device) -> dict:
+    """Launch arguments of a chain kernel: its PDL constexpr, and launch_pdl where the GPU has it."""
+    on = PDL and device.type == "cuda" and _pdl_ok(device.index if device.index is not None else 0)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def chain_wait(PDL: tl.constexpr):
+    """First in every program of a chain kernel: wait for the producer kernel (and so, transitively,
+    every earlier one) to finish and flush, then let the consumer be scheduled. Waiting before any
+    early exit keeps the chain ordered: a kernel finishes only after its producer has."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -2,33 +2,34 @@
 
 At decode the router is a read of w (E * M, 160-512 KB at the decode layers' shapes) that BLAS runs
 as a split-K GEMV plus a reduction kernel: two launches, 4.8-6.5 us on the H100 for ~2 us of
-reads (notes/inference.md). Here a program owns one expert's logits of BLOCK_T tokens and reads K
-in tiles of up to 8192 elements (every load of a row in flight at once), products in fp32 on the
-CUDA cores, reduced once at the end: one launch, a fixed summation order (deterministic), rounded to
-x's dtype as F.linear rounds.
+reads (notes/inference.md). Here a program owns one logit (an expert, a token) and reads K in tiles
+of up to 8192 elements (at the decode shapes all of a row's loads in flight at once: programs that
+looped over K tiles for 8 tokens each took 5.3 us at Scout's T = 16, one-tile programs 2.3 at T = 1),
+products in fp32 on the CUDA cores, reduced once at the end: one launch, a fixed summation order
+(deterministic), rounded to x's dtype as F.linear rounds. The tokens' rows and w's rows are re-read
+by E and T programs, from L2.
 """
 import torch
 import triton
 import triton.language as tl
 
-from .launch import acc_dtype, next_pow2, tl_dtype
+from .launch import acc_dtype, chain_launch, chain_wait, next_pow2, tl_dtype
 
 
-@triton.jit(do_not_specialize=["T", "K", "E"])
-def _router_kernel(x_ptr, w_ptr, out_ptr, T, K, E, stride_xt, stride_we, stride_ot,
-                   ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+@triton.jit(do_not_specialize=["K"])
+def _router_kernel(x_ptr, w_ptr, out_ptr, K, stride_xt, stride_we, stride_ot, ACC: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    chain_wait(PDL)
     e = tl.program_id(0).to(tl.int64)
-    ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = ts < T
-    acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=ACC)
+    t = tl.program_id(1).to(tl.int64)
+    acc = tl.zeros((BLOCK_K, ), dtype=ACC)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + ts[:, None].to(tl.int64) * stride_xt + ks[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        x = tl.load(x_ptr + t * stride_xt + ks, mask=k_ok, other=0.0)
         w = tl.load(w_ptr + e * stride_we + ks, mask=k_ok, other=0.0)
-        acc += x.to(ACC) * w.to(ACC)[None, :]
-    tl.store(out_ptr + ts.to(tl.int64) * stride_ot + e, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=t_ok)
+        acc += x.to(ACC) * w.to(ACC)
+    tl.store(out_ptr + t * stride_ot + e, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty))
 
 
 def router_logits(x_TM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
@@ -45,9 +46,7 @@ def router_logits(x_TM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
         return out
     if K == 0:
         return out.zero_()
-    block_t = min(8, next_pow2(T))
-    block_k = max(16, min(next_pow2(K), 8192 // block_t))
-    _router_kernel[(E, triton.cdiv(T, block_t))](x_TM, w_EM, out, T, K, E, x_TM.stride(0), w_EM.stride(0),
-                                                 out.stride(0), ACC=tl_dtype(acc_dtype(x_TM.dtype)), BLOCK_T=block_t,
-                                                 BLOCK_K=block_k, num_warps=4, num_stages=2)
+    _router_kernel[(E, T)](x_TM, w_EM, out, K, x_TM.stride(0), w_EM.stride(0), out.stride(0),
+                           ACC=tl_dtype(acc_dtype(x_TM.dtype)), BLOCK_K=max(16, min(next_pow2(K), 8192)), num_warps=4,
+                           num_stages=2, **chain_launch(x_TM.device))
     return out

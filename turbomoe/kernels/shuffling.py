@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..reference import ShuffledRoutes
 from .gating import _row_probs, _topk
-from .launch import acc_dtype, next_pow2, tl_dtype
+from .launch import acc_dtype, chain_launch, chain_wait, next_pow2, tl_dtype
 
 ONE_BLOCK_TILES = 1  # the single-program path up to this many tiles of tokens (measured: notes/inference.md)
 
@@ -79,7 +79,9 @@ def _clear_rows(routes_ptr, r0, r1, total, BLOCK_R: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "E", "stride_t"])
 def _shuffle_one_block_kernel(logits_ptr, ids_ptr, scores_ptr, counts_ptr, slots_ptr, routes_ptr, T, E, stride_t,
                               K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
-                              BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
+                              BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr,
+                              PDL: tl.constexpr):
+    chain_wait(PDL)
     cols = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for t0 in range(0, T, BLOCK_T):
@@ -96,7 +98,8 @@ def _shuffle_one_block_kernel(logits_ptr, ids_ptr, scores_ptr, counts_ptr, slots
 @triton.jit(do_not_specialize=["T", "E", "stride_t"])
 def _topk_blocks_kernel(logits_ptr, ids_ptr, scores_ptr, hist_ptr, T, E, stride_t, K: tl.constexpr,
                         KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                        SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr):
+                        SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr):
+    chain_wait(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     counts = _topk_tile(logits_ptr, ids_ptr, scores_ptr, pid * BLOCK_T, T, E, stride_t, K - SHARED, KP, SHARED,
@@ -106,7 +109,8 @@ def _topk_blocks_kernel(logits_ptr, ids_ptr, scores_ptr, hist_ptr, T, E, stride_
 
 @triton.jit(do_not_specialize=["T", "EC", "nblocks"])
 def _rank_blocks_kernel(ids_ptr, hist_ptr, counts_ptr, slots_ptr, routes_ptr, T, EC, nblocks, K: tl.constexpr,
-                        KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+                        KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+    chain_wait(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     totals = tl.zeros([BLOCK_E], tl.int32)
@@ -148,7 +152,7 @@ def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax"
     slots = torch.empty(T, kr, dtype=torch.int32, device=dev)
     routes = torch.empty(T * kr, dtype=torch.int32, device=dev)
     block_t, block_e, warps = _tile(ec, T)
-    meta = dict(K=kr, KP=next_pow2(kr), BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
+    meta = dict(K=kr, KP=next_pow2(kr), BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps, **chain_launch(dev))
     gate = dict(SHARED=sh, SIGMOID=score_func == "sigmoid", RENORM=renormalize, ACC=tl_dtype(acc))
     nblocks = triton.cdiv(T, block_t)
     if nblocks <= one_block_tiles:
