@@ -29,7 +29,7 @@ from recipe_config import ConfigError, deepspeed_config, load_config, validate  
 from run_log import RunLog, peak_flops  # noqa: E402
 from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
-from turbomoe.models.compile import compile_dense_blocks  # noqa: E402
+from turbomoe.models.compile import compile_dense_blocks, compile_moe_blocks  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -109,6 +109,8 @@ def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     model.init_weights(cfg.train.seed, ep_rank)
     if cfg.train.compile:
         compile_dense_blocks(model)
+    if cfg.train.compile_moe:
+        compile_moe_blocks(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms
     param_groups = split_params_into_different_moe_groups_for_optimizer([

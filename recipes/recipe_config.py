@@ -61,6 +61,7 @@ class TrainSection:
     peak_tflops: Optional[float] = None  # per-GPU dense bf16 peak for MFU; None: known from the GPU's name
     fused_adamw: bool = True  # torch's single-kernel AdamW (fused=True) over DeepSpeed's flat groups
     compile: bool = False  # torch.compile the model's dense blocks (attention, norms, dense MLPs)
+    compile_moe: bool = False  # torch.compile the MoE layers too (moe_impl turbomoe, ep_size 1, no recompute)
 
 
 @dataclass
@@ -302,6 +303,11 @@ def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
              f"moe.ep_size {moe.ep_size} does not divide model.num_experts {m.num_experts}")
     _require(not moe.recompute or m.moe_impl == "turbomoe",
              f"moe.recompute needs model.moe_impl: turbomoe, got {m.moe_impl!r}")
+    # The drop-in traces in one graph at ep_size 1 (notes/compile.md); its all-to-all and a compiled
+    # layer's recompute are not verified, stock DeepSpeed's MoE breaks graphs on host syncs.
+    _require(not t.compile_moe or (m.moe_impl == "turbomoe" and moe.ep_size == 1 and not moe.recompute),
+             f"train.compile_moe needs model.moe_impl: turbomoe, moe.ep_size: 1 and moe.recompute: false, got "
+             f"{m.moe_impl!r}, {moe.ep_size}, {moe.recompute}")
     _require(d.source == "stdlib" or d.paths, f"data.source {d.source!r} needs data.paths")
     _require(d.seq_len <= m.max_position_embeddings,
              f"data.seq_len {d.seq_len} must be in [1, model.max_position_embeddings = {m.max_position_embeddings}]")

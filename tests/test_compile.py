@@ -1,5 +1,5 @@
-"""turbomoe.models.compile: the dense blocks compile without graph breaks, once for all layers, and
-the compiled model's loss and gradients equal the eager model's. On the CPU through aot_eager
+"""turbomoe.models.compile: the dense blocks and the MoE blocks compile without graph breaks, once
+for all layers, and the compiled model's loss and gradients equal the eager model's. On the CPU through aot_eager
 (dynamo's capture and AOTAutograd's joint graph, without generating code); the GPU test runs
 inductor's kernels against eager in bf16."""
 import pytest
@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from conftest import needs_cuda  # noqa: E402
 from turbomoe.models import ModelConfig, MoEArgs, Qwen3MoeForCausalLM  # noqa: E402
-from turbomoe.models.compile import compile_dense_blocks, dense_blocks  # noqa: E402
+from turbomoe.models.compile import compile_dense_blocks, compile_moe_blocks, dense_blocks, moe_blocks  # noqa: E402
 
 
 def tiny(layers=3, **kw):
@@ -55,6 +55,28 @@ def test_compiled_dense_blocks_match_eager_without_graph_breaks(seq):
     kinds = {(type(m).__name__, tuple(p.shape for p in m.parameters())) for m in dense_blocks(compiled)}
     assert counters["stats"]["unique_graphs"] <= len(kinds), dict(counters["stats"])
     assert set(compiled.state_dict()) == set(eager.state_dict())  # names unchanged: checkpoints load either way
+
+
+@pytest.mark.parametrize("seq", [1, 13])
+def test_compiled_moe_blocks_match_eager_without_graph_breaks(seq):
+    """The recipe's train.compile_moe: the MoE blocks (turbomoe's DeepSpeed layer, dropless, ep_size
+    1) each in one graph through turbomoe's custom ops, beside the compiled dense blocks."""
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = tiny(layers=4)
+    eager, compiled = pair(cfg, backend="aot_eager", fullgraph=True)
+    compile_moe_blocks(compiled, backend="aot_eager")
+    eager.double(), compiled.double()
+    ids = torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
+    ref_loss, ref_grads = loss_and_grads(eager, ids)
+    loss, grads = loss_and_grads(compiled, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert len(list(moe_blocks(compiled))) == 3  # layer 1 is dense
+    kinds = {(type(m).__name__, tuple(p.shape for p in m.parameters())) for m in dense_blocks(compiled)}
+    assert counters["stats"]["unique_graphs"] <= len(kinds) + 1, dict(counters["stats"])  # + one MoE graph
 
 
 @pytest.mark.gpu

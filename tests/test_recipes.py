@@ -90,6 +90,8 @@ def test_config_errors(tmp_path):
     ("train.zero_stage=3", r"train.zero_stage must be one of \[0, 1, 2\]"),
     ("moe.recompute=maybe", "moe.recompute must be true or false"),
     ("model.moe_impl=deepspeed", "moe.recompute needs model.moe_impl: turbomoe"),  # with recompute on below
+    ("train.compile_moe=maybe", "train.compile_moe must be true or false"),
+    ("train.compile_moe=true", "train.compile_moe needs model.moe_impl: turbomoe, moe.ep_size: 1"),  # tiny-cpu: ep 2
 ])
 def test_every_value_typed_and_range_checked(override, message):
     """Each key's type and range are checked when the config loads, before any work (failed before:

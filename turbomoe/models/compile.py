@@ -1,8 +1,10 @@
-"""torch.compile of the model's dense blocks: attention (projections, per-head q/k RMSNorm, rotary,
-scaled_dot_product_attention), the layer norms and the dense SwiGLU MLPs.
+"""torch.compile of the model's blocks in place: the dense blocks (attention: projections, per-head
+q/k RMSNorm, rotary, scaled_dot_product_attention; the layer norms; the dense SwiGLU MLPs) and, as
+an option, the MoE blocks (turbomoe's DeepSpeed layer at ep_size 1, one graph each through
+turbomoe's custom ops: notes/compile.md), whose eager step is mostly host time at small shapes.
 
 Compiled in place (nn.Module.compile), so parameter names, state dicts and DeepSpeed's hooks stay
-as they are; the MoE layers stay eager. Measured on an H100 at small-1gpu's shapes
+as they are. Measured on an H100 at small-1gpu's shapes
 (notes/recipe_profile.md): inductor fuses the attention input path (norms, rotary, casts) to 0.37x
 of eager and RMSNorm to 0.70x, ahead of liger-kernel's ops (0.59x, 0.77x), so compile is the choice.
 """
@@ -26,4 +28,19 @@ def compile_dense_blocks(model: Qwen3MoeForCausalLM, **compile_kwargs) -> Qwen3M
     the parameters are graph inputs (dynamo inlines nn.Modules), so depth adds no recompiles."""
     for module in dense_blocks(model):
         module.compile(**compile_kwargs)
+    return model
+
+
+def moe_blocks(model: Qwen3MoeForCausalLM):
+    """The MoE blocks, in model order."""
+    for layer in model.model.layers:
+        if layer.is_moe:
+            yield layer.mlp
+
+
+def compile_moe_blocks(model: Qwen3MoeForCausalLM, **compile_kwargs) -> Qwen3MoeForCausalLM:
+    """Compile every MoE block of model in place, fullgraph unless told otherwise (a graph break
+    is an error, not a silent fallback to eager); returns model."""
+    for module in moe_blocks(model):
+        module.compile(**{"fullgraph": True, **compile_kwargs})
     return model
