@@ -36,12 +36,8 @@ def loss_and_grads(model, ids):
     return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("seq", [1, 13])
-def test_compiled_dense_blocks_match_eager_without_graph_breaks(seq):
-    torch._dynamo.reset()
-    counters.clear()
-    cfg = tiny(layers=4)
-    eager, compiled = pair(cfg, backend="aot_eager", fullgraph=True)
+def assert_equal_in_float64(eager, compiled, cfg, seq):
+    """Loss and every gradient of the two models equal in float64, and no graph break."""
     eager.double(), compiled.double()
     ids = torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
     ref_loss, ref_grads = loss_and_grads(eager, ids)
@@ -50,6 +46,15 @@ def test_compiled_dense_blocks_match_eager_without_graph_breaks(seq):
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("seq", [1, 13])
+def test_compiled_dense_blocks_match_eager_without_graph_breaks(seq):
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = tiny(layers=4)
+    eager, compiled = pair(cfg, backend="aot_eager", fullgraph=True)
+    assert_equal_in_float64(eager, compiled, cfg, seq)
     # One graph per block kind (RMSNorm at two widths is one kind: the hidden size is static),
     # whatever the depth: four layers add no recompiles.
     kinds = {(type(m).__name__, tuple(p.shape for p in m.parameters())) for m in dense_blocks(compiled)}
@@ -66,14 +71,7 @@ def test_compiled_moe_blocks_match_eager_without_graph_breaks(seq):
     cfg = tiny(layers=4)
     eager, compiled = pair(cfg, backend="aot_eager", fullgraph=True)
     compile_moe_blocks(compiled, backend="aot_eager")
-    eager.double(), compiled.double()
-    ids = torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seq))
-    ref_loss, ref_grads = loss_and_grads(eager, ids)
-    loss, grads = loss_and_grads(compiled, ids)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
-    for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert_equal_in_float64(eager, compiled, cfg, seq)
     assert len(list(moe_blocks(compiled))) == 3  # layer 1 is dense
     kinds = {(type(m).__name__, tuple(p.shape for p in m.parameters())) for m in dense_blocks(compiled)}
     assert counters["stats"]["unique_graphs"] <= len(kinds) + 1, dict(counters["stats"])  # + one MoE graph
