@@ -228,14 +228,15 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     if block_m == 1 and row_tiles * triton.cdiv(N, block_n) * split < fill:  # split to the limit, still short
         block_n = 32
         split = split_for(block_n)
-    unsplit = row_tiles * triton.cdiv(N // 2, block_n)  # glu programs: a tile of gate and of up columns each
-    if glu and split == 1 and block_m > 1 and unsplit < sms:  # too few programs, and a split would cost more
-        block_n = 64
-    elif glu and split == 1 and block_m > 1 and unsplit < 2 * sms:
-        if routes >= 6 * groups:  # several row tiles a group: twice the programs, each on 64-K tiles
-            block_n, block_k = 64, 64
-        else:
-            block_k, stages = (64, 3) if swap else (128, 2)
+    if glu and split == 1 and block_m > 1:
+        unsplit = row_tiles * triton.cdiv(N // 2, block_n)  # a program owns a tile of gate and of up columns
+        if unsplit < sms:  # too few programs, and a split would cost more
+            block_n = 64
+        elif unsplit < 2 * sms:
+            if routes >= 6 * groups:  # several row tiles a group: twice the programs, each on 64-K tiles
+                block_n, block_k = 64, 64
+            else:
+                block_k, stages = (64, 3) if swap else (128, 2)
     elif not glu and (swap or block_m == 1):
         block_k, stages = 64, 3 if swap else 2
     return Tiles(block_m, block_n, split, block_k, 4, stages, swap)

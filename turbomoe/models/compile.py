@@ -8,7 +8,7 @@ as they are. Measured on an H100 at small-1gpu's shapes
 (notes/recipe_profile.md): inductor fuses the attention input path (norms, rotary, casts) to 0.37x
 of eager and RMSNorm to 0.70x, ahead of liger-kernel's ops (0.59x, 0.77x), so compile is the choice.
 """
-from .qwen3_moe import Qwen3MoeForCausalLM, SwiGLUMLP
+from .qwen3_moe import Qwen3MoeForCausalLM
 
 
 def dense_blocks(model: Qwen3MoeForCausalLM):
@@ -17,7 +17,7 @@ def dense_blocks(model: Qwen3MoeForCausalLM):
         yield layer.input_layernorm
         yield layer.self_attn
         yield layer.post_attention_layernorm
-        if isinstance(layer.mlp, SwiGLUMLP):
+        if not layer.is_moe:
             yield layer.mlp
     yield model.model.norm
 
