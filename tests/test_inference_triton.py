@@ -29,6 +29,71 @@ def test_index_shuffling_one_hot_expert_and_bf16(one_block_tiles):
                   one_block_tiles=one_block_tiles)
 
 
+@pytest.mark.parametrize("case", SHUFFLE_CASES)
+@pytest.mark.parametrize("parts_dtype", [
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the interpreter rounds fp32 to bf16 toward zero (a GPU: to nearest)")),
+    torch.float32])
+def test_index_shuffling_from_logit_parts(case, parts_dtype):
+    """The shuffle fed the split router's fp32 partial sums: the routes of their sum, in order,
+    rounded to parts_dtype (non-finite parts included: the row routes nowhere)."""
+    from turbomoe import reference
+    from turbomoe.kernels.shuffling import index_shuffling
+    T, E, k, score_func, renormalize, shared = case
+    g = torch.Generator().manual_seed(T + 3 * E + k)
+    parts = torch.randn(5, T, E, generator=g) * 2
+    if T > 3:
+        parts[2, 3, 0] = float("nan")
+    want_logits = parts[0].clone()
+    for p in parts[1:]:
+        want_logits += p
+    want = reference.index_shuffling(want_logits.to(parts_dtype), k, score_func, renormalize, shared)
+    for one_block_tiles in (0, 4):
+        got = index_shuffling(parts.to(DEVICE), k, score_func, renormalize, shared, one_block_tiles,
+                              parts_dtype=parts_dtype)
+        for name, a, b in zip(want._fields, got, want):
+            if name == "scores":
+                torch.testing.assert_close(a.cpu(), b, rtol=1e-6, atol=1e-7)
+            else:
+                assert torch.equal(a.cpu(), b), (name, one_block_tiles)
+    with pytest.raises(ValueError, match="fp32 \\[S, T, E\\]"):
+        index_shuffling(parts[0].to(DEVICE), k, parts_dtype=parts_dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 tl.dot: a GPU (the interpreter's bf16 dot is wrong)")
+@pytest.mark.parametrize("T, E, M", [(1, 16, 5120), (17, 20, 300), (40, 128, 2048), (70, 16, 130)])
+def test_router_logit_parts(T, E, M):
+    from turbomoe.kernels.router import router_logit_parts
+    g = torch.Generator(device="cuda").manual_seed(T + E + M)
+    x = torch.randn(T, M, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, M, generator=g, device="cuda", dtype=torch.bfloat16)
+    parts = router_logit_parts(x, w)
+    assert parts.dtype == torch.float32 and parts.shape[1:] == (T, E)
+    torch.testing.assert_close(parts.sum(0), x.float() @ w.float().t(), rtol=1e-4, atol=1e-3 * M ** 0.5)
+    assert torch.equal(parts, router_logit_parts(x, w)), "not deterministic"
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        router_logit_parts(x.float(), w.float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the split router runs for 16-bit inputs on a GPU")
+@pytest.mark.parametrize("T, E, k, shared", [(16, 16, 1, True), (40, 128, 8, False), (100, 16, 1, True)])
+def test_sparse_moe_split_router(T, E, k, shared):
+    """From 16 tokens the few-rows block routes on the split router's parts summed in the shuffle:
+    its output against the float64 oracle on the logits those parts sum to."""
+    from turbomoe.inference import SparseMoE
+    from turbomoe.kernels.router import router_logit_parts
+    from inference_cases import naive_moe
+    router, w1, w2, (sw1, sw2) = moe_weights(E, 256, 64, shared, seed=T, device="cuda", dtype=torch.bfloat16)
+    moe = SparseMoE(router, w1, w2, k, shared_w1_MN=sw1, shared_w2_FM=sw2, mode="few_rows")
+    x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    logits = router_logit_parts(x, router).sum(0).to(torch.bfloat16)
+    want = naive_moe(x.cpu(), logits.cpu(), w1.cpu(), w2.cpu(), k, "softmax", False,
+                     None if sw1 is None else sw1.cpu(), None if sw2 is None else sw2.cpu())
+    out = moe(x)
+    assert (out.cpu().double() - want).norm() / want.norm() < 2e-2
+    assert torch.equal(out, moe(x)), "not deterministic"
+
+
 # (T, E, M): no tokens, one token, T not a multiple of the 8-token tile, one expert, M of one
 # partial K tile and of several (on the GPU: 8192-wide tiles at T = 1)
 @pytest.mark.parametrize("T, E, M", [(0, 4, 40), (1, 16, 5120), (3, 1, 37), (13, 5, 700), (8, 128, 96), (1, 3, 9000)])

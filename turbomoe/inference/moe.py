@@ -1,7 +1,8 @@
 """The serving MoE block, no autograd: router -> index_shuffling -> gather rows -> grouped GEMMs ->
 combine (+ shared expert).
 
-    x [T, M] -> logits = x @ router^T [T, E] (turbomoe.kernels.router's GEMV for few tokens)
+    x [T, M] -> logits = x @ router^T [T, E] (turbomoe.kernels.router: its GEMV for a few tokens,
+                from 16 its split-K partial sums, which the shuffle adds as it loads)
              -> index_shuffling: ids, scores, counts, slots (+ the shared expert as route k, expert E)
              -> rows [T * k', M]: row slots[t, j] = x[t] (times its score with prescale: Llama 4)
              -> y = (silu(rows @ w1_gate) * rows @ w1_up) @ w2, grouped by expert, counts on the device
@@ -30,13 +31,20 @@ from torch import nn
 from .. import ops, reference
 from ..autograd.grouped_gemm import _reference_mm, choose_gmm_backend, mm_forward, row_offsets
 from ..autograd.swiglu import swiglu_reference
-from .shuffling import index_shuffling
+from ..ops import check_routing
+from .shuffling import index_shuffling, shuffle_backend
 
 MODES = ("auto", "few_rows", "grouped", "dense", "reference")
 # The router's GEMV kernel up to T * E * M products (a program a logit: each re-reads its token's
 # row and its expert's row), F.linear beyond: H100, kernel / F.linear at Qwen3 T = 8 4.1 / 5.0 us
 # (2.1M products), T = 16 6.8 / 5.1; Scout T = 32 5.6 / 6.4 (2.6M), T = 64 9.9 / 6.4 (notes/inference.md).
 ROUTER_KERNEL_MAX_PRODUCTS = 3 * 2 ** 20
+# The split router (kernels.router.router_logit_parts, summed by the shuffle) from this many tokens,
+# while its fp32 partials stay within ROUTER_PARTS_MAX_BYTES: H100, router alone, parts / the GEMV
+# kernel / F.linear: Scout T = 32 1.8 / 5.4 / 5.9 us, 64 2.1 / 9.3 / 6.3, 256 3.5 / 33 / 6.5; Qwen3
+# T = 16 1.8 / 6.7 / 4.9, 64 2.9 / 19 / 5.1, 256 (2 MiB of partials) 6.9 / 71 / 5.1 (notes/inference.md).
+ROUTER_PARTS_MIN_TOKENS = 16
+ROUTER_PARTS_MAX_BYTES = 1 << 20
 FEW_ROWS_PER_EXPERT = 24  # the few-rows kernels serve up to T * k = this times E (H100 crossover, notes/inference.md)
 
 
@@ -109,11 +117,9 @@ class SparseMoE(nn.Module):
             raise ValueError(f"x must be [T, {self.w1.shape[1]}], got {tuple(x_TM.shape)}")
         x_TM = x_TM.contiguous()
         mode = self.choose_mode(x_TM)
-        logits = self._logits(x_TM, mode)
         if mode == "dense":
-            return self._dense(x_TM, logits)
-        backend = "reference" if mode == "reference" else self.backend
-        r = index_shuffling(logits, self.k, self.score_func, self.renormalize, self.shared, backend)
+            return self._dense(x_TM, self._logits(x_TM, mode))
+        r = self._shuffle(*self._router(x_TM, mode), mode)
         T, M = x_TM.shape
         R = r.slots.numel()
         if mode == "reference":
@@ -141,6 +147,29 @@ class SparseMoE(nn.Module):
         out = torch.empty_like(x_TM)
         impl.pull_rows(y, r.slots, out, None if self.prescale else r.scores)
         return out
+
+    def _router(self, x_TM: torch.Tensor, mode: str):
+        """(logits [T, E], None), or from ROUTER_PARTS_MIN_TOKENS tokens on a GPU (16-bit, the Triton
+        shuffle) the split router's fp32 partial sums [S, T, E] and the dtype their sum rounds to:
+        the shuffle sums them as it loads, so the router is one launch (F.linear takes two, the GEMV
+        kernel T x E programs)."""
+        from ..kernels.router import PARTS_BLOCK_K, router_logit_parts
+        T, E = x_TM.shape[0], self.num_experts
+        parts_bytes = 4 * T * E * -(-x_TM.shape[1] // PARTS_BLOCK_K)
+        if (mode != "reference" and x_TM.is_cuda and x_TM.dtype in (torch.bfloat16, torch.float16)
+                and T >= ROUTER_PARTS_MIN_TOKENS and parts_bytes <= ROUTER_PARTS_MAX_BYTES
+                and shuffle_backend(x_TM, T, E, self.k, self.shared, self.backend) == "triton"):
+            return router_logit_parts(x_TM, self.router), x_TM.dtype
+        return self._logits(x_TM, mode), None
+
+    def _shuffle(self, logits: torch.Tensor, parts_dtype: Optional[torch.dtype], mode: str):
+        if parts_dtype is None:
+            return index_shuffling(logits, self.k, self.score_func, self.renormalize, self.shared,
+                                   "reference" if mode == "reference" else self.backend)
+        from ..kernels.shuffling import index_shuffling as triton_shuffling
+        check_routing(logits[0], self.k, self.score_func)
+        return triton_shuffling(logits, self.k, self.score_func, self.renormalize, self.shared,
+                                parts_dtype=parts_dtype)
 
     def _logits(self, x_TM: torch.Tensor, mode: str) -> torch.Tensor:
         """The router's logits: its own GEMV kernel for a few tokens (one launch where BLAS takes two),

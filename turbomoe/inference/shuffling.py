@@ -20,6 +20,20 @@ from ..reference import ShuffledRoutes
 TOP1_TRITON_MAX_TOKENS = 4
 
 
+def shuffle_backend(t: torch.Tensor, T: int, E: int, k: int, shared_expert: bool,
+                    backend: Optional[str] = None) -> str:
+    """The backend index_shuffling runs for T tokens and E experts on t's device: "cuda", "triton"
+    or "reference"."""
+    backend = choose_backend(t, backend, E + shared_expert)
+    if backend == "cuda" and (T > csrc.ONE_BLOCK_MAX_TOKENS or k + shared_expert > MAX_K
+                              or (k == 1 and T <= TOP1_TRITON_MAX_TOKENS)):
+        # Beyond one block's sizes, and for top-1 at a few tokens, the Triton kernels were faster on
+        # the H100 (notes/inference.md).
+        # The CUDA kernel holds at most MAX_K routes a token: k = MAX_K plus a shared expert goes to Triton.
+        backend = "triton"
+    return backend
+
+
 def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
                     shared_expert: bool = False, backend: Optional[str] = None) -> ShuffledRoutes:
     """Top-k routing (ties to the lower expert id; rows with NaN/Inf route nowhere), counts [E] and
@@ -30,14 +44,7 @@ def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax"
     E = check_routing(logits_TE, k, score_func)
     check_bool("renormalize", renormalize)
     check_bool("shared_expert", shared_expert)
-    backend = choose_backend(logits_TE, backend, E + shared_expert)
-    T = logits_TE.shape[0]
-    if backend == "cuda" and (T > csrc.ONE_BLOCK_MAX_TOKENS or k + shared_expert > MAX_K
-                              or (k == 1 and T <= TOP1_TRITON_MAX_TOKENS)):
-        # Beyond one block's sizes, and for top-1 at a few tokens, the Triton kernels were faster on
-        # the H100 (notes/inference.md).
-        # The CUDA kernel holds at most MAX_K routes a token: k = MAX_K plus a shared expert goes to Triton.
-        backend = "triton"
+    backend = shuffle_backend(logits_TE, logits_TE.shape[0], E, k, shared_expert, backend)
     if backend == "cuda":
         return csrc.index_shuffling(logits_TE, k, score_func, renormalize, shared_expert)
     if backend == "triton":

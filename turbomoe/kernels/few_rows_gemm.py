@@ -192,7 +192,8 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     layers' shapes (notes/inference.md): one row a tile on the CUDA cores where every group has one
     row (T = 1), in N tiles of 64 (32 where 64 fall short of the fill below at the largest split);
     else N tiles of 128 and 16 rows through tl.dot, or 32 rows with the weights as the MMA's M side
-    where groups average 12 rows or more (64 rows a tile was 2-5x slower at T = 64); K tiles of 128
+    where groups average 12 rows or more, 3 in the second GEMM (64 rows a tile was 2-5x slower at T =
+    64); K tiles of 128
     in 3 stages. K is split in powers of two (slices of at least two K tiles, at most max_split)
     only until the programs that have rows fill the SMs: in the first GEMM once (twice for one-row
     tiles), counting gate and up columns apart (glu: N is both), as a split costs it its SwiGLU
@@ -205,14 +206,16 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
     us); where they take one to two waves, shallower buffers let three share an SM (2 stages, or K
     tiles of 64 with 32-row tiles), and where groups average 6 rows or more (a shared expert's many
     row tiles make the waves uneven) N and K tiles of 64 double the programs. The second GEMM takes
-    K tiles of 64 with one-row tiles (2 stages) and with 32-row tiles."""
+    2 stages with one-row and 32-row tiles, in K tiles of 64, except 128 where swapped tiles hold
+    3 to 12 rows a group (Scout T = 32-256: 1.1-2.4 us faster than 16-row tiles or 3 stages,
+    Qwen3 T = 64-256 0.3-1.1)."""
     if device.type != "cuda":  # the interpreter: small tiles, several splits
         return Tiles(min(16, next_pow2(max_rows)), 16, max(1, min(4, K // 32, max_split)), 16, 4, 1)
     groups = max(1.0, G * (1 - (1 - 1 / G) ** routes))  # expected groups with rows, routes spread evenly
     if max_rows <= 1:
         block_m, block_n, swap = 1, 64, False
     else:
-        swap = routes >= 12 * groups
+        swap = routes >= (12 if glu else 3) * groups
         block_m, block_n = 32 if swap else 16, 128
     block_k, stages = 128, 3
     row_tiles = max(groups, routes / block_m)  # a program's rows: at least one tile a group with rows
@@ -237,8 +240,8 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
                 block_n, block_k = 64, 64
             else:
                 block_k, stages = (64, 3) if swap else (128, 2)
-    elif not glu and (swap or block_m == 1):
-        block_k, stages = 64, 3 if swap else 2
+    elif not glu and (swap or block_m == 1):  # 128-K swapped tiles below 12 rows a group
+        block_k, stages = 128 if swap and routes < 12 * groups else 64, 2
     return Tiles(block_m, block_n, split, block_k, 4, stages, swap)
 
 

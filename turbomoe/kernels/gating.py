@@ -16,14 +16,20 @@ from .rows import _column  # column j of a [rows, KP] tile
 
 @triton.jit
 def _row_probs(logits_ptr, rows, cols, S, E, stride_s, SIGMOID: tl.constexpr, ACC: tl.constexpr):
-    """Loads a [BLOCK_S, BLOCK_E] tile; returns probs, softmax, logsumexp, valid rows, valid cells.
+    """Loads a [BLOCK_S, BLOCK_E] tile; returns probs, softmax, logsumexp, valid rows, valid cells."""
+    m2 = (rows < S)[:, None] & (cols < E)[None, :]
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_s + cols[None, :], mask=m2, other=0.0).to(ACC)
+    return _tile_probs(x, rows, cols, S, E, SIGMOID)
 
-    Rows with a NaN or Inf logit are invalid: they route nowhere and get no gradient.
-    """
+
+@triton.jit
+def _tile_probs(x, rows, cols, S, E, SIGMOID: tl.constexpr):
+    """probs, softmax, logsumexp, valid rows, valid cells of a loaded tile of logits x (its
+    accumulation dtype). Rows with a NaN or Inf logit are invalid: they route nowhere and get no
+    gradient."""
     rmask = rows < S
     cmask = cols < E
     m2 = rmask[:, None] & cmask[None, :]
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_s + cols[None, :], mask=m2, other=0.0).to(ACC)
     bad = (x != x) | (tl.abs(x) == float("inf"))
     valid = rmask & (tl.sum(tl.where(bad & m2, 1, 0), axis=1) == 0)
     cells = valid[:, None] & cmask[None, :]

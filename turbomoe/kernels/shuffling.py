@@ -10,27 +10,40 @@ histogram; then each program sums the histograms of the tiles before it (fixed o
 own tile. Integer ranks, no atomics: deterministic. Nothing is read on the host, so both paths are
 CUDA-graph capturable.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from ..reference import ShuffledRoutes
-from .gating import _row_probs, _topk
+from .gating import _row_probs, _tile_probs, _topk
 from .launch import acc_dtype, chain_launch, chain_wait, next_pow2, tl_dtype
 
 ONE_BLOCK_TILES = 1  # the single-program path up to this many tiles of tokens (measured: notes/inference.md)
 
 
 @triton.jit
-def _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K: tl.constexpr, KP: tl.constexpr,
-               SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr,
-               RENORM: tl.constexpr, ACC: tl.constexpr):
+def _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, stride_p, N_PARTS: tl.constexpr, K: tl.constexpr,
+               KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+               SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr, PARTS: tl.constexpr):
     """Top-k of tokens t0 .. t0 + BLOCK_T (ties to the lower id), stored in rows of K + SHARED
-    (the shared expert's column: expert E, score 1); returns their counts [BLOCK_E]."""
+    (the shared expert's column: expert E, score 1); returns their counts [BLOCK_E]. PARTS (a dtype):
+    the logits are the sum over N_PARTS of fp32 partial sums (the split router's), in order, rounded
+    to PARTS as a GEMM's output is (all N_PARTS loads issued at once)."""
     rows = t0 + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     kcol = tl.arange(0, KP)
-    probs, _, _, valid, cells = _row_probs(logits_ptr, rows, cols, T, E, stride_t, SIGMOID, ACC)
+    if PARTS is None:
+        probs, _, _, valid, cells = _row_probs(logits_ptr, rows, cols, T, E, stride_t, SIGMOID, ACC)
+    else:
+        m2 = (rows < T)[:, None] & (cols < E)[None, :]
+        p = logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :]
+        x = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for s in tl.static_range(N_PARTS):  # a fixed order: deterministic
+            x += tl.load(p + s * stride_p, mask=m2, other=0.0)
+        probs, _, _, valid, cells = _tile_probs(x.to(PARTS, fp_downcast_rounding="rtne").to(ACC), rows, cols, T, E,
+                                                SIGMOID)
     ids_t, sc_t, chosen, _ = _topk(probs, probs, valid, cells, cols, K, KP, BLOCK_T, BLOCK_E, RENORM, ACC)
     if SHARED:
         ids_t = tl.where(kcol[None, :] == K, E, ids_t)
@@ -76,17 +89,17 @@ def _clear_rows(routes_ptr, r0, r1, total, BLOCK_R: tl.constexpr):
 
 # Below, K counts the routes of a token (k, plus 1 with a shared expert) and EC the count columns
 # (E, plus 1); the top-k tile takes the routed k and E.
-@triton.jit(do_not_specialize=["T", "E", "stride_t"])
+@triton.jit(do_not_specialize=["T", "E", "stride_t", "stride_p"])
 def _shuffle_one_block_kernel(logits_ptr, ids_ptr, scores_ptr, counts_ptr, slots_ptr, routes_ptr, T, E, stride_t,
-                              K: tl.constexpr, KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
-                              BLOCK_E: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr,
-                              PDL: tl.constexpr):
+                              stride_p, N_PARTS: tl.constexpr, PARTS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                              SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                              SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr):
     chain_wait(PDL)
     cols = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for t0 in range(0, T, BLOCK_T):
-        counts += _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, K - SHARED, KP, SHARED, BLOCK_T,
-                             BLOCK_E, SIGMOID, RENORM, ACC)
+        counts += _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, stride_p, N_PARTS, K - SHARED, KP,
+                             SHARED, BLOCK_T, BLOCK_E, SIGMOID, RENORM, ACC, PARTS)
     tl.store(counts_ptr + cols, counts, mask=cols < E + SHARED)
     tl.debug_barrier()  # the rank pass reads the ids other threads of this program stored
     start = tl.cumsum(counts, axis=0) - counts
@@ -95,15 +108,16 @@ def _shuffle_one_block_kernel(logits_ptr, ids_ptr, scores_ptr, counts_ptr, slots
     _clear_rows(routes_ptr, 0, T * K, tl.sum(counts, axis=0), BLOCK_T * KP)
 
 
-@triton.jit(do_not_specialize=["T", "E", "stride_t"])
-def _topk_blocks_kernel(logits_ptr, ids_ptr, scores_ptr, hist_ptr, T, E, stride_t, K: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "E", "stride_t", "stride_p"])
+def _topk_blocks_kernel(logits_ptr, ids_ptr, scores_ptr, hist_ptr, T, E, stride_t, stride_p,
+                        N_PARTS: tl.constexpr, PARTS: tl.constexpr, K: tl.constexpr,
                         KP: tl.constexpr, SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                         SIGMOID: tl.constexpr, RENORM: tl.constexpr, ACC: tl.constexpr, PDL: tl.constexpr):
     chain_wait(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
-    counts = _topk_tile(logits_ptr, ids_ptr, scores_ptr, pid * BLOCK_T, T, E, stride_t, K - SHARED, KP, SHARED,
-                        BLOCK_T, BLOCK_E, SIGMOID, RENORM, ACC)
+    counts = _topk_tile(logits_ptr, ids_ptr, scores_ptr, pid * BLOCK_T, T, E, stride_t, stride_p, N_PARTS, K - SHARED,
+                        KP, SHARED, BLOCK_T, BLOCK_E, SIGMOID, RENORM, ACC, PARTS)
     tl.store(hist_ptr + pid * (E + SHARED) + cols, counts, mask=cols < E + SHARED)
 
 
@@ -139,11 +153,18 @@ def _tile(EC: int, T: int):
 
 
 def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax", renormalize: bool = False,
-                    shared_expert: bool = False, one_block_tiles: int = ONE_BLOCK_TILES) -> ShuffledRoutes:
-    T, E = logits_TE.shape
+                    shared_expert: bool = False, one_block_tiles: int = ONE_BLOCK_TILES,
+                    parts_dtype: Optional[torch.dtype] = None) -> ShuffledRoutes:
+    """parts_dtype: logits_TE is [S, T, E] fp32, partial sums of the logits (router_logit_parts),
+    whose sum in order, rounded to parts_dtype, is the logits."""
+    if parts_dtype is not None and (logits_TE.dim() != 3 or logits_TE.dtype != torch.float32):
+        raise ValueError(f"logit parts must be fp32 [S, T, E], got {logits_TE.dtype} {tuple(logits_TE.shape)}")
+    parts = logits_TE if parts_dtype is not None else logits_TE[None]
+    _, T, E = parts.shape
     dev = logits_TE.device
-    logits = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
-    acc = acc_dtype(logits.dtype)
+    if parts.stride(2) != 1:
+        parts = parts.contiguous()
+    acc = acc_dtype(parts_dtype or logits_TE.dtype)
     sh = int(shared_expert)
     kr, ec = k + sh, E + sh  # routes per token, count columns
     ids = torch.empty(T, kr, dtype=torch.int32, device=dev)
@@ -154,13 +175,14 @@ def index_shuffling(logits_TE: torch.Tensor, k: int, score_func: str = "softmax"
     block_t, block_e, warps = _tile(ec, T)
     meta = dict(K=kr, KP=next_pow2(kr), BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps, **chain_launch(dev))
     gate = dict(SHARED=sh, SIGMOID=score_func == "sigmoid", RENORM=renormalize, ACC=tl_dtype(acc))
+    src = dict(stride_p=parts.stride(0), N_PARTS=parts.shape[0], PARTS=parts_dtype and tl_dtype(parts_dtype))
     nblocks = triton.cdiv(T, block_t)
     if nblocks <= one_block_tiles:
-        _shuffle_one_block_kernel[(1, )](logits, ids, scores, counts, slots, routes, T, E, logits.stride(0), **meta,
-                                         **gate)
+        _shuffle_one_block_kernel[(1, )](parts, ids, scores, counts, slots, routes, T, E, parts.stride(1), **src,
+                                         **meta, **gate)
     else:
         hist = torch.empty(nblocks, ec, dtype=torch.int32, device=dev)
-        _topk_blocks_kernel[(nblocks, )](logits, ids, scores, hist, T, E, logits.stride(0), **meta, **gate)
+        _topk_blocks_kernel[(nblocks, )](parts, ids, scores, hist, T, E, parts.stride(1), **src, **meta, **gate)
         _rank_blocks_kernel[(nblocks, )](ids, hist, counts, slots, routes, T, ec, nblocks,
                                          BLOCK_B=max(1, min(64, 4096 // block_e)), **meta)
     return ShuffledRoutes(ids, scores, counts, slots, routes)
