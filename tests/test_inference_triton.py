@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from inference_cases import MOE_CASES, SHUFFLE_CASES, check_few_rows, check_moe, check_shuffle, moe_weights
+from inference_cases import (MOE_CASES, SHUFFLE_CASES, check_few_rows, check_moe, check_shuffle, moe_weights,
+                             naive_moe)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 set before triton kernels are defined, or a GPU")
@@ -82,7 +83,6 @@ def test_sparse_moe_split_router(T, E, k, shared):
     its output against the float64 oracle on the logits those parts sum to."""
     from turbomoe.inference import SparseMoE
     from turbomoe.kernels.router import router_logit_parts
-    from inference_cases import naive_moe
     router, w1, w2, (sw1, sw2) = moe_weights(E, 256, 64, shared, seed=T, device="cuda", dtype=torch.bfloat16)
     moe = SparseMoE(router, w1, w2, k, shared_w1_MN=sw1, shared_w2_FM=sw2, mode="few_rows")
     x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
