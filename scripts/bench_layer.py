@@ -259,6 +259,7 @@ def balanced_counts(R, E, gen):
 def bench_gemms(cfg, iters):
     """The layer's three GEMMs (forward, input grad, weight grad) of both expert matrices, per backend."""
     import triton.testing
+    from turbomoe.kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
     S, M, F_, E, k = cfg
     R = S * k
     counts = balanced_counts(R, E, torch.Generator().manual_seed(0))
@@ -284,6 +285,19 @@ def bench_gemms(cfg, iters):
             res[backend] = dict(error=f"{type(e).__name__}: {e}"[:300])
     dense = triton.testing.do_bench(lambda: (x @ w1[0], a @ w2[0]), return_mode="median")
     res["dense"] = dict(fwd=dense, tflops=flops / dense / 1e9)
+    # Gradient accumulation into fp32 main_grad buffers (Megatron's DDP): the fastest bf16 weight
+    # gradient then DDP's hook add, against the add inside the Triton weight-gradient GEMM.
+    best = next(b for b in ("cutlass", "torch", "triton") if "dw" in res[b])
+    m1 = torch.zeros(E, M, 2 * F_, device=DEV, dtype=torch.float32)
+    m2 = torch.zeros(E, F_, M, device=DEV, dtype=torch.float32)
+    unfused = triton.testing.do_bench(lambda: (m1.add_(mm_wgrad(x, dh, counts, best)),
+                                               m2.add_(mm_wgrad(a, dy, counts, best))), return_mode="median")
+    fused = triton.testing.do_bench(lambda: (triton_wgrad(x, dh, counts, m1), triton_wgrad(a, dy, counts, m2)),
+                                    return_mode="median")
+    chosen = triton.testing.do_bench(lambda: (mm_wgrad(x, dh, counts, best, out=m1),
+                                              mm_wgrad(a, dy, counts, best, out=m2)), return_mode="median")
+    res["accumulate"] = dict(backend=best, unfused=unfused, fused=fused, chosen=chosen, rows_per_group=R / E,
+                             main_grad_rw_gb=8 * (m1.numel() + m2.numel()) / 1e9)
     return res
 
 
@@ -311,7 +325,8 @@ def main():
     ap.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--impls", default="dense floor,turbomoe,turbomoe triton-gmm,plain torch,deepspeed,scattermoe,megablocks")
-    ap.add_argument("--gemms", action="store_true", help="also time the grouped GEMM backends alone")
+    ap.add_argument("--gemms", action="store_true", help="also time the grouped GEMM backends alone, and the weight "
+                    "gradient accumulated into fp32 main_grad buffers (fused in the GEMM, or an add after it)")
     ap.add_argument("--profile", default="", help="comma-separated impls to profile (kernels, CUDA graph)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
@@ -375,6 +390,14 @@ def main():
                          if "fwd" in v else f" {b}: n/a")
             line += f" dense {g['dense']['fwd']:.2f} ({g['dense']['tflops']:.0f})"
             print(line)
+        print("\nweight gradients accumulated into fp32 main_grad, ms: the fastest backend's dw + an add "
+              "(Megatron DDP's hook) vs the add inside the Triton GEMM, and what mm_wgrad(out=) runs; "
+              "GB of main_grad read + written")
+        for r in results:
+            acc = r["gemms"]["accumulate"]
+            print(str(tuple(r["cfg"])).ljust(30) + f" {acc['rows_per_group']:.0f} rows a group: {acc['backend']} + "
+                  f"add {acc['unfused']:.2f}, fused {acc['fused']:.2f} ({acc['unfused'] / acc['fused']:.2f}x), "
+                  f"mm_wgrad's choice {acc['chosen']:.2f}; {acc['main_grad_rw_gb']:.1f} GB")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,60 @@ def check(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12,
         assert torch.equal(w.grad[g].cpu(), torch.zeros_like(w.grad[g].cpu()))
 
 
+def check_main_grad(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12, transposed_w=False):
+    """Gradient-accumulation fusion: two micro-batches' weight gradients added into a pre-filled fp32
+    main_grad inside the GEMM; empty groups' slices untouched (bitwise); the input gradient as
+    without fusion; w gets a placeholder gradient of its shape."""
+    gen = torch.Generator().manual_seed(R * 5 + K + N + G)
+    counts = random_counts(R - tail, G, gen, zero_groups)
+    used = int(counts.sum())
+    w = torch.randn(G, N, K, generator=gen, dtype=torch.float64).transpose(1, 2) if transposed_w else \
+        torch.randn(G, K, N, generator=gen, dtype=torch.float64)
+    w = w.to(device, dtype).requires_grad_()
+    main = torch.randn(G, K, N, generator=gen, dtype=torch.float64).to(device, torch.float32)
+    want = main.double().cpu()
+    before = main.clone()
+    for _ in range(2):
+        x = torch.randn(R, K, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+        dy = torch.randn(R, N, generator=gen, dtype=torch.float64).to(device, dtype)
+        w.grad = None
+        y = grouped_mm(x, w, counts.to(device), backend=backend, main_grad_GKN=main)
+        (y[:used] * dy[:used]).sum().backward()
+        assert w.grad is not None and w.grad.shape == w.shape
+        xr = x.detach().double().cpu().requires_grad_()
+        wr = w.detach().double().cpu().requires_grad_()
+        (per_group(xr, wr, counts)[:used] * dy[:used].double().cpu()).sum().backward()
+        assert rel_err(x.grad[:used], xr.grad[:used]) < tol
+        want += wr.grad
+    assert main.dtype == torch.float32
+    assert rel_err(main, want) < tol
+    for g in zero_groups:
+        assert torch.equal(main[g], before[g]), "an empty group's main_grad changed"
+
+
+@pytest.mark.parametrize("zero_groups,tail", [((), 0), ((1,), 3)])
+def test_reference_main_grad(zero_groups, tail):
+    check_main_grad(37, 8, 12, 4, torch.float64, "cpu", "reference", zero_groups, tail, tol=1e-6)
+
+
+def test_main_grad_no_rows():
+    """S = 0: main_grad keeps its value."""
+    main = torch.randn(3, 4, 5)
+    before = main.clone()
+    x = torch.randn(0, 4, requires_grad=True)
+    w = torch.randn(3, 4, 5, requires_grad=True)
+    grouped_mm(x, w, torch.zeros(3, dtype=torch.int32), backend="reference", main_grad_GKN=main).sum().backward()
+    assert torch.equal(main, before)
+
+
+def test_main_grad_bad_input():
+    x, w, counts = torch.randn(6, 4), torch.randn(2, 4, 3), torch.tensor([3, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="main_grad must be"):
+        grouped_mm(x, w, counts, main_grad_GKN=torch.zeros(2, 3, 4))
+    with pytest.raises(TypeError, match="main_grad must be a float"):
+        grouped_mm(x, w, counts, main_grad_GKN=torch.zeros(2, 4, 3, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("zero_groups,tail", [((), 0), ((0, 2), 0), ((1,), 3)])
 def test_reference_fp64(zero_groups, tail):
     check(37, 8, 12, 4, torch.float64, "cpu", "reference", zero_groups, tail)
@@ -116,6 +170,21 @@ def test_gpu(backend, dtype, shape, transposed_w):
     skip_unless_runs(backend, dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     check(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, tol, transposed_w)
+
+
+@pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5), 0), (777, 136, 200, 5, (0,), 9),
+                                   (4099, 264, 520, 6, (2,), 3), (4099, 72, 48, 2, (), 3)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_main_grad(backend, dtype, shape):
+    """Every backend's weight gradient accumulates into main_grad on the GPU: inside the Triton kernel,
+    or (groups of over FUSED_WGRAD_MAX_ROWS rows, the last shape) as the backend's dw plus an add."""
+    R, K, N, G, zero_groups, tail = shape
+    skip_unless_runs(backend, dtype)
+    check_main_grad(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, 1e-2 if dtype == torch.bfloat16 else 1e-5,
+                    transposed_w=backend == "triton")
 
 
 def check_counts_past_rows(device, backend, dtype, tol):

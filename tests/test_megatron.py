@@ -308,3 +308,38 @@ def test_rts_replays_under_recompute():
     assert bool((first < 0).any())  # routes were dropped, so the selection matters
     assert torch.equal(first, again)
     assert not all(torch.equal(first >= 0, s >= 0) for s in later)
+
+
+def test_gradient_accumulation_fusion_into_main_grad():
+    """config.gradient_accumulation_fusion with Megatron DDP's attributes on the expert weights (its
+    fp32 main_grad, the grad_added_to_main_grad flag): two micro-batches' expert weight gradients are
+    added to the pre-filled main_grad inside the weight-gradient GEMM, equal to the unfused layer's
+    summed gradients, and the flag tells DDP's hook to skip the placeholder. Without DDP's attributes
+    the flag changes nothing."""
+    cfg, fused_cfg = moe_config(), moe_config(gradient_accumulation_fusion=True)
+    torch.manual_seed(0)
+    plain = build_module(tm.get_turbomoe_moe_spec(cfg), config=cfg)
+    fused = build_module(tm.get_turbomoe_moe_spec(fused_cfg), config=fused_cfg)
+    bare = build_module(tm.get_turbomoe_moe_spec(fused_cfg), config=fused_cfg)  # no main_grad
+    fused.load_state_dict(plain.state_dict())
+    bare.load_state_dict(plain.state_dict())
+    start = {}
+    for name in ("weight1", "weight2"):
+        p = getattr(fused.experts, name)
+        p.main_grad = torch.randn(p.shape, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+        start[name] = p.main_grad.clone()
+    with torch.no_grad():  # no gradient: nothing is marked
+        fused(torch.randn(4, 2, cfg.hidden_size))
+    assert not fused.experts.weight1.grad_added_to_main_grad
+    for _ in range(2):
+        x = torch.randn(10, 2, cfg.hidden_size)
+        for layer in (plain, fused, bare):
+            out, _ = layer(x)
+            out.sum().backward()
+    for name in ("weight1", "weight2"):
+        p, want = getattr(fused.experts, name), getattr(plain.experts, name).grad
+        assert p.grad_added_to_main_grad and p.main_grad.dtype == torch.float32
+        torch.testing.assert_close(p.main_grad, start[name] + want, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(getattr(bare.experts, name).grad, want, rtol=1e-6, atol=1e-7, msg=name)
+    torch.testing.assert_close(fused.router.weight.grad, plain.router.weight.grad, rtol=1e-6, atol=1e-7)

@@ -164,6 +164,42 @@ def test_layer_has_no_host_sync(cf, lb):
     assert torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradient_accumulation_fusion_under_ddp(dtype):
+    """Megatron's DistributedDataParallel around turbomoe's MoE layer (fp32 gradient buffers, reduction
+    overlapped with the backward, so every weight's hook must fire), two micro-batches: with
+    config.gradient_accumulation_fusion the expert weights' main_grad, added inside the GEMM, equals
+    the unfused layer's, whose gradients DDP's hook adds (bf16: rounded to bf16 first, hence the
+    tolerance); the placeholder gradient is dropped by the hook, unread."""
+    import contextlib
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.spec_utils import build_module
+    torch.backends.cuda.matmul.allow_tf32 = False
+    main_grads = []
+    for fusion in (False, True):
+        cfg = gpt_config(dtype, gradient_accumulation_fusion=fusion)
+        torch.manual_seed(0)
+        layer = build_module(tm.get_turbomoe_moe_spec(cfg), config=cfg).cuda()
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                         overlap_grad_reduce=True), layer)
+        ddp.zero_grad_buffer()
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for micro in range(2):
+            x = torch.randn(SEQ, BATCH, cfg.hidden_size, device="cuda", dtype=dtype, generator=gen)
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                out, _ = ddp(x)
+                out.float().square().mean().backward()
+        ddp.finish_grad_sync()
+        experts = layer.experts
+        assert experts.weight1.grad is None and experts.weight1.grad_added_to_main_grad == fusion
+        main_grads.append({n: getattr(experts, n).main_grad.clone() for n in ("weight1", "weight2")})
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, want in main_grads[0].items():
+        assert want.abs().sum() > 0
+        assert rel_err(main_grads[1][name], want) < tol, name
+
+
 def torchrun(script: str, nproc: int, timeout: int = 400) -> str:
     """Runs tests/<script> under torchrun on nproc local GPUs (this tree and tests/ on the path); its stdout."""
     path = os.path.join(os.path.dirname(__file__), script)

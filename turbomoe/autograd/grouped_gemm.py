@@ -30,6 +30,10 @@ from .. import csrc
 from ..reference import as_contiguous
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
+# Gradient-accumulation fusion runs the Triton weight-gradient kernel with the add in its epilogue
+# where groups average at most this many rows: there the fp32 buffer's traffic dominates and the
+# fusion wins; beyond, torch's / CUTLASS's faster GEMM and a separate add (H100, notes/bench_layer.md).
+FUSED_WGRAD_MAX_ROWS = 1024
 
 
 @torch.compiler.assume_constant_result  # a constant to torch.compile (lru_cache is not, to dynamo)
@@ -135,9 +139,20 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
 
 
 def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str,
-             offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
+             offs_G: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
-    takes torch's kernel here: no CUTLASS tile tried beat it by more than 3% on the weight gradient."""
+    takes torch's kernel here: no CUTLASS tile tried beat it by more than 3% on the weight gradient.
+    out (a [G, K, N] float buffer, e.g. an fp32 main_grad): out += dw in place, returned; inside the
+    Triton kernel (torch's cannot accumulate) where groups average at most FUSED_WGRAD_MAX_ROWS rows,
+    else the backend's dw and an add."""
+    if out is not None:
+        few_rows = x_RK.shape[0] <= FUSED_WGRAD_MAX_ROWS * counts_G.shape[0]
+        if backend == "triton" or (x_RK.is_cuda and few_rows):
+            from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
+            return triton_wgrad(x_RK, dy_RN, counts_G, out)
+        if not x_RK.is_cuda:
+            return out.add_(_reference_wgrad(x_RK.to(out.dtype), dy_RN.to(out.dtype), counts_G))
+        return out.add_(mm_wgrad(x_RK, dy_RN, counts_G, backend, offs_G))
     if backend in ("torch", "cutlass"):
         offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         return torch._grouped_mm(x_RK.t(), dy_RN, offs=offs_G)
@@ -150,11 +165,11 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
 class GroupedMM(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend):
+    def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN=None):
         if backend in ("torch", "cutlass"):
             offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
-        ctx.backend = backend
+        ctx.backend, ctx.main_grad = backend, main_grad_GKN  # written in backward, so not saved
         return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
     @staticmethod
@@ -165,8 +180,12 @@ class GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = mm_forward(dy_RN, w_GKN.transpose(1, 2), counts_G, ctx.backend, offs_G)
         if ctx.needs_input_grad[1]:
-            dw = mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G)
-        return dx, dw, None, None, None
+            if ctx.main_grad is None:
+                dw = mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G)
+            else:  # Megatron's protocol: the sum is in main_grad; w's gradient, unread, still fires its hooks
+                mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G, out=ctx.main_grad)
+                dw = torch.empty_like(w_GKN)
+        return dx, dw, None, None, None, None
 
 
 class GroupBias(torch.autograd.Function):
@@ -215,12 +234,25 @@ def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: tor
 
 
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
-               backend: Optional[str] = None, offs_G: Optional[torch.Tensor] = None) -> torch.Tensor:
+               backend: Optional[str] = None, offs_G: Optional[torch.Tensor] = None,
+               main_grad_GKN: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y [R, N] with y[rows_g] = x[rows_g] @ w[g]; differentiable in x and w; see the module doc.
 
     offs_G: row_offsets(counts_G), if the caller already has it (one launch fewer per GEMM).
+    main_grad_GKN: gradient-accumulation fusion (Megatron's): the backward adds w's gradient to this
+    [G, K, N] buffer (fp32 in Megatron) inside the weight-gradient GEMM, and hands w an uninitialised
+    gradient, as Megatron's linears do, so that w's gradient hooks still run: the caller marks w as
+    Megatron marks it (grad_added_to_main_grad) so that nothing reads that tensor.
     """
     check_grouped_mm_args(x_RK, w_GKN, counts_G)
+    if main_grad_GKN is not None:
+        if tuple(main_grad_GKN.shape) != tuple(w_GKN.shape) or main_grad_GKN.device != w_GKN.device:
+            raise ValueError(f"main_grad must be [G, K, N] = {list(w_GKN.shape)} on {w_GKN.device}, got "
+                             f"{list(main_grad_GKN.shape)} on {main_grad_GKN.device}")
+        if not main_grad_GKN.is_floating_point():
+            raise TypeError(f"main_grad must be a float tensor, got {main_grad_GKN.dtype}")
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("gradient-accumulation fusion (main_grad) is not traced by torch.compile")
     backend = choose_gmm_backend(x_RK, w_GKN, backend)
     if backend == "cutlass" or (backend == "torch" and x_RK.stride(1) != 1):  # cutlass: row-major x
         x_RK = x_RK.contiguous()
@@ -229,4 +261,4 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
         if backend in ("torch", "cutlass"):  # the offsets GroupedMM.forward would make, as a traced op
             offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         return custom_ops.grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend)
-    return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend)
+    return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN)

@@ -9,6 +9,11 @@ which are turbomoe's w1 [El, H, 2F] and w2 [El, F, H] in memory, so the GEMMs re
 It is a GroupedMLP subclass for GroupedMLP's sharded_state_dict (the same distributed-checkpoint
 keys and shapes as stock's SequentialMLP and GroupedMLP: checkpoints move both ways); its
 constructor replaces GroupedMLP's, which requires the grouped_gemm package.
+With `config.gradient_accumulation_fusion` and a `main_grad` on the weights (Megatron's
+DistributedDataParallel gives every parameter one: the fp32 gradient buffer), the weight gradients are
+added to main_grad inside the weight-gradient GEMM, as Megatron's and Transformer Engine's linears
+do, instead of a bf16 gradient that DDP's hook then adds (one pass over the expert weights less, and
+no rounding of each micro-batch's gradient to bf16).
 Expert tensor parallelism is not supported (expert_tensor_parallel_size must be 1).
 """
 from typing import Optional
@@ -69,10 +74,25 @@ class TurboGroupedMLP(GroupedMLP):
             tokens_RH = (probs_R.unsqueeze(-1) * tokens_RH).to(tokens_RH.dtype)
             probs_R = torch.ones_like(probs_R)
         offs_E = row_offsets(counts_E)  # once for the four GEMMs
-        h_RN = grouped_mm(tokens_RH, self.weight1.view(El, H, -1), counts_E, self.gmm_backend, offs_E)
+        h_RN = grouped_mm(tokens_RH, self.weight1.view(El, H, -1), counts_E, self.gmm_backend, offs_E,
+                          self._fused_main_grad(self.weight1, (El, H, -1)))
         a_RF = self._activation_with_probs(h_RN, probs_R)
-        out_RH = grouped_mm(a_RF, self.weight2.view(El, -1, H), counts_E, self.gmm_backend, offs_E)
+        out_RH = grouped_mm(a_RF, self.weight2.view(El, -1, H), counts_E, self.gmm_backend, offs_E,
+                            self._fused_main_grad(self.weight2, (El, -1, H)))
         return out_RH, None
+
+    def _fused_main_grad(self, weight: Parameter, shape) -> Optional[torch.Tensor]:
+        """weight.main_grad viewed as the GEMM's [El, K, N] where the weight gradient goes there directly:
+        config.gradient_accumulation_fusion, a gradient to compute, and the weight in Megatron's DDP (a
+        main_grad and the grad_added_to_main_grad flag its hook reads; not zero_out_wgrad, where the
+        hook adds the weight's gradient itself); else None. The weight is then marked as Megatron's
+        linears mark it, so that DDP's hook does not add the placeholder gradient."""
+        if not (self.config.gradient_accumulation_fusion and torch.is_grad_enabled() and weight.requires_grad
+                and getattr(weight, "main_grad", None) is not None and hasattr(weight, "grad_added_to_main_grad")
+                and not getattr(weight, "zero_out_wgrad", False)):
+            return None
+        weight.grad_added_to_main_grad = True  # DDP clears it when it zeroes the buffer, every step
+        return weight.main_grad.view(*shape)
 
     def _activation_with_probs(self, h_RN: torch.Tensor, probs_R: Optional[torch.Tensor]) -> torch.Tensor:
         """act(h) * probs in h's dtype, as Megatron's MLP does it for experts (per_token_scale)."""

@@ -8,12 +8,15 @@ Rows past sum(counts) are neither read nor written; counts that sum past R trunc
   grouped_mm        y[rows_g] = x[rows_g] @ w[g]       x [R, K], w [G, K, N] (any strides) -> [R, N]
                     (the input gradient is the same kernel on w transposed: dx = dy @ w[g]^T)
   grouped_mm_wgrad  dw[g] = x[rows_g]^T @ dy[rows_g]   x [R, K], dy [R, N] -> [G, K, N]
+                    (or out[g] += it: gradient-accumulation fusion into an fp32 main_grad)
 
 grouped_mm is persistent (MetaShuffling's design): one program per SM walks the tiles of all
 groups in order, each program taking every P-th tile, so zero-count groups cost a few scalar loads
 and no launch depends on the routing. fp32 operands use IEEE fp32 products unless
 torch.backends.cuda.matmul.allow_tf32 is set.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +29,9 @@ _MM_CONFIGS = [  # bf16 / fp16 tiles, then fp32 (IEEE products need smaller tile
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_stages=4, num_warps=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_stages=3, num_warps=4),
 ]
-_WGRAD_CONFIGS = [
+_WGRAD_CONFIGS = [  # BLOCK_K x BLOCK_N: the output tile; BLOCK_M: rows summed a step
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 256, "BLOCK_K": 128}, num_stages=4, num_warps=8),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}, num_stages=3, num_warps=8),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_stages=4, num_warps=4),
     triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, num_stages=3, num_warps=4),
@@ -99,11 +104,12 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, counts_ptr, R, N, K, G,
 
 
 @triton.autotune(configs=_INTERPRET_CONFIG if _interpreting() else _WGRAD_CONFIGS, key=["N", "K", "G"],
-                 prune_configs_by={"early_config_prune": _prune_by_dtype})
+                 prune_configs_by={"early_config_prune": _prune_by_dtype},
+                 restore_value=["dw_ptr"])  # tuning runs it once a config: an accumulated buffer is put back
 @triton.jit
 def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, R, N, K, G,
                              stride_xr, stride_xk, stride_dyr, stride_dyn, stride_wg, stride_wk, stride_wn,
-                             PRECISION: tl.constexpr,
+                             PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     g = tl.program_id(1)
@@ -119,7 +125,14 @@ def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, R, N, K, G,
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = ks < K
     col_ok = cols < N
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    dw_ptrs = dw_ptr + g.to(tl.int64) * stride_wg + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    if ACCUMULATE:
+        if m == 0:  # nothing to add: the tile is neither read nor written
+            return
+        # The sum starts from the buffer's value (no second fp32 tile held through the loop).
+        acc = tl.load(dw_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for r in range(0, m, BLOCK_M):
         rows_in = r + tl.arange(0, BLOCK_M)
         rows = (row_start + rows_in).to(tl.int64)
@@ -129,7 +142,6 @@ def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, counts_ptr, R, N, K, G,
         b = tl.load(dy_ptr + rows[:, None] * stride_dyr + cols[None, :] * stride_dyn, mask=ok[:, None] & col_ok[None, :],
                     other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    dw_ptrs = dw_ptr + g.to(tl.int64) * stride_wg + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
@@ -147,12 +159,21 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) 
     return y
 
 
-def grouped_mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """dw [G, K, N] = per group x[rows_g]^T @ dy[rows_g]; zero for empty groups."""
+def grouped_mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dw [G, K, N] = per group x[rows_g]^T @ dy[rows_g]; zero for empty groups. With out [G, K, N]
+    (any float dtype and strides, typically an fp32 main_grad): out[g] += x[rows_g]^T @ dy[rows_g]
+    in place, summed in fp32 from out's value and rounded once to out's dtype (Megatron's
+    gradient-accumulation fusion: no dw tensor, no separate add), and out returned; empty groups'
+    tiles are not touched."""
     R, K = x_RK.shape
     N = dy_RN.shape[1]
     G = counts_G.shape[0]
-    dw = torch.empty(G, K, N, device=x_RK.device, dtype=x_RK.dtype)
+    if out is not None and (tuple(out.shape) != (G, K, N) or out.device != x_RK.device
+                            or not out.is_floating_point()):
+        raise ValueError(f"out must be a float tensor [G, K, N] = [{G}, {K}, {N}] on {x_RK.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    dw = torch.empty(G, K, N, device=x_RK.device, dtype=x_RK.dtype) if out is None else out
     if G == 0 or K == 0 or N == 0:
         return dw
 
@@ -161,5 +182,5 @@ def grouped_mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Te
 
     _grouped_mm_wgrad_kernel[grid](x_RK, dy_RN, dw, counts_G, R, N, K, G,
                                    x_RK.stride(0), x_RK.stride(1), dy_RN.stride(0), dy_RN.stride(1), *dw.stride(),
-                                   PRECISION=_input_precision(x_RK.dtype))
+                                   PRECISION=_input_precision(x_RK.dtype), ACCUMULATE=out is not None)
     return dw
