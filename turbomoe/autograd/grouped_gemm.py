@@ -240,9 +240,10 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
 
     offs_G: row_offsets(counts_G), if the caller already has it (one launch fewer per GEMM).
     main_grad_GKN: gradient-accumulation fusion (Megatron's): the backward adds w's gradient to this
-    [G, K, N] buffer (fp32 in Megatron) inside the weight-gradient GEMM, and hands w an uninitialised
-    gradient, as Megatron's linears do, so that w's gradient hooks still run: the caller marks w as
-    Megatron marks it (grad_added_to_main_grad) so that nothing reads that tensor.
+    [G, K, N] buffer (fp32 in Megatron), inside the weight-gradient GEMM where that is the faster way
+    (mm_wgrad's out), and hands w an uninitialised gradient, as Megatron's linears do, so that w's
+    gradient hooks still run: the caller marks w as Megatron marks it (grad_added_to_main_grad) so
+    that nothing reads that tensor.
     """
     check_grouped_mm_args(x_RK, w_GKN, counts_G)
     if main_grad_GKN is not None:
