@@ -10,9 +10,11 @@
 #   bash scripts/gpu_megatron_deepspeed.sh expert_tp  # two GPUs: tensor parallel 2 with expert tensor
 #                                                  # parallelism alone
 # MBS: micro-batch size (default 8; also the global batch: one data-parallel rank). LAYER=0: no layer timing.
+# NLAYERS, HIDDEN, HEADS, SEQ, EXPERTS: the GPT's layers, hidden size, heads, sequence length and experts
+# (defaults 4, 1024, 16, 512, 16; ffn 4 x hidden; experts every other layer, Megatron-DeepSpeed's default).
 #
 # PEER: a Megatron-DeepSpeed tree at the pinned commit below (git archive of
-# github.com/microsoft/Megatron-DeepSpeed; megatron/ and pretrain_gpt.py suffice) with wheels/ holding a
+# github.com/microsoft/Megatron-DeepSpeed; megatron/, pretrain_gpt.py and tools/, which its arguments import) with wheels/ holding a
 # pybind11 wheel (its dataset helpers build with it) and six (its tokenizer module imports it). WHL: DeepSpeed's wheel and its pure-Python deps.
 # What the GPU machine lacks is handled here: apex (shims from scripts/megatron_deepspeed.py: its
 # LayerNorm as F.layer_norm, in both runs), its fused softmax kernels (--no-masked-softmax-fusion:
@@ -73,14 +75,16 @@ cat > "$WORK/ds.json" <<EOF
  "wall_clock_breakdown": false}
 EOF
 
-GPT="--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 --max-position-embeddings 512
+SEQ=${SEQ:-512}
+GPT="--num-layers ${NLAYERS:-4} --hidden-size ${HIDDEN:-1024} --num-attention-heads ${HEADS:-16} --seq-length $SEQ
+ --max-position-embeddings $SEQ
  --micro-batch-size $MBS --global-batch-size $MBS --train-iters $ITERS --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
  --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --init-method-std 0.02 --hidden-dropout 0
  --attention-dropout 0 --tokenizer-type NullTokenizer --vocab-size 1024 --data-path $DATA --split 98,2,0
  --bf16 --log-interval 1 --eval-interval 100000 --eval-iters 0 --seed 1234 --num-workers 0
  --no-masked-softmax-fusion --no-gradient-accumulation-fusion --no-pipeline-parallel --distributed-backend nccl"
 DS="--deepspeed --deepspeed_config $WORK/ds.json"
-MOE="--num-experts 16 --topk 2 --moe-train-capacity-factor 1.0 --moe-eval-capacity-factor 1.0 --moe-min-capacity 4
+MOE="--num-experts ${EXPERTS:-16} --topk 2 --moe-train-capacity-factor 1.0 --moe-eval-capacity-factor 1.0 --moe-min-capacity 4
  --moe-loss-coeff 0.01 --create-moe-param-group --disable-moe-top2-2nd-expert-sampling"
 PORT=29611
 
