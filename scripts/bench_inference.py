@@ -272,9 +272,9 @@ def bench_layer(args, log, bandwidth):
 
 def few_rows_steps(args, device="cuda"):
     """Per decode layer and token count of --tune-tokens: the few-rows SparseMoE over COPIES weight
-    sets (the layer section's weights and first draws), the step's x, the router's output (logits,
-    or the split router's parts, and their dtype), the shuffled routes r, the prescale scores (or
-    None) and the first GEMM's output h at its rule's tiles."""
+    sets (the layer section's weights and first draws), the step's x, the router's output `routed`
+    (logits, or the split router's parts, and their dtype), the shuffled routes r, the prescale
+    scores (or None) and the first GEMM's output h at its rule's tiles."""
     from turbomoe.kernels.few_rows_gemm import few_rows_up
     for name, cfg in chosen_layers(args):
         g = torch.Generator(device=device).manual_seed(0)
@@ -282,23 +282,23 @@ def few_rows_steps(args, device="cuda"):
         moes = layer_moes(cfg, router, sets, "few_rows")
         for T in args.tune_tokens:
             x = torch.randn(T, cfg["M"], generator=g, device=device, dtype=torch.bfloat16)
-            logits = moes[0]._router(x, "few_rows")  # (logits or the split router's parts, their dtype)
-            r = moes[0]._shuffle(*logits, "few_rows")
+            routed = moes[0]._router(x, "few_rows")  # (logits or the split router's parts, their dtype)
+            r = moes[0]._shuffle(*routed, "few_rows")
             scale = r.scores if cfg["prescale"] else None
             h = few_rows_up(x, r.row_routes, r.slots.shape[1], moes[0].w1, r.counts, T, scale)
-            yield name, cfg, moes, T, x, logits, r, scale, h
+            yield name, cfg, moes, T, x, routed, r, scale, h
 
 
 def bench_stages(args, log, device="cuda"):
     """The few-rows layer's kernels each timed alone on the step's real routes, beside the layer."""
     from turbomoe.kernels.few_rows_gemm import combine, few_rows_down, few_rows_up
     rows = []
-    for name, cfg, moes, T, x, logits, r, scale, h in few_rows_steps(args, device):
+    for name, cfg, moes, T, x, routed, r, scale, h in few_rows_steps(args, device):
         kk, m0 = r.slots.shape[1], moes[0]
         y = few_rows_down(h, m0.w2, r.counts, T)
         st = {"layer_us": graph_us(cycling([lambda m=m: m(x) for m in moes])),
               "router_us": graph_us(lambda: m0._router(x, "few_rows")),
-              "shuffle_us": graph_us(lambda: m0._shuffle(*logits, "few_rows")),
+              "shuffle_us": graph_us(lambda: m0._shuffle(*routed, "few_rows")),
               "up_us": graph_us(cycling([lambda m=m: few_rows_up(x, r.row_routes, kk, m.w1, r.counts, T, scale)
                                          for m in moes])),
               "down_us": graph_us(cycling([lambda m=m: few_rows_down(h, m.w2, r.counts, T) for m in moes])),
@@ -342,7 +342,7 @@ def bench_tune(args, log, bandwidth, device="cuda"):
     UP_MAX_SPLIT)."""
     from turbomoe.kernels.few_rows_gemm import UP_MAX_SPLIT, few_rows_down, few_rows_tiles, few_rows_up
     rows_out = []
-    for name, cfg, moes, T, x, logits, r, scale, h in few_rows_steps(args, device):
+    for name, cfg, moes, T, x, routed, r, scale, h in few_rows_steps(args, device):
         kk, G, M, F_ = r.slots.shape[1], moes[0].w1.shape[0], cfg["M"], cfg["F"]
         used = int((r.counts > 0).sum())
         gemms = (("up", M, 2 * F_, lambda t: cycling([lambda m=m: few_rows_up(x, r.row_routes, kk, m.w1, r.counts, T,

@@ -15,10 +15,16 @@ from .rows import _column  # column j of a [rows, KP] tile
 
 
 @triton.jit
+def _tile_ptrs(logits_ptr, rows, cols, S, E, stride_s):
+    """Pointers to the [BLOCK_S, BLOCK_E] tile of logits at rows x cols, and its in-bounds mask."""
+    return logits_ptr + rows[:, None].to(tl.int64) * stride_s + cols[None, :], (rows < S)[:, None] & (cols < E)[None, :]
+
+
+@triton.jit
 def _row_probs(logits_ptr, rows, cols, S, E, stride_s, SIGMOID: tl.constexpr, ACC: tl.constexpr):
     """Loads a [BLOCK_S, BLOCK_E] tile; returns probs, softmax, logsumexp, valid rows, valid cells."""
-    m2 = (rows < S)[:, None] & (cols < E)[None, :]
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_s + cols[None, :], mask=m2, other=0.0).to(ACC)
+    p, m2 = _tile_ptrs(logits_ptr, rows, cols, S, E, stride_s)
+    x = tl.load(p, mask=m2, other=0.0).to(ACC)
     return _tile_probs(x, rows, cols, S, E, SIGMOID)
 
 

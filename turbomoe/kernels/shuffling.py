@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..reference import ShuffledRoutes
-from .gating import _row_probs, _tile_probs, _topk
+from .gating import _row_probs, _tile_probs, _tile_ptrs, _topk
 from .launch import acc_dtype, chain_launch, chain_wait, next_pow2, tl_dtype
 
 ONE_BLOCK_TILES = 1  # the single-program path up to this many tiles of tokens (measured: notes/inference.md)
@@ -37,8 +37,7 @@ def _topk_tile(logits_ptr, ids_ptr, scores_ptr, t0, T, E, stride_t, stride_p, N_
     if PARTS is None:
         probs, _, _, valid, cells = _row_probs(logits_ptr, rows, cols, T, E, stride_t, SIGMOID, ACC)
     else:
-        m2 = (rows < T)[:, None] & (cols < E)[None, :]
-        p = logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :]
+        p, m2 = _tile_ptrs(logits_ptr, rows, cols, T, E, stride_t)
         x = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         for s in tl.static_range(N_PARTS):  # a fixed order: deterministic
             x += tl.load(p + s * stride_p, mask=m2, other=0.0)
