@@ -76,16 +76,17 @@ class TurboGroupedMLP(GroupedMLP):
             tokens_RH = (probs_R.unsqueeze(-1) * tokens_RH).to(tokens_RH.dtype)
             probs_R = torch.ones_like(probs_R)
         offs_E = row_offsets(counts_E)  # once for the four GEMMs
-        h_RN = grouped_mm(tokens_RH, self.weight1.view(El, H, -1), counts_E, self.gmm_backend, offs_E,
-                          self._fused_main_grad(self.weight1, (El, H, -1)))
+        w1_EHN, w2_EFH = self.weight1.view(El, H, -1), self.weight2.view(El, -1, H)
+        h_RN = grouped_mm(tokens_RH, w1_EHN, counts_E, self.gmm_backend, offs_E,
+                          self._fused_main_grad(self.weight1, w1_EHN))
         a_RF = self._activation_with_probs(h_RN, probs_R)
-        out_RH = grouped_mm(a_RF, self.weight2.view(El, -1, H), counts_E, self.gmm_backend, offs_E,
-                            self._fused_main_grad(self.weight2, (El, -1, H)))
+        out_RH = grouped_mm(a_RF, w2_EFH, counts_E, self.gmm_backend, offs_E,
+                            self._fused_main_grad(self.weight2, w2_EFH))
         return out_RH, None
 
-    def _fused_main_grad(self, weight: Parameter, shape) -> Optional[torch.Tensor]:
-        """weight.main_grad viewed as the GEMM's [El, K, N] where the weight gradient goes there directly:
-        config.gradient_accumulation_fusion, a gradient to compute, and the weight in Megatron's DDP (a
+    def _fused_main_grad(self, weight: Parameter, w_GKN: torch.Tensor) -> Optional[torch.Tensor]:
+        """weight.main_grad viewed as w_GKN (the GEMM's view of weight) where the weight gradient goes
+        there directly: config.gradient_accumulation_fusion, a gradient to compute, and the weight in Megatron's DDP (a
         main_grad and the grad_added_to_main_grad flag its hook reads; not zero_out_wgrad, where the
         hook adds the weight's gradient itself); else None. The weight is then marked as Megatron's
         linears mark it, so that DDP's hook does not add the placeholder gradient."""
@@ -94,7 +95,7 @@ class TurboGroupedMLP(GroupedMLP):
                 and not getattr(weight, "zero_out_wgrad", False)):
             return None
         weight.grad_added_to_main_grad = True  # DDP clears it when it zeroes the buffer, every step
-        return weight.main_grad.view(*shape)
+        return weight.main_grad.view_as(w_GKN)
 
     def _activation_with_probs(self, h_RN: torch.Tensor, probs_R: Optional[torch.Tensor]) -> torch.Tensor:
         """act(h) * probs in h's dtype, as Megatron's MLP does it for experts (per_token_scale)."""

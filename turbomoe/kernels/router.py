@@ -70,10 +70,11 @@ def router_logit_parts(x_TM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
     x_TM, w_EM = x_TM.contiguous(), w_EM.contiguous()
     (T, K), E = x_TM.shape, w_EM.shape[0]
     S = max(1, triton.cdiv(K, PARTS_BLOCK_K))
-    out = torch.zeros(S, T, E, device=x_TM.device, dtype=torch.float32) if K == 0 else \
-        torch.empty(S, T, E, device=x_TM.device, dtype=torch.float32)
-    if T == 0 or E == 0 or K == 0:
+    out = torch.empty(S, T, E, device=x_TM.device, dtype=torch.float32)
+    if T == 0 or E == 0:
         return out
+    if K == 0:
+        return out.zero_()
     block_e = min(32, max(16, next_pow2(E)))
     _router_parts_kernel[(triton.cdiv(T, 16), triton.cdiv(E, block_e), S)](
         x_TM, w_EM, out, T, E, K, x_TM.stride(0), w_EM.stride(0), out.stride(0), out.stride(1), BLOCK_T=16,
