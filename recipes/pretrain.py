@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 import torch  # noqa: E402
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
+from deepspeed.moe.utils import is_moe_param_group, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
 from deepspeed.utils import groups  # noqa: E402
 
 import checkpointing  # noqa: E402
@@ -30,6 +31,7 @@ from run_log import RunLog, peak_flops  # noqa: E402
 from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
 from turbomoe.models.compile import compile_dense_blocks, compile_moe_blocks  # noqa: E402
+from turbomoe.models.cuda_graph import graph_training_forward  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -126,12 +128,59 @@ def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     # masters); a resumed run's weights come from its checkpoint instead.
     if cfg.init_from is not None and not resuming:
         model.load_hf_weights(cfg.init_from, ep_rank)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config)
+    # No autograd graph over the parameters: DeepSpeed's optimizers flatten them with torch.cat and keep the
+    # result, which would hold every parameter's AccumulateGrad node on the default stream; CUDA graph
+    # capture (train.cuda_graph) cannot run those nodes on its own stream.
+    with torch.no_grad():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config)
+    norms_over_flat_gradients(engine)
     actual = groups._get_expert_parallel_rank(f"ep_size_{moe.ep_size}")
     if actual != ep_rank:
         raise RuntimeError(f"rank {rank}: DeepSpeed placed this rank at expert-parallel rank {actual}, "
                            f"but its experts were initialised for {ep_rank}")
     return engine, model
+
+
+def norms_over_flat_gradients(engine):
+    """BF16_Optimizer's gradient norm and clipping over its flat fp32 gradient buffers, one per
+    parameter group, instead of one tensor per parameter (687 in small-1gpu: ~1,400 kernels and their
+    host time a step). The same norm, the buffers' padding being zero, where each rank holds whole
+    parameters: without tensor or pipeline parallelism (no mpu), as the recipe runs."""
+    opt = engine.optimizer
+    if not isinstance(opt, BF16_Optimizer) or opt.mpu is not None:
+        return
+
+    def grads_for_norm(for_clipping=False):
+        if for_clipping:
+            return list(opt.fp32_groups_gradients_flat)
+        non_expert, expert = [], {}
+        for group, flat in zip(opt.optimizer.param_groups, opt.fp32_groups_gradients_flat):
+            if opt.has_moe_layers and is_moe_param_group(group):
+                expert.setdefault(group["name"], []).append(flat)
+            else:
+                non_expert.append(flat)
+        return non_expert, expert
+
+    opt.get_grads_for_norm = grads_for_norm
+
+
+def capture_step(cfg, engine, model, batch):
+    """train.cuda_graph: the model's training forward and backward captured at the micro-batch's
+    shape (batch [B, T + 1] on the GPU, as train_step slices it), after the engine and any
+    checkpoint put the parameters in place; later micro-batches of that shape replay them."""
+    if not cfg.train.cuda_graph:
+        return
+    engine.train()
+    opt, buffers, mark = engine.optimizer, {}, None
+    if isinstance(opt, BF16_Optimizer):
+        # The backward graph adds each gradient into the optimizer's fp32 gradient itself: no bf16 .grad and
+        # no per-parameter hook, which cost more host time than the replay (687 parameters in small-1gpu).
+        buffers = {lp: hp for lps, hps in zip(opt.bf16_groups, opt.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
+
+        def mark():  # what the optimizer's own accumulation records, read by its norm and step
+            for i, flags in enumerate(opt.fp32_groups_has_gradients):
+                opt.fp32_groups_has_gradients[i] = [True] * len(flags)
+    graph_training_forward(model, batch[:, :-1], batch[:, 1:], grad_buffers=buffers, before_replay=mark)
 
 
 def check_token_ids(batch_np, vocab_size: int):
@@ -219,6 +268,8 @@ def evaluate(engine, batches, device) -> float:
 
 def train(cfg, args, resume, samples):
     on_gpu = torch.cuda.is_available()
+    if cfg.train.cuda_graph and not on_gpu:
+        raise ConfigError("train.cuda_graph needs a GPU (CUDA graphs); this machine has none")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu:
         torch.cuda.set_device(local_rank)
@@ -292,6 +343,8 @@ def train(cfg, args, resume, samples):
             for b in batches_np:
                 check_token_ids(b, cfg.model.vocab_size)
         batches = [to_device(b, device) for b in batches_np]
+        if step == start_step:
+            capture_step(cfg, engine, model, batches[0])
         stats = train_step(engine, batches, cfg.moe.aux_loss_coef)
         done = step + 1
         pending.add(done, lr, stats, engine.get_global_grad_norm())

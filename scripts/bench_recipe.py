@@ -24,6 +24,8 @@ def run(impl: str, a, out_dir: str) -> dict:
     shutil.rmtree(log_dir, ignore_errors=True)
     sets = [f"train.steps={a.steps}", f"model.moe_impl={impl}", f"log.dir={log_dir}", "log.wandb=false",
             "checkpoint.every=0", f"eval.every={a.steps}", *a.set]
+    if impl == "deepspeed":
+        sets.append("train.cuda_graph=false")  # stock DeepSpeed MoE reads counts on the host: no capture
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(a.num_gpus),
            "--master_port", str(a.master_port), os.path.join(ROOT, "recipes", "pretrain.py"),
            "--config", a.config, *sum((["--set", s] for s in sets), [])]

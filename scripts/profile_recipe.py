@@ -56,6 +56,13 @@ def main():
     t = cfg.train
     engine, model = pretrain.build_engine(cfg, 0, pretrain.deepspeed_config(cfg, 1, t.precision != "fp32"))
     device = torch.device("cuda", 0)
+    if a.then_compile and t.cuda_graph:
+        sys.exit("--then-compile would compile blocks the captured graphs do not run: drop train.cuda_graph")
+    t0 = time.perf_counter()
+    pretrain.capture_step(cfg, engine, model, pretrain.to_device(
+        samples.train_batch(0, 0, t.grad_accum, 0, 1, t.micro_batch_size), device))
+    if t.cuda_graph:
+        print(f"train.cuda_graph: captured in {time.perf_counter() - t0:.1f} s")
     tokens = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
     flops = tokens * cfg.model.flops_per_token(cfg.data.seq_len)
     peak = pretrain.peak_flops(t.peak_tflops)
@@ -131,6 +138,7 @@ def main():
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         print(f"optimizer {type(engine.optimizer).__name__} over {type(engine.basic_optimizer).__name__}, "
               f"moe_impl {model.moe_impl}, zero {t.zero_stage}, fused_adamw {t.fused_adamw}, "
+              f"compile {t.compile}, cuda_graph {t.cuda_graph}, "
               f"backends {os.environ.get('TURBOMOE_BACKEND', 'default')}/{os.environ.get('TURBOMOE_GMM_BACKEND', 'default')}")
         mfu = f", MFU {100 * flops / (queued_ms / 1e3) / peak:.1f}%" if peak else ""
         print(f"queued: {queued_ms:.1f} ms/step (host issue {host_ms:.1f} ms/step), "

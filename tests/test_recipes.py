@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("deepspeed")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +93,8 @@ def test_config_errors(tmp_path):
     ("model.moe_impl=deepspeed", "moe.recompute needs model.moe_impl: turbomoe"),  # with recompute on below
     ("train.compile_moe=maybe", "train.compile_moe must be true or false"),
     ("train.compile_moe=true", "train.compile_moe needs model.moe_impl: turbomoe, moe.ep_size: 1"),  # tiny-cpu: ep 2
+    ("train.cuda_graph=maybe", "train.cuda_graph must be true or false"),
+    ("train.cuda_graph=true", "train.cuda_graph needs model.moe_impl: turbomoe, moe.ep_size: 1"),
 ])
 def test_every_value_typed_and_range_checked(override, message):
     """Each key's type and range are checked when the config loads, before any work (failed before:
@@ -148,6 +151,12 @@ def test_generated_deepspeed_config():
     bf16 = deepspeed_config(load_config(TINY, ["train.zero_stage=1"]), world_size=2, bf16=True)
     assert bf16["data_types"] == {"grad_accum_dtype": "fp32"} and bf16["bf16"] == {"enabled": True}
     assert "data_types" not in deepspeed_config(cfg, world_size=2, bf16=True)  # ZeRO 2 keeps DeepSpeed's default
+
+def test_cuda_graph_needs_a_gpu():
+    graphed = load_config(TINY, ["moe.ep_size=1", "train.cuda_graph=true"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="train.cuda_graph needs a GPU"):
+            pretrain.train(graphed, None, None, None)
 
 
 def test_token_ids_checked_on_the_host_batch():
@@ -247,7 +256,6 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
 @pytest.mark.parametrize("name, world, billions", [("tiny-cpu", 2, (0.001, 0.003)), ("small-1gpu", 1, (0.3, 0.4)),
                                                    ("1b-4gpu", 4, (0.95, 1.1))])
 def test_shipped_configs(name, world, billions):
-    import torch
     from turbomoe.models import Qwen3MoeForCausalLM
     cfg = load_config(os.path.join(ROOT, "recipes", "configs", f"{name}.yaml"))
     validate(cfg, world_size=world)

@@ -1,0 +1,64 @@
+"""The recipe's step with train.cuda_graph against the eager step, in one process on one GPU
+(tests/test_cuda_graph.py runs it): two engines built by recipes/pretrain.py from the same seed
+(bf16, BF16_Optimizer, dropless, gradient accumulation 2), the same batches; prints per-step losses,
+gradient norms, the largest parameter difference, and the recipe's gradient norm over flat buffers
+against DeepSpeed's per-parameter one, as JSON on the last line."""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+    os.environ.setdefault(key, value)
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
+
+import pretrain  # noqa: E402
+
+STEPS = 4
+
+
+def run(cfg, samples, graph: bool):
+    cfg.train.cuda_graph = graph
+    engine, model = pretrain.build_engine(cfg, 0, pretrain.deepspeed_config(cfg, 1, True))
+    t, device = cfg.train, torch.device("cuda", 0)
+    losses, norms = [], []
+    for step in range(STEPS):
+        batches = [pretrain.to_device(samples.train_batch(step, m, t.grad_accum, 0, 1, t.micro_batch_size), device)
+                   for m in range(t.grad_accum)]
+        if step == 0:
+            pretrain.capture_step(cfg, engine, model, batches[0])
+        stats = pretrain.train_step(engine, batches, cfg.moe.aux_loss_coef)
+        losses.append(stats[0].item() / t.grad_accum)
+        norms.append(float(engine.get_global_grad_norm()))
+    # The recipe's norm over the optimizer's flat gradient buffers against DeepSpeed's own, per parameter,
+    # on the gradients of one more backward.
+    b = pretrain.to_device(samples.train_batch(STEPS, 0, 1, 0, 1, t.micro_batch_size), device)
+    engine.backward(engine(b[:, :-1], b[:, 1:]).loss)
+    opt = engine.optimizer
+    flat, own = opt.get_grads_for_norm(), BF16_Optimizer.get_grads_for_norm(opt)
+    total = lambda pair: sum(float(g.float().norm()) ** 2 for g in pair[0] + sum(pair[1].values(), [])) ** 0.5  # noqa: E731
+    return (losses, norms, [p.detach().float().clone() for p in model.parameters()], type(opt).__name__,
+            [total(flat), total(own), sorted(flat[1]) == sorted(own[1]) and len(own[1]) > 0])
+
+
+def main():
+    args = pretrain.parse_args(["--config", os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml"),
+                                "--set", "moe.ep_size=1", "--set", "train.precision=bf16", "--set", "train.grad_accum=2",
+                                "--set", "log.wandb=false", "--set", "checkpoint.every=0",
+                                "--set", f"log.dir={sys.argv[1]}"])
+    cfg, _, samples = pretrain.prepare(args)
+    torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl")
+    eager = run(cfg, samples, False)
+    graphed = run(cfg, samples, True)
+    print(json.dumps({"optimizer": [eager[3], graphed[3]], "eager_loss": eager[0], "graph_loss": graphed[0],
+                      "eager_norm": eager[1], "graph_norm": graphed[1], "flat_vs_own_norm": [eager[4], graphed[4]],
+                      "max_param_diff": max((a - b).abs().max().item() for a, b in zip(eager[2], graphed[2]))}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The model's training forward and backward replayed from CUDA graphs (turbomoe.models.cuda_graph,
+the recipe's train.cuda_graph): the same bits as the eager model, step after step, with gradients
+kept or set to None between backwards, accumulated over micro-batches, and with random routing
+(capacity with RTS); eager where the call does not match the capture; clear errors otherwise."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+from tests.test_models import build, tiny  # noqa: E402
+from turbomoe.models.cuda_graph import graph_training_forward  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def batch(B, T, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, T + 1), generator=g).cuda()
+
+
+def train(model, steps, micro, set_to_none, seed=0, B=4, T=32):
+    """steps optimizer steps of micro micro-batches each; the per-micro-batch losses, on the host."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        for m in range(micro):
+            torch.manual_seed(1000 * step + m)  # RTS draws: a function of the step, as in the recipe
+            b = batch(B, T, model.config.vocab_size, seed + 10 * step + m)
+            out = model(b[:, :-1], b[:, 1:])
+            (out.loss + 0.01 * out.aux_loss).backward()
+            losses.append(out.loss.detach().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return torch.stack(losses).cpu()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("micro,set_to_none", [(1, True), (1, False), (3, False), (2, True)])
+@pytest.mark.parametrize("moe", [{}, {"capacity_factor": 1.0}], ids=["dropless", "capacity_rts"])
+def test_graphs_train_as_eager(dtype, micro, set_to_none, moe):
+    cfg = tiny(num_experts=8, num_hidden_layers=3, max_position_embeddings=64)
+    eager = build(cfg, **moe).cuda().to(dtype)
+    graphed = copy.deepcopy(eager)
+    sample = batch(4, 32, cfg.vocab_size, seed=99)
+    graph_training_forward(graphed, sample[:, :-1], sample[:, 1:])
+    # Capture runs forwards and backwards but changes no parameter and leaves no gradient.
+    assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), graphed.parameters()))
+    assert all(p.grad is None for p in graphed.parameters())
+    a = train(eager, 3, micro, set_to_none)
+    b = train(graphed, 3, micro, set_to_none)
+    assert torch.equal(a, b), (a, b)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        assert torch.equal(p, q), name
+    # Other calls run eager: evaluation, no_grad, another shape.
+    x = batch(2, 16, cfg.vocab_size, seed=5)
+    with torch.no_grad():
+        assert torch.equal(eager(x[:, :-1], x[:, 1:]).loss, graphed(x[:, :-1], x[:, 1:]).loss)
+    eager.eval(), graphed.eval()
+    x = batch(4, 32, cfg.vocab_size, seed=6)
+    with torch.no_grad():
+        assert torch.equal(eager(x[:, :-1]).logits, graphed(x[:, :-1]).logits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_buffers_take_the_gradients(dtype):
+    """Parameters with a grad buffer (an fp32 main grad, as DeepSpeed's BF16_Optimizer keeps): the
+    backward graph adds each micro-batch's gradient into it, bit for bit the eager gradients'
+    fp32 sum, and .grad stays None; the others accumulate in .grad as eager does."""
+    cfg = tiny(num_experts=8, num_hidden_layers=3)
+    eager = build(cfg).cuda().to(dtype)
+    graphed = copy.deepcopy(eager)
+    bufs = {p: torch.zeros(p.numel(), device="cuda") for p in list(graphed.parameters())[::2]}
+    replays = []
+    sample = batch(4, 32, cfg.vocab_size, seed=99)
+    graph_training_forward(graphed, sample[:, :-1], sample[:, 1:], grad_buffers=bufs,
+                           before_replay=lambda: replays.append(1))
+    assert all(not b.any() for b in bufs.values())  # capture added nothing
+    ref32 = [torch.zeros(p.numel(), device="cuda") for p in eager.parameters()]
+    ref = [None] * len(ref32)
+    for m in range(3):
+        b = batch(4, 32, cfg.vocab_size, seed=m)
+        for model in (eager, graphed):
+            out = model(b[:, :-1], b[:, 1:])
+            (out.loss + 0.01 * out.aux_loss).backward()
+        for i, p in enumerate(eager.parameters()):
+            ref32[i].add_(p.grad.reshape(-1))
+            ref[i] = p.grad if ref[i] is None else ref[i] + p.grad
+            p.grad = None
+    assert replays == [1, 1, 1]
+    for i, ((name, p), want32, want) in enumerate(zip(graphed.named_parameters(), ref32, ref)):
+        if p in bufs:
+            assert p.grad is None and torch.equal(bufs[p], want32), name
+        else:
+            assert torch.equal(p.grad, want), name
+
+
+def launches(model, x):
+    """Kernel launches of one training forward and backward, counted by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(x[:, :-1], x[:, 1:]).loss.backward()
+    events = prof.key_averages()
+    return (sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")),
+            sum(e.count for e in events if e.key == "cudaGraphLaunch"))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_replays_instead_of_launching():
+    """A replayed step launches two graphs and a few kernels around them (the loss's gradient, the
+    parameters' gradients into .grad), not the eager step's hundreds."""
+    cfg = tiny(num_experts=8, num_hidden_layers=3)
+    model = build(cfg).cuda()
+    x = batch(4, 32, cfg.vocab_size, seed=1)
+    eager_kernels, _ = launches(copy.deepcopy(model), x)
+    graph_training_forward(model, x[:, :-1], x[:, 1:])
+    kernels, graphs = launches(model, x)
+    assert graphs == 2 and kernels * 5 < eager_kernels, (kernels, graphs, eager_kernels)
+
+
+def test_bad_uses_raise():
+    cfg = tiny()
+    model = build(cfg)
+    x = torch.zeros(2, 9, dtype=torch.long)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        graph_training_forward(model, x[:, :-1], x[:, 1:])
+    if torch.cuda.is_available():
+        x = x.cuda()
+        with pytest.raises(ValueError, match="parameters must be on"):
+            graph_training_forward(model, x[:, :-1], x[:, 1:])
+        with pytest.raises(ValueError, match="differ in shape"):
+            graph_training_forward(model.cuda(), x[:, :-1], x[:, 2:])
+        with pytest.raises(ValueError, match="moe_impl 'turbomoe', ep_size 1 and no recompute"):
+            graph_training_forward(build(cfg, recompute=True).cuda(), x[:, :-1], x[:, 1:])
+        with pytest.raises(ValueError, match="model.train"):
+            graph_training_forward(model.eval(), x[:, :-1], x[:, 1:])
+        model.train()
+        with pytest.raises(ValueError, match="not a trainable parameter"):
+            graph_training_forward(model, x[:, :-1], x[:, 1:], grad_buffers={torch.zeros(3, device="cuda"): None})
+        p = next(model.parameters())
+        with pytest.raises(ValueError, match="float tensor of its parameter's numel"):
+            graph_training_forward(model, x[:, :-1], x[:, 1:], grad_buffers={p: torch.zeros(p.numel() + 1, device="cuda")})
+        graph_training_forward(model, x[:, :-1], x[:, 1:])
+        with pytest.raises(ValueError, match="already captured"):
+            graph_training_forward(model, x[:, :-1], x[:, 1:])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_recipe_step_with_graphs_matches_eager(tmp_path):
+    """The recipe's engine (bf16, DeepSpeed's BF16_Optimizer, whose fp32 gradients the backward graph
+    adds into; its norm taken over flat buffers) trains as the eager step does: losses, gradient norms and parameters after 4 steps of 2
+    micro-batches agree within bf16 noise (flash attention's backward sums with atomics: not bitwise)."""
+    env = dict(os.environ, MASTER_PORT=str(29700 + os.getpid() % 200))
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "recipe_graph_script.py"),
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["optimizer"] == ["BF16_Optimizer", "BF16_Optimizer"], r
+    assert r["eager_loss"][0] == r["graph_loss"][0], r  # the first step's forward: same weights, same kernels
+    for key in ("loss", "norm"):
+        for a, b in zip(r[f"eager_{key}"], r[f"graph_{key}"]):
+            assert abs(a - b) <= 2e-2 * abs(a), r
+    assert r["max_param_diff"] < 5e-2, r
+    # pretrain.norms_over_flat_gradients: DeepSpeed's norm, from one tensor per group, expert groups kept apart.
+    for flat, own, same_groups in r["flat_vs_own_norm"]:
+        assert same_groups and abs(flat - own) <= 1e-5 * own, r

@@ -1,0 +1,148 @@
+"""A whole training forward and backward replayed from two CUDA graphs.
+
+At small-1gpu's shapes the eager step is host-bound: the GPU waits for Python, autograd and ~13k
+kernel launches a step (notes/recipe_profile.md). turbomoe's layer does no host sync at ep_size 1
+(dropless or capacity) and keeps its counts on the device, so the model's whole forward and backward
+can be captured once and replayed: one launch each instead of thousands.
+
+`graph_training_forward(model, input_ids_BT, labels_BT)` captures them (as torch.cuda's
+make_graphed_callables does: warm-up on a side stream, then forward, then backward into one memory
+pool) and routes the model's later calls: training mode, gradients on, and inputs of the captured
+shape, dtype and device replay the graphs; anything else (evaluation, no_grad, another shape) runs
+the eager forward. State dicts, DeepSpeed's module hooks and the optimizer's in-place updates are
+untouched: the graphs read the parameters where they are, so capture after anything that moves them
+(deepspeed.initialize, loading a checkpoint).
+
+Gradients, two ways:
+- `grad_buffers={param: buffer}` (a main-grad buffer of the parameter's numel, fp32 say): the
+  backward graph adds the parameter's gradient into it and autograd sees none (.grad stays None;
+  no AccumulateGrad, no per-parameter hooks: with hundreds of parameters those cost more host time
+  than the whole replay). DeepSpeed's BF16_Optimizer's fp32 gradients are such buffers.
+- any other parameter gets its gradient from the graph's own buffer, handed to .grad without a
+  copy. So that a kept .grad (zeroed rather than set to None, or accumulated over micro-batches)
+  is not overwritten by the next replay, the forward moves it out of the graph's buffer first (a
+  copy only then).
+"""
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .qwen3_moe import Qwen3MoeForCausalLM
+
+
+def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor,
+                           grad_buffers: Optional[Dict[nn.Parameter, torch.Tensor]] = None,
+                           before_replay: Optional[Callable[[], None]] = None,
+                           warmup: int = 3) -> Qwen3MoeForCausalLM:
+    """Capture model's training forward and backward at these inputs' shapes; returns model, whose
+    matching calls now replay. The inputs are a real batch or any tokens of that shape (copied: the
+    caller's tensors are not the graph's). The warm-up runs forward and autograd.grad, so no
+    gradient is accumulated and no parameter changes. before_replay() runs on the host before each
+    replayed forward (e.g. to mark the buffers' gradients present)."""
+    _check(model, input_ids_BT, labels_BT)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_buffers = grad_buffers or {}
+    trainable = {id(p) for p in params}
+    for p, buf in grad_buffers.items():
+        if id(p) not in trainable:
+            raise ValueError("grad_buffers has a tensor that is not a trainable parameter of the model")
+        if buf.numel() != p.numel() or buf.device != p.device or not buf.is_floating_point():
+            raise ValueError(f"a grad buffer must be a float tensor of its parameter's numel on its device: "
+                             f"parameter {tuple(p.shape)} on {p.device}, buffer {tuple(buf.shape)} {buf.dtype} on {buf.device}")
+    sunk = [p in grad_buffers for p in params]
+    key = _key(input_ids_BT, labels_BT)
+    inputs = (input_ids_BT.clone(), labels_BT.clone())  # the graphs' static inputs
+    run = lambda: type(model).forward(model, *inputs)  # noqa: E731 (around DeepSpeed's module hooks)
+
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # lazy initialisation (autotuning, compiles) outside the capture
+        for _ in range(warmup):
+            outs = [o for o in run() if o is not None and o.requires_grad]
+            torch.autograd.grad(outs, params, [torch.empty_like(o) for o in outs], allow_unused=True)
+            del outs
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    pool = torch.cuda.graph_pool_handle()
+    fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(fwd, pool=pool):
+            static_out = run()
+        flat = [o for o in static_out if o is not None]
+        with_grad = [o for o in flat if o.requires_grad]
+        grad_outs = [torch.empty_like(o) for o in with_grad]
+        with torch.cuda.graph(bwd, pool=pool):
+            grads = torch.autograd.grad(with_grad, params, grad_outs, allow_unused=True)
+            for p, g in zip(params, grads):
+                if g is not None and p in grad_buffers:
+                    grad_buffers[p].add_(g.reshape(grad_buffers[p].shape))
+    except RuntimeError as e:
+        raise RuntimeError(f"capturing the model's forward and backward failed: {e}. Something in the step syncs "
+                           f"with the host, or an autograd graph made before over the parameters is still alive "
+                           f"(an optimizer that flattened them with gradients on: build it under torch.no_grad())") from e
+    # What the backward hands autograd: the graph's buffer for parameters without a grad buffer.
+    param_grads = [None if s else g for s, g in zip(sunk, grads)]
+    kept: List[tuple] = [(p, g.data_ptr()) for p, g in zip(params, param_grads) if g is not None]
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *params_):
+            fwd.replay()
+            return tuple(o.detach() for o in flat)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads_):
+            i = 0
+            for o, g in zip(flat, grads_):
+                if o.requires_grad:
+                    if g is None:
+                        grad_outs[i].zero_()
+                    elif g.data_ptr() != grad_outs[i].data_ptr():
+                        grad_outs[i].copy_(g)
+                    i += 1
+            bwd.replay()
+            return tuple(None if g is None else g.detach() for g in param_grads)
+
+    def forward_(input_ids_BT, labels_BT=None):
+        if labels_BT is None or not model.training or not torch.is_grad_enabled() or _key(input_ids_BT, labels_BT) != key:
+            return type(model).forward(model, input_ids_BT, labels_BT)
+        for p, ptr in kept:
+            if p.grad is not None and p.grad.data_ptr() == ptr:
+                p.grad = p.grad.clone()
+        inputs[0].copy_(input_ids_BT)
+        inputs[1].copy_(labels_BT)
+        if before_replay is not None:
+            before_replay()
+        out = iter(Replay.apply(*params))
+        return type(static_out)(*(None if o is None else next(out) for o in static_out))
+
+    model.cuda_graphed = True
+    model.forward = forward_  # an instance attribute: nn.Module.__call__ (and DeepSpeed's hooks around it) calls it
+    return model
+
+
+def _check(model, input_ids_BT, labels_BT):
+    if not input_ids_BT.is_cuda or not labels_BT.is_cuda:
+        raise ValueError(f"CUDA graphs need CUDA tensors, got input_ids on {input_ids_BT.device}, "
+                         f"labels on {labels_BT.device}")
+    if input_ids_BT.shape != labels_BT.shape:
+        raise ValueError(f"input_ids {tuple(input_ids_BT.shape)} and labels {tuple(labels_BT.shape)} differ in shape")
+    if any(p.device != input_ids_BT.device for p in model.parameters()):
+        raise ValueError(f"the model's parameters must be on the inputs' device {input_ids_BT.device}")
+    if model.moe_impl != "turbomoe" or model.moe_args.ep_size != 1 or model.moe_args.recompute:
+        # Stock DeepSpeed MoE and the all-to-all path read counts on the host, which capture forbids;
+        # recompute's saved-tensor hooks are not verified under capture.
+        raise ValueError(f"CUDA graphs need moe_impl 'turbomoe', ep_size 1 and no recompute, got "
+                         f"{model.moe_impl!r}, {model.moe_args.ep_size}, {model.moe_args.recompute}")
+    if getattr(model, "cuda_graphed", False):
+        raise ValueError("this model is already captured")
+    if not model.training:
+        raise ValueError("capture the training forward: call model.train() first")
+
+
+def _key(input_ids_BT, labels_BT):
+    return tuple((t.shape, t.dtype, t.device) for t in (input_ids_BT, labels_BT))
