@@ -170,16 +170,18 @@ def capture_step(cfg, engine, model, batch):
     checkpoint put the parameters in place; later micro-batches of that shape replay them."""
     if not cfg.train.cuda_graph:
         return
+    opt = engine.optimizer
+    if not isinstance(opt, BF16_Optimizer):  # the one optimizer verified under capture
+        raise ConfigError(f"train.cuda_graph runs with DeepSpeed's BF16_Optimizer (bf16, ZeRO 1, fp32 gradient "
+                          f"accumulation), got {type(opt).__name__}")
     engine.train()
-    opt, buffers, mark = engine.optimizer, {}, None
-    if isinstance(opt, BF16_Optimizer):
-        # The backward graph adds each gradient into the optimizer's fp32 gradient itself: no bf16 .grad and
-        # no per-parameter hook, which cost more host time than the replay (687 parameters in small-1gpu).
-        buffers = {lp: hp for lps, hps in zip(opt.bf16_groups, opt.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
+    # The backward graph adds each gradient into the optimizer's fp32 gradient itself: no bf16 .grad and
+    # no per-parameter hook, which cost more host time than the replay (687 parameters in small-1gpu).
+    buffers = {lp: hp for lps, hps in zip(opt.bf16_groups, opt.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
 
-        def mark():  # what the optimizer's own accumulation records, read by its norm and step
-            for i, flags in enumerate(opt.fp32_groups_has_gradients):
-                opt.fp32_groups_has_gradients[i] = [True] * len(flags)
+    def mark():  # what the optimizer's own accumulation records, read by its norm and step
+        for i, flags in enumerate(opt.fp32_groups_has_gradients):
+            opt.fp32_groups_has_gradients[i] = [True] * len(flags)
     graph_training_forward(model, batch[:, :-1], batch[:, 1:], grad_buffers=buffers, before_replay=mark)
 
 

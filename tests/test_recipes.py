@@ -152,7 +152,10 @@ def test_generated_deepspeed_config():
     assert bf16["data_types"] == {"grad_accum_dtype": "fp32"} and bf16["bf16"] == {"enabled": True}
     assert "data_types" not in deepspeed_config(cfg, world_size=2, bf16=True)  # ZeRO 2 keeps DeepSpeed's default
 
-def test_cuda_graph_needs_a_gpu():
+def test_cuda_graph_needs_bf16_zero1_and_a_gpu():
+    for other in ("train.zero_stage=2", "train.precision=fp32"):
+        with pytest.raises(ConfigError, match="train.zero_stage: 1 and bf16"):
+            load_config(TINY, ["moe.ep_size=1", "train.cuda_graph=true", other])
     graphed = load_config(TINY, ["moe.ep_size=1", "train.cuda_graph=true"])
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="train.cuda_graph needs a GPU"):
