@@ -41,10 +41,13 @@ def check(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12,
     else:
         w = torch.randn(G, K, N, generator=gen, dtype=torch.float64).to(device, dtype)
     w.requires_grad_()
+    made = []  # the gradient as the GEMM makes it, before AccumulateGrad copies it into w's layout
+    w.register_hook(lambda g: made.append(g.stride()))
     dy = torch.randn(R, N, generator=gen, dtype=torch.float64).to(device, dtype)
     used = int(counts.sum())
     y = grouped_mm(x, w, counts.to(device), backend=backend)
     (y[:used] * dy[:used]).sum().backward()
+    assert made == [w.stride()], (made, w.stride())  # stacked nn.Linear weights: no transposing copy
 
     xr = x.detach().double().cpu().requires_grad_()
     wr = w.detach().double().cpu().requires_grad_()
