@@ -91,7 +91,9 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
         @staticmethod
         def forward(ctx, *params_):
             fwd.replay()
-            return tuple(o.detach() for o in flat)
+            out = tuple(o.detach() for o in flat)
+            ctx.mark_non_differentiable(*(r for r, o in zip(out, flat) if not o.requires_grad))  # expert counts
+            return out
 
         @staticmethod
         @torch.autograd.function.once_differentiable
