@@ -293,7 +293,8 @@ def train(cfg, args, resume, samples):
 
     start_step = 0
     if resume is not None:
-        load_path, client_state = engine.load_checkpoint(resume[0], tag=resume[1])
+        with torch.no_grad():  # as deepspeed.initialize above: no autograd graph over the parameters kept
+            load_path, client_state = engine.load_checkpoint(resume[0], tag=resume[1])
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {resume}")
         start_step = client_state["step"]
