@@ -182,20 +182,12 @@ def test_recipe_resume_with_graphs(tmp_path):
     """Stop and resume with train.cuda_graph: the capture after load_checkpoint works (the load runs under
     no_grad: before, it left an autograd graph over the parameters and the backward capture failed) and
     the resumed steps train as the uninterrupted run (tiny-cpu at ep_size 1, bf16, one GPU)."""
-    from tests.test_recipes import ROOT, TINY, free_port, records
-    sets = ["moe.ep_size=1", "train.precision=bf16", "train.cuda_graph=true", "train.steps=8", "train.warmup_steps=2",
-            "eval.every=4", "eval.batches=2", "checkpoint.every=4", "log.wandb=false", "log.every=1"]
-
-    def launch(log_dir, *args):
-        cmd = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), os.path.join(ROOT, "recipes", "pretrain.py"),
-               "--config", TINY, *sum((["--set", s] for s in sets), []), "--set", f"log.dir={log_dir}", *args]
-        env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    launch(tmp_path / "full")
-    launch(tmp_path / "part", "--stop-at-step", "4")
-    launch(tmp_path / "part", "--resume")
+    from tests.test_recipes import launch, records
+    sets = [a for kv in ("moe.ep_size=1", "train.precision=bf16", "train.cuda_graph=true", "log.every=1")
+            for a in ("--set", kv)]  # over test_recipes' shortened tiny-cpu: 8 steps, checkpoints every 4
+    launch(tmp_path / "full", *sets, gpus=1)
+    launch(tmp_path / "part", *sets, "--stop-at-step", "4", gpus=1)
+    launch(tmp_path / "part", *sets, "--resume", gpus=1)
     full, part = records(tmp_path / "full", "train"), records(tmp_path / "part", "train")
     assert [r["step"] for r in part] == list(range(1, 9))
     for a, b in zip(full, part):  # equal in the run of record; 1e-3 leaves room for attention's atomics

@@ -31,12 +31,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp, *args, check=True):
-    """deepspeed --num_gpus 2 recipes/pretrain.py ... with logs and checkpoints under tmp."""
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), os.path.join(ROOT, "recipes", "pretrain.py"),
-           "--config", TINY, *SHORT, "--set", f"log.dir={tmp}", *args]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")  # CPU ranks also where there are GPUs
+def launch(tmp, *args, check=True, gpus=0):
+    """deepspeed recipes/pretrain.py (tiny-cpu, shortened) ... with logs and checkpoints under tmp: on 2 CPU
+    ranks, or on `gpus` GPUs."""
+    cmd = ["deepspeed", "--num_gpus", str(gpus or 2), "--master_port", str(free_port()),
+           os.path.join(ROOT, "recipes", "pretrain.py"), "--config", TINY, *SHORT, "--set", f"log.dir={tmp}", *args]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if not gpus:
+        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")  # CPU ranks also where there are GPUs
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

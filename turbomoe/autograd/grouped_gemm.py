@@ -180,15 +180,15 @@ class GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = mm_forward(dy_RN, w_GKN.transpose(1, 2), counts_G, ctx.backend, offs_G)
         if ctx.needs_input_grad[1]:
-            if ctx.main_grad is None and w_GKN.stride(1) == 1 and w_GKN.stride(2) != 1:
+            if ctx.main_grad is not None:  # Megatron's protocol: the sum is in main_grad; w's gradient, unread, still fires its hooks
+                mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G, out=ctx.main_grad)
+                dw = torch.empty_like(w_GKN)
+            elif w_GKN.stride(1) == 1 and w_GKN.stride(2) != 1:
                 # w is each group's [N, K] block seen transposed (nn.Linear weights stacked): dw made in that
                 # layout, dy^T x, so the gradient reaches the parameters without a transposing copy each.
                 dw = mm_wgrad(dy_RN, x_RK, counts_G, ctx.backend, offs_G).transpose(1, 2)
-            elif ctx.main_grad is None:
+            else:
                 dw = mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G)
-            else:  # Megatron's protocol: the sum is in main_grad; w's gradient, unread, still fires its hooks
-                mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G, out=ctx.main_grad)
-                dw = torch.empty_like(w_GKN)
         return dx, dw, None, None, None, None
 
 
