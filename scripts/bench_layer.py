@@ -8,7 +8,8 @@ Every implementation runs the same step: forward of x [S, M], backward of a rand
 (+ the aux loss where there is one), parameter grads reset to None between steps. Times are
 CUDA-event medians after warm-up, rotating over three input sets, queued (the table) and synced
 (scripts/timing.py says how). Peak memory is the peak of allocated memory during one step minus
-what was allocated before it (parameters, inputs).
+what was allocated before it (parameters, inputs); the step makes the parameters' gradients (reset
+to None before it), so "activation" memory is also given: that peak less the gradients' bytes.
 Peers: DeepSpeed's MoE with SwiGLU experts (drop_tokens, capacity factor 1), a plain-PyTorch
 layer on torch._grouped_mm, ScatterMoE's GLUMLP (import path: its source under .peers/, never
 committed), MegaBlocks' dMoE where installed. The dense floor is a SwiGLU FFN over S*k tokens:
@@ -204,9 +205,10 @@ def time_impl(name, cfg, iters, warmup=3):
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+    grads = sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad) / 2 ** 30
     del mod, sets, steps, step
     torch.cuda.empty_cache()
-    return queued, synced, peak
+    return queued, synced, peak, peak - grads
 
 
 def profile_layer(name, cfg, steps=3):
@@ -301,7 +303,7 @@ def bench_gemms(cfg, iters):
     return res
 
 
-def plot(results, path):
+def plot(results, path, device_name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -309,12 +311,12 @@ def plot(results, path):
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(names)
     for j, n in enumerate(names):
-        vals = [r["impls"][n].get("ms", 0) or 0 for r in results]
+        vals = [r["impls"].get(n, {}).get("ms", 0) or 0 for r in results]
         ax.bar([i + j * width for i in range(len(results))], vals, width, label=n)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
     ax.set_xticklabels(["S=%d M=%d F=%d\nE=%d k=%d" % tuple(r["cfg"]) for r in results], fontsize=8)
     ax.set_ylabel("ms, forward + backward (median)")
-    ax.set_title(f"MoE layer, bf16, {torch.cuda.get_device_name()}")
+    ax.set_title(f"MoE layer, bf16, {device_name}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -332,14 +334,19 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     impls = args.impls.split(",")
+    os.makedirs(args.out, exist_ok=True)
     results = []
+
+    def save():  # after every config: a run cut short keeps what it measured
+        with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), f, indent=1)
     for ci in [int(c) for c in args.configs.split(",")]:
         cfg = CONFIGS[ci]
         row = dict(cfg=cfg, impls={})
         for name in impls:
             try:
-                ms, synced, peak = time_impl(name, cfg, args.iters)
-                row["impls"][name] = dict(ms=ms, synced_ms=synced, peak_gib=peak)
+                ms, synced, peak, act = time_impl(name, cfg, args.iters)
+                row["impls"][name] = dict(ms=ms, synced_ms=synced, peak_gib=peak, activation_gib=act)
             except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
                 row["impls"][name] = dict(error=f"{type(e).__name__}: {e}"[:300])
                 traceback.print_exc(limit=2)
@@ -354,10 +361,9 @@ def main():
             row["gemms"] = bench_gemms(cfg, args.iters)
             print(cfg, "gemms", row["gemms"], flush=True)
         results.append(row)
-    with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), f, indent=1)
+        save()
     try:
-        plot(results, os.path.join(args.out, "bench_layer.png"))
+        plot(results, os.path.join(args.out, "bench_layer.png"), torch.cuda.get_device_name())
     except Exception as e:  # noqa: BLE001
         print("plot failed:", e)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, fwd+bwd, ms (x dense floor) [peak GiB]")

@@ -122,7 +122,8 @@ def test_router_logits_errors():
 # (counts, K, F, N): empty groups, one group with every row, no rows at all, one group, K not a
 # multiple of the K tile, more rows than a row tile (on the interpreter: 16)
 FEW_ROWS_CASES = [([0, 3, 0, 1], 40, 12, 24), ([5, 0, 0, 2, 1], 600, 24, 40), ([0, 0, 0], 40, 12, 8), ([1], 700, 16, 32),
-                  ([17, 0, 3], 64, 20, 24), ([0, 0, 9], 33, 7, 16)]
+                  ([17, 0, 3], 64, 20, 24), ([0, 0, 9], 33, 7, 16),
+                  ([1] * 9 + [0, 40], 48, 16, 24)]  # many one-row groups and a long one (a shared expert)
 
 
 @pytest.mark.parametrize("case", FEW_ROWS_CASES)
