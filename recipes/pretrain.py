@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.moe.utils import is_moe_param_group, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
@@ -269,7 +270,9 @@ def evaluate(engine, batches, device) -> float:
 
 
 def train(cfg, args, resume, samples):
-    on_gpu = torch.cuda.is_available()
+    # DeepSpeed's accelerator decides, not torch alone: with DS_ACCELERATOR=cpu the ranks stay on the CPU
+    # on a GPU machine too (the launcher still sets CUDA_VISIBLE_DEVICES, one GPU a rank).
+    on_gpu = get_accelerator().device_name() == "cuda" and torch.cuda.is_available()
     if cfg.train.cuda_graph and not on_gpu:
         raise ConfigError("train.cuda_graph needs a GPU (CUDA graphs); this machine has none")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -307,7 +310,7 @@ def train(cfg, args, resume, samples):
     valid_np = samples.valid_batches(rank, world, t.micro_batch_size, cfg.eval.batches)
     tokens_per_step = t.micro_batch_size * t.grad_accum * world * cfg.data.seq_len
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
-    peak = peak_flops(t.peak_tflops)
+    peak = peak_flops(t.peak_tflops, on_gpu)
     check_vocab = vocab_size_of(cfg.data.source) is None
     if check_vocab:
         for b in valid_np:

@@ -14,11 +14,11 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H8
                     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0))
 
 
-def peak_flops(configured_tflops: Optional[float]) -> Optional[float]:
+def peak_flops(configured_tflops: Optional[float], on_gpu: bool) -> Optional[float]:
     """Per-device peak FLOP/s for MFU: the configured one, else known from the GPU; None on the CPU."""
     if configured_tflops:
         return configured_tflops * 1e12
-    if not torch.cuda.is_available():
+    if not on_gpu:
         return None
     name = torch.cuda.get_device_name()
     return next((tf * 1e12 for key, tf in PEAK_BF16_TFLOPS if key in name), None)

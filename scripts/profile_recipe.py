@@ -65,7 +65,7 @@ def main():
         print(f"train.cuda_graph: captured in {time.perf_counter() - t0:.1f} s")
     tokens = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
     flops = tokens * cfg.model.flops_per_token(cfg.data.seq_len)
-    peak = pretrain.peak_flops(t.peak_tflops)
+    peak = pretrain.peak_flops(t.peak_tflops, on_gpu=True)  # this profile runs on one GPU
     pending = pretrain.PendingStats(len(cfg.model.moe_layers()), cfg.model.num_experts)
     step_no = [0]
 
