@@ -269,10 +269,15 @@ def evaluate(engine, batches, device) -> float:
     return total.item() / dist.get_world_size()
 
 
+def uses_gpu() -> bool:
+    """Whether this rank trains on a GPU. DeepSpeed's accelerator decides, not torch alone: with
+    DS_ACCELERATOR=cpu the ranks stay on the CPU on a GPU machine too (the launcher still sets
+    CUDA_VISIBLE_DEVICES, a GPU per rank, more than the machine may have)."""
+    return get_accelerator().device_name() == "cuda" and torch.cuda.is_available()
+
+
 def train(cfg, args, resume, samples):
-    # DeepSpeed's accelerator decides, not torch alone: with DS_ACCELERATOR=cpu the ranks stay on the CPU
-    # on a GPU machine too (the launcher still sets CUDA_VISIBLE_DEVICES, one GPU a rank).
-    on_gpu = get_accelerator().device_name() == "cuda" and torch.cuda.is_available()
+    on_gpu = uses_gpu()
     if cfg.train.cuda_graph and not on_gpu:
         raise ConfigError("train.cuda_graph needs a GPU (CUDA graphs); this machine has none")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -164,6 +164,24 @@ def test_cuda_graph_needs_bf16_zero1_and_a_gpu():
             pretrain.train(graphed, None, None, None)
 
 
+def test_device_follows_deepspeeds_accelerator(monkeypatch):
+    """CPU ranks on a GPU machine (DS_ACCELERATOR=cpu): no CUDA device is picked, whatever torch sees."""
+    class Accelerator:
+        def __init__(self, name):
+            self.name = name
+
+        def device_name(self):
+            return self.name
+
+    monkeypatch.setattr(pretrain.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pretrain, "get_accelerator", lambda: Accelerator("cpu"))
+    assert not pretrain.uses_gpu()
+    monkeypatch.setattr(pretrain, "get_accelerator", lambda: Accelerator("cuda"))
+    assert pretrain.uses_gpu()
+    monkeypatch.setattr(pretrain.torch.cuda, "is_available", lambda: False)
+    assert not pretrain.uses_gpu()
+
+
 def test_token_ids_checked_on_the_host_batch():
     import numpy as np
     pretrain.check_token_ids(np.array([[0, 319]]), 320)
