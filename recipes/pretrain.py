@@ -281,6 +281,11 @@ def train(cfg, args, resume, samples):
     if cfg.train.cuda_graph and not on_gpu:
         raise ConfigError("train.cuda_graph needs a GPU (CUDA graphs); this machine has none")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if on_gpu and local_rank >= torch.cuda.device_count():
+        err = ConfigError(f"local rank {local_rank} needs GPU {local_rank}, but {torch.cuda.device_count()} are visible: "
+                          "launch as many ranks as GPUs (--num_gpus), or set DS_ACCELERATOR=cpu for CPU ranks")
+        err.every_rank = True  # only the ranks past the GPU count hit it: each prints it
+        raise err
     if on_gpu:
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:
@@ -398,11 +403,11 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         cfg, resume, samples = prepare(args)
+        train(cfg, args, resume, samples)
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0 or getattr(e, "every_rank", False):
             print(f"pretrain.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    train(cfg, args, resume, samples)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,19 @@ def test_device_follows_deepspeeds_accelerator(monkeypatch):
     assert not pretrain.uses_gpu()
 
 
+def test_more_gpu_ranks_than_gpus_fail_clearly(monkeypatch, tmp_path, capsys):
+    """A rank past the machine's GPUs (--num_gpus too large) says so, before any CUDA call, and prints
+    it itself (configuration errors are printed by rank 0 alone)."""
+    monkeypatch.setattr(pretrain, "uses_gpu", lambda: True)
+    monkeypatch.setattr(pretrain.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(["--config", TINY, "--set", "moe.ep_size=1", "--set", f"log.dir={tmp_path / 'run'}"])
+    assert e.value.code == 2
+    assert "pretrain.py: error: local rank 1 needs GPU 1, but 1 are visible" in capsys.readouterr().err
+
+
 def test_token_ids_checked_on_the_host_batch():
     import numpy as np
     pretrain.check_token_ids(np.array([[0, 319]]), 320)
