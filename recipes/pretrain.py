@@ -283,7 +283,7 @@ def train(cfg, args, resume, samples):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu and local_rank >= torch.cuda.device_count():
         err = ConfigError(f"local rank {local_rank} needs GPU {local_rank}, but {torch.cuda.device_count()} are visible: "
-                          "launch as many ranks as GPUs (--num_gpus), or set DS_ACCELERATOR=cpu for CPU ranks")
+                          "launch at most as many ranks as GPUs (--num_gpus), or set DS_ACCELERATOR=cpu for CPU ranks")
         err.every_rank = True  # only the ranks past the GPU count hit it: each prints it
         raise err
     if on_gpu:
