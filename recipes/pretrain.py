@@ -282,10 +282,9 @@ def train(cfg, args, resume, samples):
         raise ConfigError("train.cuda_graph needs a GPU (CUDA graphs); this machine has none")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu and local_rank >= torch.cuda.device_count():
-        err = ConfigError(f"local rank {local_rank} needs GPU {local_rank}, but {torch.cuda.device_count()} are visible: "
-                          "launch at most as many ranks as GPUs (--num_gpus), or set DS_ACCELERATOR=cpu for CPU ranks")
-        err.every_rank = True  # only the ranks past the GPU count hit it: each prints it
-        raise err
+        raise ConfigError(f"local rank {local_rank} needs GPU {local_rank}, but {torch.cuda.device_count()} are visible: "
+                          "launch at most as many ranks as GPUs (--num_gpus), or set DS_ACCELERATOR=cpu for CPU ranks",
+                          every_rank=True)  # only the ranks past the GPU count hit it
     if on_gpu:
         torch.cuda.set_device(local_rank)
     elif "OMP_NUM_THREADS" not in os.environ:
@@ -405,7 +404,7 @@ def main(argv=None):
         cfg, resume, samples = prepare(args)
         train(cfg, args, resume, samples)
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0 or getattr(e, "every_rank", False):
+        if int(os.environ.get("RANK", "0")) == 0 or e.every_rank:
             print(f"pretrain.py: error: {e}", file=sys.stderr)
         sys.exit(2)
 

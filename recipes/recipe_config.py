@@ -20,7 +20,12 @@ from turbomoe.models import ModelConfig
 
 
 class ConfigError(ValueError):
-    """A bad config, command line or input path, found before any work starts."""
+    """A bad config, command line or input path, found before any work starts. Every rank finds the
+    same ones and rank 0 prints them, except an error of some ranks only (every_rank: each prints it)."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 @dataclass
