@@ -135,6 +135,7 @@ def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     with torch.no_grad():
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=ds_config)
     norms_over_flat_gradients(engine)
+    step_without_host_sync(engine)
     actual = groups._get_expert_parallel_rank(f"ep_size_{moe.ep_size}")
     if actual != ep_rank:
         raise RuntimeError(f"rank {rank}: DeepSpeed placed this rank at expert-parallel rank {actual}, "
@@ -163,6 +164,53 @@ def norms_over_flat_gradients(engine):
         return non_expert, expert
 
     opt.get_grads_for_norm = grads_for_norm
+
+
+def step_without_host_sync(engine):
+    """BF16_Optimizer's step without a host sync, where its optimizer is torch's fused AdamW and no
+    mpu is set: DeepSpeed's reads the gradient norm on the host (is the norm finite? clip?) several
+    times a step, so the host cannot queue the next step while the GPU runs this one. Here the norm
+    stays on the device (over the flat fp32 buffers, expert groups' squares summed over their
+    expert-parallel group, as DeepSpeed's), clipping rides inside the fused AdamW kernel as its
+    grad_scale (grads / max(1, (norm + 1e-6) / clip), DeepSpeed's coefficient; no pass of its own
+    over the gradients), and a non-finite norm skips the update on the device through found_inf
+    (DeepSpeed skips it on the host; here the step counts and the learning-rate schedule moves on,
+    and the log shows the norm). The rest is DeepSpeed's: the bf16 weights from the fp32 ones, the
+    fp32 gradients cleared."""
+    opt = engine.optimizer
+    inner = opt.optimizer if isinstance(opt, BF16_Optimizer) else None
+    if (inner is None or opt.mpu is not None or opt.grad_acc_dtype is not torch.float32
+            or not isinstance(inner, torch.optim.AdamW) or not inner.defaults.get("fused")):
+        return
+
+    def squared_norm(tensors):
+        return torch.stack(torch._foreach_norm(tensors)).square().sum()
+
+    @torch.no_grad()
+    def step(closure=None):
+        if closure is not None:
+            raise NotImplementedError("BF16_Optimizer takes no closure")
+        non_expert, expert = opt.get_grads_for_norm()
+        squares = [squared_norm(non_expert)] if non_expert else []
+        for name, tensors in expert.items():
+            sq = squared_norm(tensors)
+            group = groups._get_expert_parallel_group(name)
+            if dist.get_world_size(group=group) > 1:
+                dist.all_reduce(sq, group=group)
+            squares.append(sq)
+        norm = torch.stack(squares).sum().sqrt()
+        opt.overflow = False
+        opt._global_grad_norm = norm
+        inner.found_inf = (~torch.isfinite(norm)).float()
+        inner.grad_scale = ((norm + 1e-6) / opt.clip_grad).clamp(min=1.0) if opt.clip_grad > 0 else None
+        for param, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
+            param.grad = grad
+        inner.step()
+        opt._lazy_init_hp_params_optimizer_state()
+        opt.update_lp_params()
+        opt.clear_hp_grads()
+
+    opt.step = step
 
 
 def capture_step(cfg, engine, model, batch):
@@ -256,6 +304,14 @@ class PendingStats:
         return records
 
 
+def read_interval(pending: PendingStats, grad_accum: int, world: int, start: float):
+    """The pending steps' records and the wall seconds since start at which the device had run them.
+    The read waits for the device, so the clock stops after it: the host queues steps ahead of the
+    GPU (nothing in the step syncs), and a clock read before would time their issue, not their run."""
+    records = pending.read(grad_accum, world)
+    return records, time.perf_counter() - start
+
+
 def evaluate(engine, batches, device) -> float:
     """Mean next-token loss over this rank's validation batches, averaged over ranks."""
     engine.eval()
@@ -339,10 +395,11 @@ def train(cfg, args, resume, samples):
         nonlocal interval_start, train_loss
         if not pending.steps:
             return
-        seconds = time.perf_counter() - interval_start
-        intervals.append((len(pending.steps), seconds))
-        dt = seconds / len(pending.steps)
-        for record in pending.read(t.grad_accum, world):
+        steps = len(pending.steps)
+        records, seconds = read_interval(pending, t.grad_accum, world, interval_start)
+        intervals.append((steps, seconds))
+        dt = seconds / steps
+        for record in records:
             record.update(tokens=record["step"] * tokens_per_step, step_time_s=dt, tokens_per_s=tokens_per_step / dt,
                           mfu=tokens_per_step / dt * flops_per_token / (world * peak) if peak else None)
             log.train_step(record)

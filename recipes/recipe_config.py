@@ -344,6 +344,9 @@ def deepspeed_config(cfg: RecipeConfig, world_size: int, bf16: bool) -> dict:
         # The optimizer is torch's AdamW over DeepSpeed's MoE parameter groups (no op to compile).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,  # the recipe logs; DeepSpeed's own step prints stay off
+        # The recipe times its own steps. DeepSpeed's throughput timer synchronizes the device at
+        # every forward and step, which keeps the host from queueing the next step.
+        "timers": {"throughput": {"enabled": False}},
     }
     if bf16 and t.zero_stage == 1:
         # bf16 weights with fp32 gradient accumulation select DeepSpeed's BF16_Optimizer, whose step

@@ -7,8 +7,13 @@ liger-kernel's Triton ops. Forward + backward, bf16, CUDA-event medians (scripts
 Ops: RMSNorm over the hidden size; the attention input path (q/k/v projections, per-head q/k
 RMSNorm, rotary; GEMMs included, as they are the same in every variant); the dense SwiGLU's
 activation; the loss (lm_head + cross entropy). Prints a table of ms and ratios to eager.
+
+Then the attention core (causal, grouped-query: 12 query heads on 4 key/value heads) by how the
+heads are matched (k and v repeated to 12 heads, or SDPA's enable_gqa) and by backend, each with
+whether two backwards give the same bits.
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -106,6 +111,47 @@ def main():
                 row.append(None)
         cells = [f"{t:.3f} ({t / row[0]:.2f}x)" if t is not None else "-" for t in row]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    attention_core(B, T, N, G, D)
+
+
+def attention_core(B, T, N, G, D):
+    """Causal GQA attention fwd+bwd by head matching and backend: ms, ratio to the first row, and
+    whether the gradients of two identical backwards are bitwise equal."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(B, N, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, G, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, G, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(B, N, T, D, device="cuda", dtype=torch.bfloat16)
+
+    def repeated(q, k, v):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(N // G, 1), v.repeat_interleave(N // G, 1),
+                                              is_causal=True)
+
+    def native(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    print(f"\nattention core, B {B} N {N} G {G} T {T} D {D}, causal, fwd+bwd ms (ratio to the first row), "
+          f"backward bitwise repeatable")
+    print("| heads | backend | ms | repeatable |\n|---|---|---|---|")
+    first = None
+    for heads, fn in (("repeat_interleave", repeated), ("enable_gqa", native)):
+        for backend in (None, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            label = "default" if backend is None else backend.name
+            def step():
+                q.grad = k.grad = v.grad = None
+                fn(q, k, v).backward(grad)
+            try:
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                    step()
+                    grads = [t.grad.clone() for t in (q, k, v)]
+                    step()
+                    same = all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+                    ms = cuda_time_ms(step, warmup=5, iters=30)
+            except Exception as e:  # noqa: BLE001 (a backend that refuses these inputs is reported)
+                print(f"| {heads} | {label} | {type(e).__name__}: {str(e)[:120]} | |")
+                continue
+            first = first or ms
+            print(f"| {heads} | {label} | {ms:.3f} ({ms / first:.2f}x) | {'yes' if same else 'no'} |")
 
 
 if __name__ == "__main__":

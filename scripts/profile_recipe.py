@@ -9,6 +9,7 @@ engine and step function), timed three ways on one GPU.
              perf_counter medians, so a phase's GPU and host time both show, without overlap
   profiler   torch.profiler over a few steps: the top ops by self CUDA time and by self CPU time,
              and the total per phase (record_function ranges)
+  host       with --host-profile: cProfile of the host's Python over queued steps, by function
 
 Runs as one process (no launcher needed: it sets the single-rank environment itself).
 """
@@ -43,6 +44,7 @@ def main():
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace", default=None, help="write the profiler's Chrome trace here")
     p.add_argument("--label", default="", help="a name for this run in the printed tables")
+    p.add_argument("--host-profile", action="store_true", help="also cProfile the host over --steps queued steps")
     p.add_argument("--then-compile", action="store_true",
                    help="then compile the dense blocks in place (train.compile) and measure again")
     a = p.parse_args()
@@ -133,6 +135,22 @@ def main():
         if a.trace:
             prof.export_chrome_trace(a.trace.replace(".json", f"-{label.replace(' ', '_')}.json"))
 
+        host_profile = None
+        if a.host_profile:  # the host's Python by function while the GPU runs the same steps
+            import cProfile
+            import io
+            import pstats
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(a.steps):
+                step()
+            torch.cuda.synchronize()
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(a.top)
+            host_profile = buf.getvalue()
+            pending.read(t.grad_accum, 1)
+
         avg = prof.key_averages()
         print(f"\n## {cfg.name} [{label}]: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
@@ -155,6 +173,8 @@ def main():
         print(avg.table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
         print(f"top {a.top} ops by self CPU time:")
         print(avg.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+        if host_profile:
+            print(f"host Python over {a.steps} queued steps (cProfile, by own time):\n{host_profile}")
 
     label = a.label or " ".join(a.set) or "as configured"
     measure(label)

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 from tests.test_models import build, tiny  # noqa: E402
-from turbomoe.models.cuda_graph import graph_training_forward  # noqa: E402
+from turbomoe.models.cuda_graph import coalesce_adds, graph_training_forward  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -68,17 +68,31 @@ def test_graphs_train_as_eager(dtype, micro, set_to_none, moe):
         assert torch.equal(eager(x[:, :-1]).logits, graphed(x[:, :-1]).logits)
 
 
+def flat_buffers(params, device=None):
+    """One fp32 buffer, a view of it per parameter in order: BF16_Optimizer's fp32 gradients."""
+    flat = torch.zeros(sum(p.numel() for p in params), device=device)
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    return {p: flat[a:b] for p, a, b in zip(params, offsets, offsets[1:])}
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grad_buffers_take_the_gradients(dtype):
+@pytest.mark.parametrize("layout", ["apart", "flat"])
+def test_grad_buffers_take_the_gradients(dtype, layout):
     """Parameters with a grad buffer (an fp32 main grad, as DeepSpeed's BF16_Optimizer keeps): the
     backward graph adds each micro-batch's gradient into it, bit for bit the eager gradients'
-    fp32 sum, and .grad stays None; the others accumulate in .grad as eager does."""
+    fp32 sum, and .grad stays None; the others accumulate in .grad as eager does. Buffers apart, or
+    views of one flat buffer in parameter order (the experts' adds coalesced)."""
     cfg = tiny(num_experts=8, num_hidden_layers=3)
     eager = build(cfg).cuda().to(dtype)
     graphed = copy.deepcopy(eager)
-    bufs = {p: torch.zeros(p.numel(), device="cuda") for p in list(graphed.parameters())[::2]}
+    if layout == "apart":
+        bufs = {p: torch.zeros(p.numel(), device="cuda") for p in list(graphed.parameters())[::2]}
+    else:
+        bufs = flat_buffers(list(graphed.parameters())[1:], "cuda")  # the embedding keeps its .grad
     replays = []
     sample = batch(4, 32, cfg.vocab_size, seed=99)
     graph_training_forward(graphed, sample[:, :-1], sample[:, 1:], grad_buffers=bufs,
@@ -101,6 +115,59 @@ def test_grad_buffers_take_the_gradients(dtype):
             assert p.grad is None and torch.equal(bufs[p], want32), name
         else:
             assert torch.equal(p.grad, want), name
+
+
+def test_coalesce_adds_merges_strided_runs():
+    """Pairs whose dsts and srcs lie at constant strides become strided [L, n] views; the sums are
+    the same bits as one add per pair. Interleaved runs (w1 and w3 of each expert in one stacked
+    gradient, their buffers apart), a run broken by a gap, pairs in shuffled order, lone pairs,
+    non-contiguous and empty tensors, one pair given twice."""
+    g = torch.Generator().manual_seed(0)
+    n, E = 6, 5
+    stacked = torch.randn(E, 2, n, generator=g, dtype=torch.float64).to(torch.bfloat16)  # [w1; w3] per expert
+    down = torch.randn(E, n, generator=g).to(torch.bfloat16)
+    flat = torch.randn(E * 3 * n + 40, generator=g)  # w1, w3, w2 of expert 0, then of expert 1, ...
+    pairs = []
+    for e in range(E):
+        base = 3 * n * e
+        pairs += [(flat[base:base + n], stacked[e, 0]), (flat[base + n:base + 2 * n], stacked[e, 1]),
+                  (flat[base + 2 * n:base + 3 * n], down[e])]
+    other = torch.randn(40, generator=g).to(torch.bfloat16)
+    tail = flat[E * 3 * n:]
+    pairs += [(tail[0:4], other[0:4]), (tail[10:14], other[8:12]), (tail[30:34], other[30:34]),
+              (tail[20:26], other[::7][:6]),  # strided src: alone
+              (tail[26:26], other[0:0]), (tail[36:40], other[36:40]), (tail[36:40], other[36:40])]  # twice: added twice
+    pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=g).tolist()]
+    want = flat.clone()
+    for dst, src in pairs:
+        dst_ = want[dst.storage_offset():dst.storage_offset() + dst.numel()]
+        dst_.add_(src)
+    runs = coalesce_adds(pairs)
+    for dst, src in runs:
+        dst.add_(src)
+    assert torch.equal(flat, want)
+    rows = sorted(d.shape[0] if d.ndim == 2 else 1 for d, _ in runs)
+    assert rows[-3:] == [E, E, E] and sum(rows) == len(pairs) and len(runs) <= len(pairs) - 3 * (E - 1)
+
+
+def test_coalesce_adds_on_the_model_gradients():
+    """The model's gradients into flat buffers in parameter order: each MoE layer's expert weights
+    take three adds (w1, w3, w2 over all experts), every other parameter one."""
+    cfg = tiny(num_experts=8, num_hidden_layers=3)
+    model = build(cfg)
+    params = list(model.parameters())
+    bufs = flat_buffers(params)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    out = model(ids, ids)
+    grads = torch.autograd.grad(out.loss + 0.01 * out.aux_loss, params)
+    pairs = [(bufs[p].view(-1), gr.reshape(-1)) for p, gr in zip(params, grads)]
+    runs = coalesce_adds(pairs)
+    experts = 3 * cfg.num_experts * cfg.num_hidden_layers
+    assert len(runs) == len(params) - experts + 3 * cfg.num_hidden_layers
+    for dst, src in runs:
+        dst.add_(src)
+    for p, gr in zip(params, grads):
+        assert torch.equal(bufs[p], gr.reshape(-1).float())
 
 
 def launches(model, x):
@@ -158,7 +225,8 @@ def test_bad_uses_raise():
 @needs_cuda
 def test_recipe_step_with_graphs_matches_eager(tmp_path):
     """The recipe's engine (bf16, DeepSpeed's BF16_Optimizer, whose fp32 gradients the backward graph
-    adds into; its norm taken over flat buffers) trains as the eager step does: losses, gradient norms and parameters after 4 steps of 2
+    adds into; its norm taken over flat buffers) trains as the eager step does, and the graphed step
+    syncs with the host nowhere: losses, gradient norms and parameters after 4 steps of 2
     micro-batches agree within bf16 noise (flash attention's backward sums with atomics: not bitwise)."""
     env = dict(os.environ, MASTER_PORT=str(29700 + os.getpid() % 200))
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "recipe_graph_script.py"),
@@ -174,6 +242,8 @@ def test_recipe_step_with_graphs_matches_eager(tmp_path):
     # pretrain.norms_over_flat_gradients: DeepSpeed's norm, from one tensor per group, expert groups kept apart.
     for flat, own, same_groups in r["flat_vs_own_norm"]:
         assert same_groups and abs(flat - own) <= 1e-5 * own, r
+    # A graphed step (forward, backward, pretrain.step_without_host_sync) under sync debug mode "error".
+    assert r["graph_step_sync_free"] is True, r
 
 
 @pytest.mark.gpu

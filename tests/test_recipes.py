@@ -3,6 +3,7 @@ through the deepspeed launcher with 2 CPU ranks (gloo) and ep_size=2, as tiny-cp
 machine: the loss falls, checkpoints are written, and a run stopped and resumed logs exactly the
 losses of an uninterrupted one."""
 import json
+import math
 import os
 import socket
 import subprocess
@@ -153,6 +154,7 @@ def test_generated_deepspeed_config():
     bf16 = deepspeed_config(load_config(TINY, ["train.zero_stage=1"]), world_size=2, bf16=True)
     assert bf16["data_types"] == {"grad_accum_dtype": "fp32"} and bf16["bf16"] == {"enabled": True}
     assert "data_types" not in deepspeed_config(cfg, world_size=2, bf16=True)  # ZeRO 2 keeps DeepSpeed's default
+    assert ds["timers"] == {"throughput": {"enabled": False}}  # it would sync the device twice a step
 
 def test_cuda_graph_needs_bf16_zero1_and_a_gpu():
     for other in ("train.zero_stage=2", "train.precision=fp32"):
@@ -201,6 +203,72 @@ def test_token_ids_checked_on_the_host_batch():
     pretrain.check_token_ids(np.zeros((0, 5), dtype=np.int64), 320)
     with pytest.raises(ValueError, match="token id 320 in the data is >= model.vocab_size 320"):
         pretrain.check_token_ids(np.array([[5, 320]]), 320)
+
+
+def check_step_without_host_sync(r):
+    assert r["optimizer"] == ["BF16_Optimizer", "BF16_Optimizer"] and r["patched"], r
+    (ds_loss, own_loss), (ds_norm, own_norm) = r["losses"], r["norms"]
+    assert ds_loss[:2] == own_loss[:2], r  # the second forward runs on weights equal in bf16
+    for a, b in zip(ds_loss, own_loss):
+        assert abs(a - b) <= 1e-4 * abs(a), r
+    assert all(abs(a - b) <= 1e-3 * a for a, b in zip(ds_norm[:-1], own_norm[:-1])), r
+    assert all(n > 0.05 for n in ds_norm[:-1]), r  # above train.grad_clip: every step clipped
+    assert r["first_step_param_diff"] <= 1e-6 * r["max_param"], r
+    assert r["max_param_diff"] <= 1e-2 * r["max_param"], r
+    assert r["nan_step_kept_weights"] == [True, True] and r["grads_cleared"] == [True, True], r
+    assert not math.isfinite(ds_norm[-1]) and not math.isfinite(own_norm[-1]), r
+
+
+STEP_SCRIPT = os.path.join(os.path.dirname(__file__), "recipe_step_script.py")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_step_without_host_sync_matches_deepspeeds(tmp_path, device):
+    """pretrain.step_without_host_sync against DeepSpeed's BF16_Optimizer.step on the same engine
+    and batches, clipping active: the same losses and norms (the norm summed on the device in fp32,
+    DeepSpeed's on the host in float64; clipping as a division inside fused AdamW, DeepSpeed's as a
+    multiplication), the same weights after one step to rounding; a NaN gradient skips the update
+    (fp32 weights and Adam's moments unchanged) and clears the gradients, as DeepSpeed's does."""
+    env = dict(os.environ, MASTER_PORT=str(free_port()), DS_ACCELERATOR=device)
+    proc = subprocess.run([sys.executable, STEP_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "step_rank0.json") as f:
+        check_step_without_host_sync(json.load(f))
+
+
+def test_step_without_host_sync_over_expert_parallel_ranks(tmp_path):
+    """The same on 2 CPU ranks (gloo, the deepspeed launcher), experts split over them (ep_size 2):
+    each rank's expert groups' squared norms are summed over the expert-parallel group on the
+    device, as DeepSpeed sums them."""
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), STEP_SCRIPT, str(tmp_path), "2"]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = []
+    for rank in range(2):
+        with open(tmp_path / f"step_rank{rank}.json") as f:
+            ranks.append(json.load(f))
+        check_step_without_host_sync(ranks[-1])
+    assert ranks[0]["norms"][0][:-1] == ranks[1]["norms"][0][:-1]  # one global norm on both ranks
+    assert ranks[0]["norms"][1][:-1] == ranks[1]["norms"][1][:-1]
+
+
+def test_log_interval_ends_after_the_device_read():
+    """A log interval's time ends when its steps have run, i.e. after the read that waits for the
+    device (here a read that takes 0.2 s): with no sync in the step the host runs ahead of the GPU,
+    and a clock read before the wait timed the steps' issue (throughput above the GPU's)."""
+    import time
+
+    class SlowRead:
+        def read(self, grad_accum, world):
+            time.sleep(0.2)
+            return [{"step": 1}]
+
+    records, seconds = pretrain.read_interval(SlowRead(), 1, 1, time.perf_counter())
+    assert records == [{"step": 1}] and seconds >= 0.2
 
 
 def test_lr_schedule():

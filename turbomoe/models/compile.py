@@ -1,33 +1,40 @@
-"""torch.compile of the model's blocks in place: the dense blocks (attention: projections, per-head
-q/k RMSNorm, rotary, scaled_dot_product_attention; the layer norms; the dense SwiGLU MLPs) and, as
-an option, the MoE blocks (turbomoe's DeepSpeed layer at ep_size 1, one graph each through
-turbomoe's custom ops: notes/compile.md), whose eager step is mostly host time at small shapes.
+"""torch.compile of the model's blocks in place: the dense blocks (each layer's attention half:
+input norm, q/k/v projections, per-head q/k RMSNorm, rotary, scaled_dot_product_attention, o_proj,
+the residual add and the norm after it; the dense SwiGLU MLPs; the final norm) and, as an option,
+the MoE blocks (turbomoe's DeepSpeed layer at ep_size 1, one graph each through turbomoe's custom
+ops: notes/compile.md), whose eager step is mostly host time at small shapes.
 
-Compiled in place (nn.Module.compile), so parameter names, state dicts and DeepSpeed's hooks stay
-as they are. Measured on an H100 at small-1gpu's shapes
-(notes/recipe_profile.md): inductor fuses the attention input path (norms, rotary, casts) to 0.37x
-of eager and RMSNorm to 0.70x, ahead of liger-kernel's ops (0.59x, 0.77x), so compile is the choice.
+Compiled in place (nn.Module.compile, or a layer's attention_half method replaced by its compiled
+self), so parameter names, state dicts and DeepSpeed's hooks stay as they are. Measured on an H100
+at small-1gpu's shapes (notes/recipe_profile.md): inductor fuses the attention input path (norms,
+rotary, casts) to 0.37x of eager and RMSNorm to 0.70x, ahead of liger-kernel's ops (0.59x, 0.77x),
+so compile is the choice; compiling the attention half whole also fuses the residual add into the
+norm after it (forward) and the residual's gradient into the norms' (backward).
 """
+import torch
+
 from .qwen3_moe import Qwen3MoeForCausalLM
 
 
 def dense_blocks(model: Qwen3MoeForCausalLM):
-    """The modules compile_dense_blocks compiles, in model order."""
+    """What compile_dense_blocks compiles, in model order: (module, method name)."""
     for layer in model.model.layers:
-        yield layer.input_layernorm
-        yield layer.self_attn
-        yield layer.post_attention_layernorm
+        yield layer, "attention_half"
         if not layer.is_moe:
-            yield layer.mlp
-    yield model.model.norm
+            yield layer.mlp, "forward"
+    yield model.model.norm, "forward"
 
 
 def compile_dense_blocks(model: Qwen3MoeForCausalLM, **compile_kwargs) -> Qwen3MoeForCausalLM:
     """Compile every dense block of model in place (torch.compile's keyword arguments, e.g.
     backend="aot_eager", pass through); returns model. All layers share one graph per block kind:
-    the parameters are graph inputs (dynamo inlines nn.Modules), so depth adds no recompiles."""
-    for module in dense_blocks(model):
-        module.compile(**compile_kwargs)
+    dynamo caches by code object and treats the modules' parameters as graph inputs (it inlines
+    nn.Modules), so depth adds no recompiles."""
+    for module, method in dense_blocks(model):
+        if method == "forward":
+            module.compile(**compile_kwargs)
+        else:  # an instance attribute over the class's method: only this model is compiled
+            setattr(module, method, torch.compile(getattr(module, method), **compile_kwargs))
     return model
 
 

@@ -23,7 +23,7 @@ Gradients, two ways:
   is not overwritten by the next replay, the forward moves it out of the graph's buffer first (a
   copy only then).
 """
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -76,9 +76,11 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
         grad_outs = [torch.empty_like(o) for o in with_grad]
         with torch.cuda.graph(bwd, pool=pool):
             grads = torch.autograd.grad(with_grad, params, grad_outs, allow_unused=True)
-            for p, g in zip(params, grads):
-                if g is not None and p in grad_buffers:
-                    grad_buffers[p].add_(g.reshape(grad_buffers[p].shape))
+            # The expert weights' gradients are views of one stacked gradient per layer and their
+            # fp32 buffers lie at a fixed stride too: one add per run instead of one per expert.
+            for dst, src in coalesce_adds([(grad_buffers[p].view(-1), g.reshape(-1))
+                                           for p, g in zip(params, grads) if g is not None and p in grad_buffers]):
+                dst.add_(src)
     except RuntimeError as e:
         raise RuntimeError(f"capturing the model's forward and backward failed: {e}. Something in the step syncs "
                            f"with the host, or an autograd graph made before over the parameters is still alive "
@@ -125,6 +127,51 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
     model.cuda_graphed = True
     model.forward = forward_  # an instance attribute: nn.Module.__call__ (and DeepSpeed's hooks around it) calls it
     return model
+
+
+def coalesce_adds(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """[(dst, src)] of 1-D tensors, each pair to be added dst += src -> the same additions in fewer
+    pairs: pairs whose dsts lie at one constant stride in one storage, and whose srcs at another in
+    theirs, become one pair of strided [L, n] views. Runs are found greedily, in src order, each
+    from the stride that extends it furthest; a pair that joins none is kept as it is."""
+    buckets: Dict[tuple, list] = {}
+    out = []
+    for dst, src in pairs:
+        if dst.shape != src.shape or dst.stride() != (1,) or src.stride() != (1,) or src.numel() == 0:
+            out.append((dst, src))
+            continue
+        key = (dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr(), dst.numel(), dst.dtype, src.dtype)
+        buckets.setdefault(key, []).append((src.storage_offset(), dst.storage_offset(), dst, src))
+    for items in buckets.values():
+        items.sort(key=lambda t: (t[0], t[1]))
+        n = items[0][2].numel()
+        free, unique = {}, []
+        for item in items:
+            if (item[0], item[1]) in free:  # the same pair again: its own add
+                out.append(item[2:])
+            else:
+                free[(item[0], item[1])] = len(unique)
+                unique.append(item)
+        for i, (s0, d0, dst, src) in enumerate(unique):
+            if free.get((s0, d0)) != i:
+                continue
+            best = (1, 0, 0)
+            for s1, d1, _, _ in unique[i + 1:]:
+                ds, dd = s1 - s0, d1 - d0
+                if ds < n or dd < n or (s1, d1) not in free:  # overlapping or backwards: not one strided view
+                    continue
+                length = 2
+                while (s0 + length * ds, d0 + length * dd) in free:
+                    length += 1
+                best = max(best, (length, ds, dd))
+            length, ds, dd = best
+            for j in range(length):
+                del free[(s0 + j * ds, d0 + j * dd)]
+            if length == 1:
+                out.append((dst, src))
+            else:
+                out.append((dst.as_strided((length, n), (dd, 1)), src.as_strided((length, n), (ds, 1))))
+    return out
 
 
 def _check(model, input_ids_BT, labels_BT):
