@@ -32,11 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp, *args, check=True, gpus=0):
-    """deepspeed recipes/pretrain.py (tiny-cpu, shortened) ... with logs and checkpoints under tmp: on 2 CPU
-    ranks, or on `gpus` GPUs."""
-    cmd = ["deepspeed", "--num_gpus", str(gpus or 2), "--master_port", str(free_port()),
-           os.path.join(ROOT, "recipes", "pretrain.py"), "--config", TINY, *SHORT, "--set", f"log.dir={tmp}", *args]
+def run_launcher(script, *args, check=True, gpus=0):
+    """deepspeed SCRIPT ARGS: on 2 CPU ranks, or on `gpus` GPUs."""
+    cmd = ["deepspeed", "--num_gpus", str(gpus or 2), "--master_port", str(free_port()), script, *args]
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if not gpus:
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")  # CPU ranks also where there are GPUs
@@ -44,6 +42,13 @@ def launch(tmp, *args, check=True, gpus=0):
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc
+
+
+def launch(tmp, *args, check=True, gpus=0):
+    """deepspeed recipes/pretrain.py (tiny-cpu, shortened) ... with logs and checkpoints under tmp: on 2 CPU
+    ranks, or on `gpus` GPUs."""
+    return run_launcher(os.path.join(ROOT, "recipes", "pretrain.py"), "--config", TINY, *SHORT,
+                        "--set", f"log.dir={tmp}", *args, check=check, gpus=gpus)
 
 
 def records(log_dir, kind):
@@ -242,11 +247,7 @@ def test_step_without_host_sync_over_expert_parallel_ranks(tmp_path):
     """The same on 2 CPU ranks (gloo, the deepspeed launcher), experts split over them (ep_size 2):
     each rank's expert groups' squared norms are summed over the expert-parallel group on the
     device, as DeepSpeed sums them."""
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), STEP_SCRIPT, str(tmp_path), "2"]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-               DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_launcher(STEP_SCRIPT, str(tmp_path), "2")
     ranks = []
     for rank in range(2):
         with open(tmp_path / f"step_rank{rank}.json") as f:

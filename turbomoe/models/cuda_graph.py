@@ -145,15 +145,15 @@ def coalesce_adds(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tuple[
     for items in buckets.values():
         items.sort(key=lambda t: (t[0], t[1]))
         n = items[0][2].numel()
-        free, unique = {}, []
+        free, unique = set(), []  # free: (src, dst) offsets not yet in a run
         for item in items:
             if (item[0], item[1]) in free:  # the same pair again: its own add
                 out.append(item[2:])
             else:
-                free[(item[0], item[1])] = len(unique)
+                free.add((item[0], item[1]))
                 unique.append(item)
         for i, (s0, d0, dst, src) in enumerate(unique):
-            if free.get((s0, d0)) != i:
+            if (s0, d0) not in free:
                 continue
             best = (1, 0, 0)
             for s1, d1, _, _ in unique[i + 1:]:
@@ -165,8 +165,7 @@ def coalesce_adds(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tuple[
                     length += 1
                 best = max(best, (length, ds, dd))
             length, ds, dd = best
-            for j in range(length):
-                del free[(s0 + j * ds, d0 + j * dd)]
+            free.difference_update((s0 + j * ds, d0 + j * dd) for j in range(length))
             if length == 1:
                 out.append((dst, src))
             else:
