@@ -353,6 +353,9 @@ def deepspeed_config(cfg: RecipeConfig, world_size: int, bf16: bool) -> dict:
         # is 3x cheaper than the ZeRO optimizer's (notes/recipe_profile.md: 37 vs 118 ms on small-1gpu)
         # and whose gradients sum in fp32 (the ZeRO optimizer sums them in bf16).
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
+        # And reduced over data-parallel ranks in fp32: DeepSpeed's default for bf16 rounds the fp32 sums
+        # to bf16 for the all-reduce, on one rank too (where the recipe then skips it: pretrain.reduce_flat_gradients).
+        ds["communication_data_type"] = "fp32"
     return _merge(ds, cfg.deepspeed)
 
 

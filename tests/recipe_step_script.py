@@ -1,9 +1,12 @@
-"""The recipe's optimizer step without a host sync (pretrain.step_without_host_sync) against
-DeepSpeed's own BF16_Optimizer step, in one process (tests/test_recipes.py runs it): two engines
-built by recipes/pretrain.py from the same seed (bf16, fused AdamW, a small clip so that clipping
-acts), the same batches; then a step whose gradient holds a NaN. Writes JSON to DIR/step_rank{RANK}.json.
+"""The recipe's optimizer step without a host sync (pretrain.step_without_host_sync) and its in-place
+gradient all-reduce (pretrain.reduce_flat_gradients) against DeepSpeed's own BF16_Optimizer step and
+reduction, in one process (tests/test_recipes.py runs it): two engines built by recipes/pretrain.py
+from the same seed (bf16, fused AdamW, a small clip so that clipping acts), the same batches; then a
+step whose gradient holds a NaN. Writes JSON to DIR/step_rank{RANK}.json.
 
-    python tests/recipe_step_script.py DIR [EP_SIZE]     (one process; or each rank of a launcher run)
+    python tests/recipe_step_script.py DIR [EP_SIZE [COMM_DTYPE]]   (one process; or each rank of a launcher run)
+
+COMM_DTYPE: the gradients' communication dtype (default the recipe's, fp32).
 """
 import json
 import os
@@ -27,9 +30,10 @@ STEPS = 4
 def run(cfg, samples, device, own_step: bool, rank: int, world: int):
     engine, model = pretrain.build_engine(cfg, rank, pretrain.deepspeed_config(cfg, world, True))
     opt = engine.optimizer
-    patched = "step" in vars(opt)
+    patched = "step" in vars(opt) and "buffered_allreduce_fallback" in vars(engine)
     if not own_step:
         del opt.step  # DeepSpeed's BF16_Optimizer.step (its norm still over the flat buffers)
+        del engine.buffered_allreduce_fallback  # and its gradient all-reduce
     t = cfg.train
     losses, norms = [], []
     for step in range(STEPS + 1):
@@ -57,10 +61,11 @@ def run(cfg, samples, device, own_step: bool, rank: int, world: int):
 def main():
     argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds --local_rank
     out_dir, ep_size = argv[0], argv[1] if len(argv) > 1 else "1"
+    comm = ["--set", f"deepspeed.communication_data_type={argv[2]}"] if len(argv) > 2 else []
     args = pretrain.parse_args(["--config", os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml"),
                                 "--set", f"moe.ep_size={ep_size}", "--set", "train.precision=bf16", "--set", "train.fused_adamw=true",
                                 "--set", "train.grad_clip=0.05", "--set", "log.wandb=false", "--set", "checkpoint.every=0",
-                                "--set", f"log.dir={out_dir}"])
+                                "--set", f"log.dir={out_dir}", *comm])
     cfg, _, samples = pretrain.prepare(args)
     cuda = get_accelerator().device_name() == "cuda"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -158,7 +158,9 @@ def test_generated_deepspeed_config():
     # bf16 with ZeRO 1 accumulates gradients in fp32: DeepSpeed's BF16_Optimizer (notes/recipe_profile.md).
     bf16 = deepspeed_config(load_config(TINY, ["train.zero_stage=1"]), world_size=2, bf16=True)
     assert bf16["data_types"] == {"grad_accum_dtype": "fp32"} and bf16["bf16"] == {"enabled": True}
-    assert "data_types" not in deepspeed_config(cfg, world_size=2, bf16=True)  # ZeRO 2 keeps DeepSpeed's default
+    assert bf16["communication_data_type"] == "fp32"  # and reduced in fp32, not rounded to bf16 first
+    zero2 = deepspeed_config(cfg, world_size=2, bf16=True)
+    assert "data_types" not in zero2 and "communication_data_type" not in zero2  # ZeRO 2 keeps DeepSpeed's defaults
     assert ds["timers"] == {"throughput": {"enabled": False}}  # it would sync the device twice a step
 
 def test_cuda_graph_needs_bf16_zero1_and_a_gpu():
@@ -227,17 +229,18 @@ def check_step_without_host_sync(r):
 STEP_SCRIPT = os.path.join(os.path.dirname(__file__), "recipe_step_script.py")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+@pytest.mark.parametrize("device,comm", [("cpu", []), ("cpu", ["bf16"]), pytest.param("cuda", [], marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
-def test_step_without_host_sync_matches_deepspeeds(tmp_path, device):
-    """pretrain.step_without_host_sync against DeepSpeed's BF16_Optimizer.step on the same engine
-    and batches, clipping active: the same losses and norms (the norm summed on the device in fp32,
-    DeepSpeed's on the host in float64; clipping as a division inside fused AdamW, DeepSpeed's as a
-    multiplication), the same weights after one step to rounding; a NaN gradient skips the update
-    (fp32 weights and Adam's moments unchanged) and clears the gradients, as DeepSpeed's does."""
+def test_step_without_host_sync_matches_deepspeeds(tmp_path, device, comm):
+    """pretrain.step_without_host_sync and reduce_flat_gradients against DeepSpeed's BF16_Optimizer.step
+    and all-reduce on the same engine and batches, clipping active: the same losses and norms (the
+    norm summed on the device in fp32, DeepSpeed's on the host in float64; clipping as a division
+    inside fused AdamW, DeepSpeed's as a multiplication), the same weights after one step to rounding;
+    a NaN gradient skips the update (fp32 weights and Adam's moments unchanged) and clears the
+    gradients, as DeepSpeed's does. With bf16 communication both round the gradients to bf16."""
     env = dict(os.environ, MASTER_PORT=str(free_port()), DS_ACCELERATOR=device)
-    proc = subprocess.run([sys.executable, STEP_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run([sys.executable, STEP_SCRIPT, str(tmp_path), "1", *comm], capture_output=True,
+                          text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "step_rank0.json") as f:
         check_step_without_host_sync(json.load(f))
@@ -246,7 +249,8 @@ def test_step_without_host_sync_matches_deepspeeds(tmp_path, device):
 def test_step_without_host_sync_over_expert_parallel_ranks(tmp_path):
     """The same on 2 CPU ranks (gloo, the deepspeed launcher), experts split over them (ep_size 2):
     each rank's expert groups' squared norms are summed over the expert-parallel group on the
-    device, as DeepSpeed sums them."""
+    device, as DeepSpeed sums them; the dense gradients all-reduced over both ranks and the expert
+    ones (one rank a group) averaged over the data-parallel size, as DeepSpeed's reduction does."""
     run_launcher(STEP_SCRIPT, str(tmp_path), "2")
     ranks = []
     for rank in range(2):

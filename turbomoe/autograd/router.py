@@ -1,13 +1,75 @@
-"""autograd.Function for fp32 router logits from 16-bit tokens, without fp32 copies of the tokens."""
+"""autograd.Function for fp32 router logits from 16-bit tokens, without fp32 copies of the tokens.
+
+On CUDA with bf16 tokens every GEMM runs on bf16 tensor cores with fp32 sums, its fp32 operands (an
+fp32 router weight, the logits' gradient) split into bf16 terms (`bf16_terms`): a product of two bf16
+values is exact in fp32, so each product is at least as exact as in the fp32 GEMM that DeepSpeed's and
+Megatron's routers run (not the same bits: the sums run in another order), without the passes that cast
+the tokens to fp32 each way and the fp32 GEMMs on CUDA cores (at small-1gpu's shapes the backward's
+casts and fp32 GEMMs took 0.24 ms a layer on an H100, notes/recipe_profile.md).
+"""
 import torch
 
+TERMS = 3  # bf16 terms of an fp32 value: 8 significant bits each, the same exponent range
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with fp32 products and sums. Same-dtype 16-bit CUDA operands go to cuBLAS as they are
-    (a 16-bit product is exact in fp32, accumulated in fp32); others are cast to fp32 first."""
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+
+def bf16_terms(t32: torch.Tensor) -> torch.Tensor:
+    """[..., TERMS, N] bf16 of an fp32 [..., N], whose fp32 sum over the new dimension is t, the
+    leading bits first: exact for |t| from ~2^-110 (where the last term would fall below bf16's
+    smallest normal) to bf16's largest finite value (~3.39e38; above, the first term rounds to inf);
+    a non-finite value gives non-finite terms."""
+    out = torch.empty((*t32.shape[:-1], TERMS, t32.shape[-1]), dtype=torch.bfloat16, device=t32.device)
+    out[..., 0, :] = t32
+    r = t32 - out[..., 0, :]  # exact: a value minus its own rounding
+    for i in range(1, TERMS):
+        out[..., i, :] = r
+        if i + 1 < TERMS:
+            r.sub_(out[..., i, :])
+    return out
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b of bf16 operands with fp32 sums, rounded once to out_dtype. On CUDA cuBLAS as they are;
+    elsewhere (the tests of the split on the CPU) on fp32 copies: the same exact products."""
+    if not a.is_cuda:
+        return torch.mm(a.float(), b.float()).to(out_dtype)
+    return torch.mm(a, b) if out_dtype == a.dtype else torch.mm(a, b, out_dtype=torch.float32).to(out_dtype)
+
+
+def split_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """bf16 tokens on CUDA, a bf16 or fp32 router weight: the tensor-core path."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32)
+
+
+def logits_split(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
+    """x @ w^T [S, E] fp32 from bf16 x: one GEMM against w's bf16 terms, each logit's three partial
+    sums then added."""
+    if w_EM.dtype == torch.bfloat16:
+        return _mm(x_SM, w_EM.t(), torch.float32)
+    E, M = w_EM.shape
+    return _mm(x_SM, bf16_terms(w_EM).view(E * TERMS, M).t(), torch.float32).view(x_SM.shape[0], E, TERMS).sum(-1)
+
+
+# Term i of g with term j of an fp32 w where i + j <= 2: the products left out (g1 w2, g2 w1, g2 w2)
+# are below 2^-24 of the leading one, under fp32's own rounding of a product.
+_G_TERMS, _W_TERMS = [0, 0, 1, 0, 1, 2], [0, 1, 0, 2, 1, 0]
+
+
+def grads_split(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool, need_w: bool):
+    """(g @ w in x's dtype, g^T @ x in w's dtype) of an fp32 g from its bf16 terms: bf16 GEMMs."""
+    S, E = g_SE.shape
+    g_STE = bf16_terms(g_SE)
+    gx = gw = None
+    if need_x:
+        if w_EM.dtype == torch.bfloat16:
+            a, b = g_STE.view(S, TERMS * E), w_EM.repeat(TERMS, 1)
+        else:
+            w_ETM = bf16_terms(w_EM)
+            a = g_STE[:, _G_TERMS, :].reshape(S, len(_G_TERMS) * E)
+            b = w_ETM[:, _W_TERMS, :].transpose(0, 1).reshape(len(_W_TERMS) * E, w_EM.shape[1])
+        gx = _mm(a, b, x_SM.dtype)
+    if need_w:
+        gw = _mm(g_STE.view(S, TERMS * E).t(), x_SM, torch.float32).view(TERMS, E, x_SM.shape[1]).sum(0).to(w_EM.dtype)
+    return gx, gw
 
 
 class Fp32Logits(torch.autograd.Function):
@@ -18,16 +80,20 @@ class Fp32Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SM, w_EM):
         ctx.save_for_backward(x_SM, w_EM)
-        return _mm_fp32(x_SM, w_EM.t())
+        if split_applies(x_SM, w_EM):
+            return logits_split(x_SM, w_EM)
+        if x_SM.is_cuda and x_SM.dtype == w_EM.dtype == torch.float16:  # fp16 products are exact in fp32 too
+            return torch.mm(x_SM, w_EM.t(), out_dtype=torch.float32)
+        return torch.mm(x_SM.float(), w_EM.float().t())
 
     @staticmethod
     def backward(ctx, g_SE):
         x_SM, w_EM = ctx.saved_tensors
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            gx = torch.mm(g_SE, w_EM.float()).to(x_SM.dtype)  # fp32, rounded once, as F.linear's
-        if ctx.needs_input_grad[1]:
-            gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if split_applies(x_SM, w_EM):
+            return grads_split(g_SE.float(), x_SM, w_EM, need_x, need_w)
+        gx = torch.mm(g_SE, w_EM.float()).to(x_SM.dtype) if need_x else None  # fp32, rounded once, as F.linear's
+        gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype) if need_w else None
         return gx, gw
 
 
