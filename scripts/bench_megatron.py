@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "scripts"))
 sys.path.insert(2, os.path.join(ROOT, "tests"))
 
-from bench_layer import CONFIGS as LAYER_CONFIGS  # noqa: E402
+from bench_layer import CONFIGS  # noqa: E402  (S, M, F, E, k): the layer benchmark's, real models' included
 from timing import interleaved_medians_ms, reset_grads  # noqa: E402
 
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
@@ -50,7 +50,6 @@ from megatron_common import model_parallel  # noqa: E402
 from turbomoe.integrations.megatron import get_turbomoe_gpt_decoder_block_spec, get_turbomoe_moe_spec  # noqa: E402
 from turbomoe.nn import MoELayer  # noqa: E402
 
-CONFIGS = LAYER_CONFIGS + [(8192, 2048, 768, 128, 8)]  # (S, M, F, E, k); the last: Qwen3-30B-A3B's MoE
 DTYPE = torch.bfloat16
 
 

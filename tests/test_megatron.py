@@ -121,6 +121,8 @@ def test_router_losses_match_stock_routing(k, score, lb, aux, z, per_token):
     routing map, gradients (with the aux losses and z-loss through MoEAuxLossAutoScaler) and the
     logged losses."""
     s, b, H, E = 11, 3, 16, 8
+    moe_utils.clear_aux_losses_tracker()  # the tracker is global: what an earlier test in this process logged
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
     cfg = moe_config(hidden_size=H, num_moe_experts=E, moe_router_topk=k, moe_router_score_function=score,
                      moe_router_pre_softmax=(k == 1), moe_router_load_balancing_type=lb, moe_aux_loss_coeff=aux,
                      moe_z_loss_coeff=z, calculate_per_token_loss=per_token, params_dtype=torch.float64,

@@ -15,8 +15,9 @@ so it also serves stock MoELayers. Mapping of Megatron's routing onto `turbomoe.
   "rts" (turbomoe's extra policy) a seeded uniformly random subset, drawn anew each training step
   from torch's CPU generator (so recomputation drops the same routes).
   aux_loss / seq_aux_loss / global_aux_loss: TopKRouter's own methods on Megatron's aux scores; the
-  plain aux_loss takes turbomoe's fused one where the formulas agree (softmax, k != 2, no expert
-  bias, no tensor/context-parallel reduction). z-loss: turbomoe's (mean logsumexp^2). Both ride on
+  plain aux_loss (softmax, no expert bias, no tensor/context-parallel reduction) takes turbomoe's
+  fused one where the formulas agree (k != 2), and at k = 2 the softmax's sums times the op's
+  route counts (no [T, E] top-k map). z-loss: turbomoe's (mean logsumexp^2). Both ride on
   Megatron's MoEAuxLossAutoScaler and its aux-loss tracker. The expert bias counts kept routes
   into local_tokens_per_expert; finalize_model_grads updates it with Megatron's rule.
 Logits go through turbomoe's fp32_logits (fp32 router dtype) or F.linear: Megatron's
@@ -177,18 +178,24 @@ class TurboTopKRouter(TopKRouter):
         save_to_aux_losses_tracker("z_loss", z / coeff, self.layer_number, num_layers)
         return probs_TK
 
-    def _fused_aux_applies(self) -> bool:
-        """turbomoe's gating loss is E/k' * sum_e mean_prob_e * route_fraction_e (DeepSpeed's): equal to
-        Megatron's switch loss for softmax scores at k = 1 and k >= 3 (k = 2 counts first choices only),
-        over the local tokens (no tp/cp reduction), with unbiased choices."""
-        return (self.routing_type == "aux_loss" and self.score_function == "softmax" and self.topk != 2
+    def _own_aux_applies(self) -> bool:
+        """Megatron's switch loss, E / (k T^2) * sum_e (sum_t softmax_te) * routes_e, from turbomoe's
+        gating: for softmax scores over the local tokens (no tp/cp reduction) with unbiased choices, the
+        routes are the op's top-k (its counts)."""
+        return (self.routing_type == "aux_loss" and self.score_function == "softmax"
                 and self.tp_cp_group.size() == 1 and not self.enable_expert_bias)
 
     def _attach_aux_losses(self, probs_TK, logits_TE, g, seq_length: int, bsz: int):
-        if self._fused_aux_applies():
+        if self._own_aux_applies():
             coeff = self.get_aux_loss_coeff("aux_loss")
-            return self.attach_and_log_load_balancing_loss(probs_TK, coeff, g.aux_loss * coeff, "load_balancing_loss",
-                                                           self.tp_cp_group, valid_token_count=logits_TE.shape[0])
+            T, E = logits_TE.shape
+            if self.topk == 2:  # the op's own loss counts first choices only there (DeepSpeed's)
+                probs_E = torch.softmax(logits_TE, dim=-1, dtype=torch.float32).sum(0)
+                aux = (probs_E * g.counts).sum() * (E * coeff / (self.topk * T * T))
+            else:  # the op's own loss is Megatron's
+                aux = g.aux_loss * coeff
+            return self.attach_and_log_load_balancing_loss(probs_TK, coeff, aux, "load_balancing_loss",
+                                                           self.tp_cp_group, valid_token_count=T)
         # Megatron's own scores and top-k map for the aux losses ([T, E], as stock builds them).
         map_TE, scores_TE = compute_routing_scores_for_aux_loss(logits_TE, self.topk, self.score_function)
         probs_TK = self._apply_aux_loss(probs_TK, scores_TE, map_TE)
