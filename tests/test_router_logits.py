@@ -87,18 +87,21 @@ def test_split_matches_fp64(S, M, E, w_dtype):
     """The CUDA path's arithmetic (bf16 terms, products exact, fp32 sums), run on the CPU with fp32
     copies standing in for the tensor cores: logits and the weight's gradient within fp32 rounding of
     fp64, the input's gradient fp64's rounded to bf16 but for rounding ties of its fp32 sum."""
-    from turbomoe.autograd.router import grads_split, logits_split
+    from turbomoe.autograd.router import grads_split, logits_split, weight_terms
     torch.manual_seed(S + M + E)
     x = torch.randn(S, M).bfloat16()
     w = (torch.randn(E, M) * M ** -0.5).to(w_dtype)
     g = torch.randn(S, E) * torch.logspace(-8, 8, E)  # gradients of many scales
     ref = x.double() @ w.double().t()
-    out = logits_split(x, w)
+    w_terms = weight_terms(w)
+    assert w_terms.shape == ((E, M) if w_dtype == torch.bfloat16 else (E, 3, M))
+    out = logits_split(x, w_terms)
     assert out.dtype == torch.float32 and out.shape == (S, E) and rel_err(out, ref, 1e-30) < 1e-6
-    gx, gw = grads_split(g, x, w, True, True)
+    gx, gw = grads_split(g, x, w_terms, w_dtype, True, True)
     gx_ref, gw_ref = g.double() @ w.double(), g.double().t() @ x.double()
     assert gx.dtype == torch.bfloat16 and gw.dtype == w_dtype
     assert rel_err(gw, gw_ref, 1e-30) < (1e-6 if w_dtype == torch.float32 else 1e-2)
     if S:
         assert (gx != gx_ref.bfloat16()).float().mean() < 0.01 and rel_err(gx, gx_ref) < 2 ** -8
-    assert grads_split(g, x, w, False, True)[0] is None and grads_split(g, x, w, True, False)[1] is None
+    assert grads_split(g, x, w_terms, w_dtype, False, True)[0] is None
+    assert grads_split(g, x, w_terms, w_dtype, True, False)[1] is None

@@ -40,13 +40,19 @@ def split_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and w.dtype in (torch.bfloat16, torch.float32)
 
 
-def logits_split(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
-    """x @ w^T [S, E] fp32 from bf16 x: one GEMM against w's bf16 terms, each logit's three partial
-    sums then added."""
-    if w_EM.dtype == torch.bfloat16:
-        return _mm(x_SM, w_EM.t(), torch.float32)
-    E, M = w_EM.shape
-    return _mm(x_SM, bf16_terms(w_EM).view(E * TERMS, M).t(), torch.float32).view(x_SM.shape[0], E, TERMS).sum(-1)
+def weight_terms(w_EM: torch.Tensor) -> torch.Tensor:
+    """w as the split's GEMMs read it: a bf16 w as it is, an fp32 w as its terms [E, TERMS, M] (made once
+    in forward, kept for backward)."""
+    return w_EM if w_EM.dtype == torch.bfloat16 else bf16_terms(w_EM)
+
+
+def logits_split(x_SM: torch.Tensor, w_terms: torch.Tensor) -> torch.Tensor:
+    """x @ w^T [S, E] fp32 from bf16 x and weight_terms(w): one GEMM, then each logit's three partial
+    sums added where w was fp32."""
+    if w_terms.dim() == 2:
+        return _mm(x_SM, w_terms.t(), torch.float32)
+    E, _, M = w_terms.shape
+    return _mm(x_SM, w_terms.view(E * TERMS, M).t(), torch.float32).view(x_SM.shape[0], E, TERMS).sum(-1)
 
 
 # Term i of g with term j of an fp32 w where i + j <= 2: the products left out (g1 w2, g2 w1, g2 w2)
@@ -54,21 +60,22 @@ def logits_split(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
 _G_TERMS, _W_TERMS = [0, 0, 1, 0, 1, 2], [0, 1, 0, 2, 1, 0]
 
 
-def grads_split(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool, need_w: bool):
-    """(g @ w in x's dtype, g^T @ x in w's dtype) of an fp32 g from its bf16 terms: bf16 GEMMs."""
+def grads_split(g_SE: torch.Tensor, x_SM: torch.Tensor, w_terms: torch.Tensor, w_dtype: torch.dtype, need_x: bool,
+                need_w: bool):
+    """(g @ w in x's dtype, g^T @ x in w_dtype) of an fp32 g from its bf16 terms and weight_terms(w):
+    bf16 GEMMs."""
     S, E = g_SE.shape
     g_STE = bf16_terms(g_SE)
     gx = gw = None
     if need_x:
-        if w_EM.dtype == torch.bfloat16:
-            a, b = g_STE.view(S, TERMS * E), w_EM.repeat(TERMS, 1)
+        if w_terms.dim() == 2:
+            a, b = g_STE.view(S, TERMS * E), w_terms.repeat(TERMS, 1)
         else:
-            w_ETM = bf16_terms(w_EM)
             a = g_STE[:, _G_TERMS, :].reshape(S, len(_G_TERMS) * E)
-            b = w_ETM[:, _W_TERMS, :].transpose(0, 1).reshape(len(_W_TERMS) * E, w_EM.shape[1])
+            b = w_terms[:, _W_TERMS, :].transpose(0, 1).reshape(len(_W_TERMS) * E, w_terms.shape[-1])
         gx = _mm(a, b, x_SM.dtype)
     if need_w:
-        gw = _mm(g_STE.view(S, TERMS * E).t(), x_SM, torch.float32).view(TERMS, E, x_SM.shape[1]).sum(0).to(w_EM.dtype)
+        gw = _mm(g_STE.view(S, TERMS * E).t(), x_SM, torch.float32).view(TERMS, E, x_SM.shape[1]).sum(0).to(w_dtype)
     return gx, gw
 
 
@@ -79,19 +86,21 @@ class Fp32Logits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_SM, w_EM):
-        ctx.save_for_backward(x_SM, w_EM)
         if split_applies(x_SM, w_EM):
-            return logits_split(x_SM, w_EM)
+            w_terms = weight_terms(w_EM)
+            ctx.save_for_backward(x_SM, w_EM, w_terms)
+            return logits_split(x_SM, w_terms)
+        ctx.save_for_backward(x_SM, w_EM, None)
         if x_SM.is_cuda and x_SM.dtype == w_EM.dtype == torch.float16:  # fp16 products are exact in fp32 too
             return torch.mm(x_SM, w_EM.t(), out_dtype=torch.float32)
         return torch.mm(x_SM.float(), w_EM.float().t())
 
     @staticmethod
     def backward(ctx, g_SE):
-        x_SM, w_EM = ctx.saved_tensors
+        x_SM, w_EM, w_terms = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        if split_applies(x_SM, w_EM):
-            return grads_split(g_SE.float(), x_SM, w_EM, need_x, need_w)
+        if w_terms is not None:
+            return grads_split(g_SE.float(), x_SM, w_terms, w_EM.dtype, need_x, need_w)
         gx = torch.mm(g_SE, w_EM.float()).to(x_SM.dtype) if need_x else None  # fp32, rounded once, as F.linear's
         gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype) if need_w else None
         return gx, gw
