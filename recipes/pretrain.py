@@ -22,7 +22,7 @@ import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 import torch  # noqa: E402
-from deepspeed.moe.utils import is_moe_param_group, split_params_into_different_moe_groups_for_optimizer  # noqa: E402
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
 from deepspeed.utils import groups  # noqa: E402
 
@@ -156,13 +156,10 @@ def norms_over_flat_gradients(engine):
     def grads_for_norm(for_clipping=False):
         if for_clipping:
             return list(opt.fp32_groups_gradients_flat)
-        non_expert, expert = [], {}
-        for group, flat in zip(opt.optimizer.param_groups, opt.fp32_groups_gradients_flat):
-            if opt.has_moe_layers and is_moe_param_group(group):
-                expert.setdefault(group["name"], []).append(flat)
-            else:
-                non_expert.append(flat)
-        return non_expert, expert
+        # The optimizer's own split of those buffers (the one its reduction uses), less expert groups
+        # that hold no parameters here.
+        non_expert, expert = opt.get_grads_for_reduction()
+        return list(non_expert), {name: list(flats) for name, flats in expert.items() if flats}
 
     opt.get_grads_for_norm = grads_for_norm
 
