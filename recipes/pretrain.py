@@ -24,12 +24,14 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 import torch  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
+from deepspeed.runtime.utils import all_gather_dp_groups  # noqa: E402
 from deepspeed.utils import groups  # noqa: E402
 
 import checkpointing  # noqa: E402
 from recipe_config import ConfigError, deepspeed_config, load_config, validate  # noqa: E402
 from run_log import RunLog, peak_flops  # noqa: E402
 from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
+from turbomoe.kernels.adamw import adamw_step  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
 from turbomoe.models.compile import compile_dense_blocks, compile_moe_blocks  # noqa: E402
 from turbomoe.models.cuda_graph import graph_training_forward  # noqa: E402
@@ -221,8 +223,9 @@ def step_without_host_sync(engine):
     grad_scale (grads / max(1, (norm + 1e-6) / clip), DeepSpeed's coefficient; no pass of its own
     over the gradients), and a non-finite norm skips the update on the device through found_inf
     (DeepSpeed skips it on the host; here the step counts and the learning-rate schedule moves on,
-    and the log shows the norm). The rest is DeepSpeed's: the bf16 weights from the fp32 ones, the
-    fp32 gradients cleared."""
+    and the log shows the norm). On a GPU the update, the bf16 weights and the cleared fp32
+    gradients are one pass over the buffers (adamw_with_copies); elsewhere torch's fused AdamW and
+    then DeepSpeed's copies and clearing."""
     opt = engine.optimizer
     inner = opt.optimizer if isinstance(opt, BF16_Optimizer) else None
     if (inner is None or opt.mpu is not None or opt.grad_acc_dtype is not torch.float32
@@ -249,14 +252,77 @@ def step_without_host_sync(engine):
         opt._global_grad_norm = norm
         inner.found_inf = (~torch.isfinite(norm)).float()
         inner.grad_scale = ((norm + 1e-6) / opt.clip_grad).clamp(min=1.0) if opt.clip_grad > 0 else None
+        clear = not getattr(opt, "graph_writes_grads", False)  # capture_step's: the next backward overwrites them
+        cleared[0] = True
+        if one_pass:
+            adamw_with_copies(opt, inner, clear)
+            return
         for param, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
             param.grad = grad
         inner.step()
         opt._lazy_init_hp_params_optimizer_state()
         opt.update_lp_params()
-        opt.clear_hp_grads()
+        if clear:
+            opt.clear_hp_grads()
 
-    opt.step = step
+    deepspeed_zero_grad = opt.zero_grad
+    cleared = [False]
+
+    def zero_grad(set_to_none=True):
+        """DeepSpeed's engine calls this right after the step, which has cleared the fp32 gradients
+        (or left them for the next backward graph to overwrite): only the bf16 .grad and the flags."""
+        if not cleared[0]:
+            return deepspeed_zero_grad(set_to_none)
+        cleared[0] = False
+        opt.clear_lp_grads(set_to_none)
+        for i, flags in enumerate(opt.fp32_groups_has_gradients):
+            opt.fp32_groups_has_gradients[i] = [False] * len(flags)
+
+    one_pass = fused_adamw_applies(opt, inner)
+    opt.step, opt.zero_grad = step, zero_grad
+
+
+def fused_adamw_applies(opt, inner) -> bool:
+    """Whether adamw_with_copies can take the step: fp32 master buffers on a GPU, one per parameter
+    group, plain AdamW (no amsgrad, maximize or tensor learning rate)."""
+    return (len(inner.param_groups) == len(opt.fp32_groups_flat_partition)
+            and all(g["params"] == [p] and p.is_cuda and p.dtype == torch.float32 and not g["amsgrad"]
+                    and not g["maximize"] and not torch.is_tensor(g["lr"])
+                    for g, p in zip(inner.param_groups, opt.fp32_groups_flat_partition)))
+
+
+def adamw_with_copies(opt, inner, clear: bool = True):
+    """BF16_Optimizer's update, bf16 weights and cleared fp32 gradients (unless not clear) in one
+    pass per parameter group (turbomoe.kernels.adamw; torch's fused AdamW, update_lp_params and
+    clear_hp_grads took three), on inner's own state (exp_avg, exp_avg_sq and step as torch keeps
+    them, so checkpoints and torch's step read them). Reads inner.grad_scale and inner.found_inf as
+    set by the step; the has-gradient flags are the engine's zero_grad's to reset."""
+    steps = []
+    for group, param in zip(inner.param_groups, opt.fp32_groups_flat_partition):
+        state = inner.state[param]
+        if not state:  # torch's lazy initialisation for a fused AdamW
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        steps.append(state["step"])
+    torch._foreach_add_(steps, [1 - inner.found_inf] * len(steps))  # a skipped step does not count, as torch's
+    for i, (group, param, grad) in enumerate(zip(inner.param_groups, opt.fp32_groups_flat_partition,
+                                                 opt.fp32_groups_gradient_flat_partition)):
+        state, whole = inner.state[param], opt.fp32_groups_gradients_flat[i]
+        clears_all = clear and grad.data_ptr() == whole.data_ptr() and grad.numel() == whole.numel()
+        beta1, beta2 = group["betas"]
+        adamw_step(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=group["lr"], beta1=beta1,
+                   beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], grad_scale=inner.grad_scale,
+                   found_inf=inner.found_inf,
+                   param_lp=opt.bf16_partitioned_groups[i][dist.get_rank(group=opt.real_dp_process_group[i])],
+                   zero_grad=clears_all)
+        if clear and not clears_all:  # other ranks' partitions of the gradient, with data parallelism
+            whole.zero_()
+    opt._lazy_init_hp_params_optimizer_state()
+    all_gather_dp_groups(groups_flat=opt.bf16_groups_flat, partitioned_param_groups=opt.bf16_partitioned_groups,
+                         dp_process_group=opt.real_dp_process_group,
+                         start_alignment_factor=opt.nccl_start_alignment_factor,
+                         allgather_bucket_size=opt.allgather_bucket_size)
 
 
 def capture_step(cfg, engine, model, batch):
@@ -272,12 +338,16 @@ def capture_step(cfg, engine, model, batch):
     engine.train()
     # The backward graph adds each gradient into the optimizer's fp32 gradient itself: no bf16 .grad and
     # no per-parameter hook, which cost more host time than the replay (687 parameters in small-1gpu).
+    # At one micro-batch a step it writes them instead, and the step leaves them uncleared.
     buffers = {lp: hp for lps, hps in zip(opt.bf16_groups, opt.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
 
     def mark():  # what the optimizer's own accumulation records, read by its norm and step
         for i, flags in enumerate(opt.fp32_groups_has_gradients):
             opt.fp32_groups_has_gradients[i] = [True] * len(flags)
-    graph_training_forward(model, batch[:, :-1], batch[:, 1:], grad_buffers=buffers, before_replay=mark)
+    accumulate = cfg.train.grad_accum > 1
+    graph_training_forward(model, batch[:, :-1], batch[:, 1:], grad_buffers=buffers, before_replay=mark,
+                           accumulate=accumulate)
+    opt.graph_writes_grads = not accumulate
 
 
 def check_token_ids(batch_np, vocab_size: int):

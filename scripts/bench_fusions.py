@@ -11,6 +11,11 @@ activation; the loss (lm_head + cross entropy). Prints a table of ms and ratios 
 Then the attention core (causal, grouped-query: 12 query heads on 4 key/value heads) by how the
 heads are matched (k and v repeated to 12 heads, or SDPA's enable_gqa) and by backend, each with
 whether two backwards give the same bits.
+
+Then the optimizer step over fp32 master weights of small-1gpu's size (--opt-numel): torch's fused
+AdamW (clipping as its grad_scale), the bf16 copy of the weights and the gradient zeroed, as
+DeepSpeed's BF16_Optimizer takes them, against turbomoe.kernels.adamw's one pass; ms and the bytes
+each moves over its time.
 """
 import argparse
 import contextlib
@@ -40,6 +45,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--opt-numel", type=int, default=SMALL_1GPU_PARAMS)
+    p.add_argument("--only", choices=("ops", "attention", "optimizer"), help="one section only")
     a = p.parse_args()
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
@@ -95,6 +102,10 @@ def main():
         ("lm_head + cross entropy (V 320)", loss_eager, (lambda h: flce(w_head, h, labels)),
          lambda: (param(S, H, scale=1.0),)),
     ]
+    if a.only == "optimizer":
+        return optimizer_step(a.opt_numel)
+    if a.only == "attention":
+        return attention_core(B, T, N, G, D)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, B {B} T {T}: fwd+bwd ms (ratio to eager)")
     print(f"| op | eager | torch.compile | liger-kernel |\n|---|---|---|---|")
     for name, eager, lig, make in cases:
@@ -111,7 +122,45 @@ def main():
                 row.append(None)
         cells = [f"{t:.3f} ({t / row[0]:.2f}x)" if t is not None else "-" for t in row]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    attention_core(B, T, N, G, D)
+    if a.only is None:
+        attention_core(B, T, N, G, D)
+        optimizer_step(a.opt_numel)
+
+
+def optimizer_step(n: int):
+    """AdamW over n fp32 weights with the bf16 copy and the gradient cleared: torch's fused AdamW +
+    copy_ + zero_ (DeepSpeed's BF16_Optimizer) against the one-pass kernel, same state and inputs."""
+    from turbomoe.kernels.adamw import adamw_step
+    p = torch.randn(n, device="cuda")
+    g, lp = torch.randn_like(p), p.to(torch.bfloat16)
+    scale, found_inf, step = (torch.tensor(v, device="cuda") for v in (1.5, 0.0, 10.0))
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
+    opt.grad_scale, opt.found_inf = scale, found_inf
+    p.grad = g
+    opt.step()  # the state made once; the timed steps never clear g for real (refilled below)
+    m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+
+    def torch_step():
+        opt.step()
+        lp.copy_(p)
+        g.zero_()
+
+    def one_pass():
+        adamw_step(p, g, m, v, step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                   grad_scale=scale, found_inf=found_inf, param_lp=lp, zero_grad=True)
+
+    print(f"\noptimizer step, {n:,} fp32 weights (AdamW, clip as grad_scale, bf16 copy, gradient cleared): ms, GB/s")
+    print("| way | ms | bytes / element | GB/s |\n|---|---|---|---|")
+    for name, fn, bytes_per in (("torch fused AdamW + copy_ + zero_", torch_step, 32 + 6 + 4),
+                                ("turbomoe one pass", one_pass, 16 + 12 + 2 + 4)):
+        ms = cuda_time_ms(fn, warmup=5, iters=30)
+        print(f"| {name} | {ms:.3f} | {bytes_per} | {bytes_per * n / ms / 1e6:.0f} |")
+
+
+# parameters of recipes/configs/small-1gpu.yaml's model (12 layers, hidden 768, 16 experts of 768, GQA 12/4 x 64,
+# vocab 320, untied embeddings): what its optimizer steps over
+SMALL_1GPU_PARAMS = 12 * (16 * 3 * 768 * 768 + 768 * 16 + 2 * 768 * 768 + 2 * 768 * 256 + 2 * 768 + 2 * 64) \
+    + 2 * 320 * 768 + 768
 
 
 def attention_core(B, T, N, G, D):

@@ -1,8 +1,11 @@
 """The recipe's step with train.cuda_graph against the eager step, in one process on one GPU
 (tests/test_cuda_graph.py runs it): two engines built by recipes/pretrain.py from the same seed
-(bf16, BF16_Optimizer, dropless, gradient accumulation 2), the same batches; prints per-step losses,
-gradient norms, the largest parameter difference, and the recipe's gradient norm over flat buffers
-against DeepSpeed's per-parameter one, as JSON on the last line."""
+(bf16, BF16_Optimizer, dropless, gradient accumulation GRAD_ACCUM), the same batches; prints per-step
+losses, gradient norms, the largest parameter difference, and the recipe's gradient norm over flat
+buffers against DeepSpeed's per-parameter one, as JSON on the last line.
+
+    python tests/recipe_graph_script.py DIR [GRAD_ACCUM]   (default 2: the backward graph adds into the
+                                                           fp32 gradients; 1: it writes them)"""
 import json
 import os
 import sys
@@ -62,7 +65,7 @@ def run(cfg, samples, graph: bool):
 
 def main():
     args = pretrain.parse_args(["--config", os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml"),
-                                "--set", "moe.ep_size=1", "--set", "train.precision=bf16", "--set", "train.grad_accum=2",
+                                "--set", "moe.ep_size=1", "--set", "train.precision=bf16", "--set", f"train.grad_accum={sys.argv[2] if len(sys.argv) > 2 else 2}",
                                 "--set", "log.wandb=false", "--set", "checkpoint.every=0",
                                 "--set", f"log.dir={sys.argv[1]}"])
     cfg, _, samples = pretrain.prepare(args)

@@ -1,5 +1,5 @@
-"""The recipe's optimizer step without a host sync (pretrain.step_without_host_sync) and its in-place
-gradient all-reduce (pretrain.reduce_flat_gradients) against DeepSpeed's own BF16_Optimizer step and
+"""The recipe's optimizer step without a host sync (pretrain.step_without_host_sync; on a GPU its
+one-pass AdamW, pretrain.adamw_with_copies) and its in-place gradient all-reduce (pretrain.reduce_flat_gradients) against DeepSpeed's own BF16_Optimizer step and
 reduction, in one process (tests/test_recipes.py runs it): two engines built by recipes/pretrain.py
 from the same seed (bf16, fused AdamW, a small clip so that clipping acts), the same batches; then a
 step whose gradient holds a NaN. Writes JSON to DIR/step_rank{RANK}.json.
@@ -53,7 +53,8 @@ def run(cfg, samples, device, own_step: bool, rank: int, world: int):
             and all(torch.equal(a, s) for a, s in zip(moments, (s for st in opt.optimizer.state.values()
                                                                for s in (st["exp_avg"], st["exp_avg_sq"])))))
     cleared = all(not g.any() for g in opt.fp32_groups_gradients_flat)
-    return {"optimizer": type(opt).__name__, "patched": patched, "losses": losses, "norms": norms,
+    return {"optimizer": type(opt).__name__, "patched": patched,
+            "one_pass": own_step and pretrain.fused_adamw_applies(opt, opt.optimizer), "losses": losses, "norms": norms,
             "params": [p.detach().float().clone() for p in before], "first": first, "nan_step_kept_weights": kept,
             "grads_cleared": cleared}
 
@@ -75,7 +76,7 @@ def main():
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     ds, own = run(cfg, samples, device, False, rank, world), run(cfg, samples, device, True, rank, world)
     with open(os.path.join(out_dir, f"step_rank{rank}.json"), "w") as f:
-        json.dump({"optimizer": [ds["optimizer"], own["optimizer"]], "patched": own["patched"],
+        json.dump({"optimizer": [ds["optimizer"], own["optimizer"]], "patched": own["patched"], "one_pass": own["one_pass"],
                    "losses": [ds["losses"], own["losses"]], "norms": [ds["norms"], own["norms"]],
                    "max_param_diff": max((a - b).abs().max().item() for a, b in zip(ds["params"], own["params"])),
                    "max_param": max(a.abs().max().item() for a in ds["params"]),

@@ -80,12 +80,13 @@ def flat_buffers(params, device=None):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["apart", "flat"])
-def test_grad_buffers_take_the_gradients(dtype, layout):
+@pytest.mark.parametrize("layout,accumulate", [("apart", True), ("flat", True), ("flat", False)])
+def test_grad_buffers_take_the_gradients(dtype, layout, accumulate):
     """Parameters with a grad buffer (an fp32 main grad, as DeepSpeed's BF16_Optimizer keeps): the
     backward graph adds each micro-batch's gradient into it, bit for bit the eager gradients'
-    fp32 sum, and .grad stays None; the others accumulate in .grad as eager does. Buffers apart, or
-    views of one flat buffer in parameter order (the experts' adds coalesced)."""
+    fp32 sum (or with accumulate=False writes it: the last micro-batch's), and .grad stays None;
+    the others accumulate in .grad as eager does. Buffers apart, or views of one flat buffer in
+    parameter order (the experts' adds coalesced)."""
     cfg = tiny(num_experts=8, num_hidden_layers=3)
     eager = build(cfg).cuda().to(dtype)
     graphed = copy.deepcopy(eager)
@@ -96,7 +97,7 @@ def test_grad_buffers_take_the_gradients(dtype, layout):
     replays = []
     sample = batch(4, 32, cfg.vocab_size, seed=99)
     graph_training_forward(graphed, sample[:, :-1], sample[:, 1:], grad_buffers=bufs,
-                           before_replay=lambda: replays.append(1))
+                           before_replay=lambda: replays.append(1), accumulate=accumulate)
     assert all(not b.any() for b in bufs.values())  # capture added nothing
     ref32 = [torch.zeros(p.numel(), device="cuda") for p in eager.parameters()]
     ref = [None] * len(ref32)
@@ -106,7 +107,7 @@ def test_grad_buffers_take_the_gradients(dtype, layout):
             out = model(b[:, :-1], b[:, 1:])
             (out.loss + 0.01 * out.aux_loss).backward()
         for i, p in enumerate(eager.parameters()):
-            ref32[i].add_(p.grad.reshape(-1))
+            ref32[i].mul_(accumulate).add_(p.grad.reshape(-1))
             ref[i] = p.grad if ref[i] is None else ref[i] + p.grad
             p.grad = None
     assert replays == [1, 1, 1]
@@ -115,6 +116,12 @@ def test_grad_buffers_take_the_gradients(dtype, layout):
             assert p.grad is None and torch.equal(bufs[p], want32), name
         else:
             assert torch.equal(p.grad, want), name
+    if not accumulate:  # an eager training step would add to the last replay's gradients
+        b = batch(2, 32, cfg.vocab_size, seed=5)
+        with pytest.raises(RuntimeError, match="graphs write the gradient buffers"):
+            graphed(b[:, :-1], b[:, 1:])
+        with torch.no_grad():
+            graphed(b[:, :-1], b[:, 1:])  # evaluation still runs eager
 
 
 def test_coalesce_adds_merges_strided_runs():
@@ -223,14 +230,16 @@ def test_bad_uses_raise():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_recipe_step_with_graphs_matches_eager(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_recipe_step_with_graphs_matches_eager(tmp_path, grad_accum):
     """The recipe's engine (bf16, DeepSpeed's BF16_Optimizer, whose fp32 gradients the backward graph
-    adds into; its norm taken over flat buffers) trains as the eager step does, and the graphed step
-    syncs with the host nowhere: losses, gradient norms and parameters after 4 steps of 2
-    micro-batches agree within bf16 noise (flash attention's backward sums with atomics: not bitwise)."""
+    adds into, or at one micro-batch a step writes, left uncleared by the step; its norm taken over
+    flat buffers) trains as the eager step does, and the graphed step syncs with the host nowhere:
+    losses, gradient norms and parameters after 4 steps of 1 or 2 micro-batches agree within bf16
+    noise (flash attention's backward sums with atomics: not bitwise)."""
     env = dict(os.environ, MASTER_PORT=str(29700 + os.getpid() % 200))
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "recipe_graph_script.py"),
-                           str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+                           str(tmp_path), str(grad_accum)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["optimizer"] == ["BF16_Optimizer", "BF16_Optimizer"], r

@@ -212,10 +212,12 @@ def test_token_ids_checked_on_the_host_batch():
         pretrain.check_token_ids(np.array([[5, 320]]), 320)
 
 
-def check_step_without_host_sync(r):
+def check_step_without_host_sync(r, one_pass=False):
     assert r["optimizer"] == ["BF16_Optimizer", "BF16_Optimizer"] and r["patched"], r
+    assert r["one_pass"] == one_pass, r  # pretrain.adamw_with_copies on a GPU, torch's fused AdamW on the CPU
     (ds_loss, own_loss), (ds_norm, own_norm) = r["losses"], r["norms"]
-    assert ds_loss[:2] == own_loss[:2], r  # the second forward runs on weights equal in bf16
+    if not one_pass:  # torch's fused AdamW both ways: the second forward runs on weights equal in bf16
+        assert ds_loss[:2] == own_loss[:2], r
     for a, b in zip(ds_loss, own_loss):
         assert abs(a - b) <= 1e-4 * abs(a), r
     assert all(abs(a - b) <= 1e-3 * a for a, b in zip(ds_norm[:-1], own_norm[:-1])), r
@@ -235,7 +237,8 @@ def test_step_without_host_sync_matches_deepspeeds(tmp_path, device, comm):
     """pretrain.step_without_host_sync and reduce_flat_gradients against DeepSpeed's BF16_Optimizer.step
     and all-reduce on the same engine and batches, clipping active: the same losses and norms (the
     norm summed on the device in fp32, DeepSpeed's on the host in float64; clipping as a division
-    inside fused AdamW, DeepSpeed's as a multiplication), the same weights after one step to rounding;
+    inside the AdamW kernel, DeepSpeed's as a multiplication; on a GPU the one-pass AdamW that also
+    writes the bf16 weights and clears the gradients), the same weights after one step to rounding;
     a NaN gradient skips the update (fp32 weights and Adam's moments unchanged) and clears the
     gradients, as DeepSpeed's does. With bf16 communication both round the gradients to bf16."""
     env = dict(os.environ, MASTER_PORT=str(free_port()), DS_ACCELERATOR=device)
@@ -243,7 +246,7 @@ def test_step_without_host_sync_matches_deepspeeds(tmp_path, device, comm):
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "step_rank0.json") as f:
-        check_step_without_host_sync(json.load(f))
+        check_step_without_host_sync(json.load(f), one_pass=device == "cuda")
 
 
 def test_step_without_host_sync_over_expert_parallel_ranks(tmp_path):

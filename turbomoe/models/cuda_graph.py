@@ -17,7 +17,10 @@ Gradients, two ways:
 - `grad_buffers={param: buffer}` (a main-grad buffer of the parameter's numel, fp32 say): the
   backward graph adds the parameter's gradient into it and autograd sees none (.grad stays None;
   no AccumulateGrad, no per-parameter hooks: with hundreds of parameters those cost more host time
-  than the whole replay). DeepSpeed's BF16_Optimizer's fp32 gradients are such buffers.
+  than the whole replay). DeepSpeed's BF16_Optimizer's fp32 gradients are such buffers. With
+  `accumulate=False` it writes the gradient there instead (one micro-batch a step: no read of the
+  old sum, and nothing need clear the buffers between steps); an eager training forward, whose
+  backward would add to what the last replay left, is then an error.
 - any other parameter gets its gradient from the graph's own buffer, handed to .grad without a
   copy. So that a kept .grad (zeroed rather than set to None, or accumulated over micro-batches)
   is not overwritten by the next replay, the forward moves it out of the graph's buffer first (a
@@ -34,12 +37,13 @@ from .qwen3_moe import Qwen3MoeForCausalLM
 def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tensor, labels_BT: torch.Tensor,
                            grad_buffers: Optional[Dict[nn.Parameter, torch.Tensor]] = None,
                            before_replay: Optional[Callable[[], None]] = None,
-                           warmup: int = 3) -> Qwen3MoeForCausalLM:
+                           warmup: int = 3, accumulate: bool = True) -> Qwen3MoeForCausalLM:
     """Capture model's training forward and backward at these inputs' shapes; returns model, whose
     matching calls now replay. The inputs are a real batch or any tokens of that shape (copied: the
     caller's tensors are not the graph's). The warm-up runs forward and autograd.grad, so no
     gradient is accumulated and no parameter changes. before_replay() runs on the host before each
-    replayed forward (e.g. to mark the buffers' gradients present)."""
+    replayed forward (e.g. to mark the buffers' gradients present). accumulate: whether the backward
+    adds into grad_buffers (True) or writes them (False)."""
     _check(model, input_ids_BT, labels_BT)
     params = [p for p in model.parameters() if p.requires_grad]
     grad_buffers = grad_buffers or {}
@@ -80,7 +84,7 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
             # fp32 buffers lie at a fixed stride too: one add per run instead of one per expert.
             for dst, src in coalesce_adds([(grad_buffers[p].view(-1), g.reshape(-1))
                                            for p, g in zip(params, grads) if g is not None and p in grad_buffers]):
-                dst.add_(src)
+                dst.add_(src) if accumulate else dst.copy_(src)
     except RuntimeError as e:
         raise RuntimeError(f"capturing the model's forward and backward failed: {e}. Something in the step syncs "
                            f"with the host, or an autograd graph made before over the parameters is still alive "
@@ -113,6 +117,10 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
 
     def forward_(input_ids_BT, labels_BT=None):
         if labels_BT is None or not model.training or not torch.is_grad_enabled() or _key(input_ids_BT, labels_BT) != key:
+            if not accumulate and grad_buffers and model.training and torch.is_grad_enabled():
+                raise RuntimeError(f"the graphs write the gradient buffers (accumulate=False), so a training forward "
+                                   f"of another shape cannot run eager: its backward would add to the last replay's "
+                                   f"gradients; captured input_ids {tuple(inputs[0].shape)}, got {tuple(input_ids_BT.shape)}")
             return type(model).forward(model, input_ids_BT, labels_BT)
         for p, ptr in kept:
             if p.grad is not None and p.grad.data_ptr() == ptr:
