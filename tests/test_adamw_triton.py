@@ -115,3 +115,28 @@ def test_bias_corrections_at_any_step(t):
     adamw_step(p, g.to(DEVICE, copy=True), m, v, torch.tensor(float(t), dtype=torch.float64, device=DEVICE), lr=1e-2,
                beta1=betas[0], beta2=betas[1], eps=1e-8, weight_decay=0.0)
     assert torch.allclose(p.cpu(), ref.detach(), rtol=1e-7, atol=1e-9)  # the betas arrive as fp32
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a race between the threads of a program: only a GPU runs them")
+@pytest.mark.parametrize("lp", [torch.bfloat16, torch.float16])
+def test_clearing_the_gradient_changes_nothing_else(lp):
+    """The gradient cleared in the pass that reads it: the update bit for bit as without clearing,
+    over many programs and steps (a constant zero tile once took another thread layout than the
+    load and cleared elements before they were read: a few per step, not every run)."""
+    from turbomoe.kernels.adamw import adamw_step
+    n = 3_000_001
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.randn(n, device="cuda", generator=gen)
+    states = [[p.clone(), torch.zeros_like(p), torch.zeros_like(p), torch.empty(n, dtype=lp, device="cuda")]
+              for _ in range(2)]
+    step, found_inf = torch.zeros((), device="cuda"), torch.zeros(1, device="cuda")
+    for i in range(6):
+        g = torch.randn(n, device="cuda", generator=gen) * 10.0 ** -i
+        step += 1
+        grads = [g.clone(), g.clone()]
+        for (pp, m, v, low), grad, clear in zip(states, grads, (False, True)):
+            adamw_step(pp, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01,
+                       found_inf=found_inf, param_lp=low, zero_grad=clear)
+        assert torch.equal(grads[0], g) and not grads[1].any()
+        for a, b in zip(*states):
+            assert torch.equal(a, b), i

@@ -51,10 +51,11 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, lp_ptr, step_ptr, scale_ptr, inf_p
     update = ok
     if HAS_INF:  # (a bound, not ok & flag: the interpreter cannot AND a vector with a loaded scalar)
         update = offs < tl.where(tl.load(inf_ptr) == 0, n, 0)
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0, eviction_policy="evict_first")
+    g_in = tl.load(g_ptr + offs, mask=ok, other=0.0, eviction_policy="evict_first")
     p = tl.load(p_ptr + offs, mask=ok, other=0.0, eviction_policy="evict_first")
     m = tl.load(m_ptr + offs, mask=ok, other=0.0, eviction_policy="evict_first")
     v = tl.load(v_ptr + offs, mask=ok, other=0.0, eviction_policy="evict_first")
+    g = g_in
     if HAS_SCALE:
         g = g / tl.load(scale_ptr).to(g.dtype)
     bias1, bias2 = _bias_corrections(tl.load(step_ptr), c1, c2)
@@ -65,7 +66,11 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, lp_ptr, step_ptr, scale_ptr, inf_p
     v = (1.0 - c2) * v + c2 * g * g
     p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
     if ZERO_GRAD:
-        tl.store(g_ptr + offs, tl.zeros_like(g), mask=ok)
+        # zeros computed from the loaded gradient, not a constant tile: the compiler may give a constant
+        # another thread layout than the load's (to suit the 16-bit store), and a thread then cleared
+        # elements before the thread loading them had read them (seen on an H100: a few elements a
+        # step updated as if their gradient were 0). From the loaded values, the store waits for them.
+        tl.store(g_ptr + offs, tl.where(g_in == 0.0, g_in, 0.0), mask=ok)
     tl.store(p_ptr + offs, p, mask=update)
     tl.store(m_ptr + offs, m, mask=update)
     tl.store(v_ptr + offs, v, mask=update)
