@@ -286,7 +286,7 @@ def fused_adamw_applies(opt, inner) -> bool:
     """Whether adamw_with_copies can take the step: fp32 master buffers on a GPU, one per parameter
     group, plain AdamW (no amsgrad, maximize or tensor learning rate)."""
     return (len(inner.param_groups) == len(opt.fp32_groups_flat_partition)
-            and all(g["params"] == [p] and p.is_cuda and p.dtype == torch.float32 and not g["amsgrad"]
+            and all(len(g["params"]) == 1 and g["params"][0] is p and p.is_cuda and p.dtype == torch.float32 and not g["amsgrad"]
                     and not g["maximize"] and not torch.is_tensor(g["lr"])
                     for g, p in zip(inner.param_groups, opt.fp32_groups_flat_partition)))
 

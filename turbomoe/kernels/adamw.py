@@ -27,8 +27,8 @@ _WARPS = 8
 @triton.jit
 def _bias_corrections(step, c1, c2):
     """1 - beta1^t and 1 - beta2^t in fp64 for the integer step count t (as torch forms them, in
-    double), by squaring: no pow or exp2 (the GPU's fp32 exp2 and log2 are approximations, ~1e-6
-    relative here, and fp64 ones need libdevice, which the interpreter lacks). c = 1 - beta."""
+    double), by squaring: no pow or exp2 (the GPU runs fp32 exp2 and log2 as approximate
+    instructions, and fp64 ones need libdevice, which the interpreter lacks). c = 1 - beta."""
     k = step.to(tl.int64)
     zero = tl.zeros_like(step).to(tl.float64)
     b1, b2 = 1.0 - (zero + c1), 1.0 - (zero + c2)
