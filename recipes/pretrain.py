@@ -275,11 +275,17 @@ def step_without_host_sync(engine):
             return deepspeed_zero_grad(set_to_none)
         cleared[0] = False
         opt.clear_lp_grads(set_to_none)
-        for i, flags in enumerate(opt.fp32_groups_has_gradients):
-            opt.fp32_groups_has_gradients[i] = [False] * len(flags)
+        mark_gradients(opt, False)
 
     one_pass = fused_adamw_applies(opt, inner)
     opt.step, opt.zero_grad = step, zero_grad
+
+
+def mark_gradients(opt, present: bool):
+    """BF16_Optimizer's has-gradient flags, all set to present: what its accumulation records (read by
+    its norm and step) and its clear_hp_grads resets."""
+    for i, flags in enumerate(opt.fp32_groups_has_gradients):
+        opt.fp32_groups_has_gradients[i] = [present] * len(flags)
 
 
 def fused_adamw_applies(opt, inner) -> bool:
@@ -341,12 +347,9 @@ def capture_step(cfg, engine, model, batch):
     # At one micro-batch a step it writes them instead, and the step leaves them uncleared.
     buffers = {lp: hp for lps, hps in zip(opt.bf16_groups, opt.fp32_groups_gradients) for lp, hp in zip(lps, hps)}
 
-    def mark():  # what the optimizer's own accumulation records, read by its norm and step
-        for i, flags in enumerate(opt.fp32_groups_has_gradients):
-            opt.fp32_groups_has_gradients[i] = [True] * len(flags)
     accumulate = cfg.train.grad_accum > 1
-    graph_training_forward(model, batch[:, :-1], batch[:, 1:], grad_buffers=buffers, before_replay=mark,
-                           accumulate=accumulate)
+    graph_training_forward(model, batch[:, :-1], batch[:, 1:], grad_buffers=buffers,
+                           before_replay=lambda: mark_gradients(opt, True), accumulate=accumulate)
     opt.graph_writes_grads = not accumulate
 
 

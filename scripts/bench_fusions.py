@@ -25,7 +25,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "recipes"))
+from recipe_config import load_config  # noqa: E402
 from scripts.timing import cuda_time_ms  # noqa: E402
 from turbomoe.models.qwen3_moe import RMSNorm, apply_rotary, rotary_cos_sin  # noqa: E402
 
@@ -45,9 +48,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--opt-numel", type=int, default=SMALL_1GPU_PARAMS)
+    p.add_argument("--opt-numel", type=int, default=None, help="default: small-1gpu's parameter count")
     p.add_argument("--only", choices=("ops", "attention", "optimizer"), help="one section only")
     a = p.parse_args()
+    if a.opt_numel is None:  # what small-1gpu's optimizer steps over
+        a.opt_numel = load_config(os.path.join(ROOT, "recipes", "configs", "small-1gpu.yaml")).model.num_parameters()
     torch.manual_seed(0)
     dev, bf16 = "cuda", torch.bfloat16
     B, T, H, N, G, D, F_, V = a.batch, a.seq, 768, 12, 4, 64, 2048, 320
@@ -156,11 +161,6 @@ def optimizer_step(n: int):
         ms = cuda_time_ms(fn, warmup=5, iters=30)
         print(f"| {name} | {ms:.3f} | {bytes_per} | {bytes_per * n / ms / 1e6:.0f} |")
 
-
-# parameters of recipes/configs/small-1gpu.yaml's model (12 layers, hidden 768, 16 experts of 768, GQA 12/4 x 64,
-# vocab 320, untied embeddings): what its optimizer steps over
-SMALL_1GPU_PARAMS = 12 * (16 * 3 * 768 * 768 + 768 * 16 + 2 * 768 * 768 + 2 * 768 * 256 + 2 * 768 + 2 * 64) \
-    + 2 * 320 * 768 + 768
 
 
 def attention_core(B, T, N, G, D):
