@@ -9,7 +9,9 @@ Every implementation runs the same step: forward of x [S, M], backward of a rand
 CUDA-event medians after warm-up, rotating over three input sets, queued (the table) and synced
 (scripts/timing.py says how). Peak memory is the peak of allocated memory during one step minus
 what was allocated before it (parameters, inputs); the step makes the parameters' gradients (reset
-to None before it), so "activation" memory is also given: that peak less the gradients' bytes.
+to None before it), so "activation" memory is also given: that peak less the gradients' bytes. "Held"
+is what the forward keeps for backward (allocated after the forward, its outputs not counted): the
+activation memory a layer costs in a model of many layers.
 Peers: DeepSpeed's MoE with SwiGLU experts (drop_tokens, capacity factor 1), a plain-PyTorch
 layer on torch._grouped_mm, ScatterMoE's GLUMLP (import path: its source under .peers/, never
 committed), MegaBlocks' dMoE where installed. The dense floor is a SwiGLU FFN over S*k tokens:
@@ -35,7 +37,7 @@ sys.path.insert(1, os.path.join(ROOT, ".peers"))
 
 from timing import reset_grads, step_times_ms, synced_time_ms  # noqa: E402
 from turbomoe.autograd.grouped_gemm import mm_forward, mm_wgrad  # noqa: E402
-from turbomoe.nn import MoELayer  # noqa: E402
+from turbomoe.nn import GroupedExperts, MoELayer  # noqa: E402
 
 CONFIGS = [  # (S, M, F, E, k)
     (8192, 2048, 5632, 8, 1),
@@ -146,11 +148,14 @@ def build(name, cfg):
     if name == "dense floor":
         return DenseSwiGLU(M, F_), S * k
     if name.startswith("turbomoe"):
-        # variants: "turbomoe triton-gmm", "turbomoe torch-gmm", "turbomoe fp32-router", "turbomoe recompute"
+        # variants: "turbomoe triton-gmm", "turbomoe torch-gmm", "turbomoe fp32-router", "turbomoe recompute",
+        # "turbomoe weighted-gather" (and "turbomoe recompute weighted-gather")
         gmm = next((b for b in ("triton", "torch") if f"{b}-gmm" in name), None)
         layer = MoELayer(M, F_, E, k, gmm_backend=gmm, recompute="recompute" in name)
         if "fp32-router" in name:
             layer.router.router_dtype = torch.float32
+        if "weighted-gather" in name:  # the scores in the gather, y kept for their gradient (before 2026-11-24)
+            layer.experts.__class__ = type("WeightedGatherExperts", (GroupedExperts, ), {"scales_rows": False})
         return layer, S
     if name == "plain torch":
         return PlainTorchMoE(M, F_, E, k), S
@@ -198,17 +203,29 @@ def time_impl(name, cfg, iters, warmup=3):
         steps[next(counter) % len(steps)]()
 
     queued, synced = step_times_ms(step, warmup, iters)
-    reset_grads(mod.parameters())
+    x, gy = sets[0]
+    reset_grads(list(mod.parameters()) + [x])
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    step()
+    out = mod(x)
+    out, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+    torch.cuda.synchronize()
+    # What the forward keeps for backward (its outputs not counted): the layer's activation memory.
+    held = (torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+            - (aux.numel() * aux.element_size() if isinstance(aux, torch.Tensor) else 0)) / 2 ** 30
+    tensors, grads = [out], [gy]
+    if isinstance(aux, torch.Tensor) and aux.requires_grad:
+        tensors.append(aux)
+        grads.append(torch.ones_like(aux))
+    torch.autograd.backward(tensors, grads)
+    del out, aux, tensors, grads
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
     grads = sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad) / 2 ** 30
     del mod, sets, steps, step
     torch.cuda.empty_cache()
-    return queued, synced, peak, peak - grads
+    return queued, synced, peak, peak - grads, held
 
 
 def profile_layer(name, cfg, steps=3):
@@ -345,8 +362,8 @@ def main():
         row = dict(cfg=cfg, impls={})
         for name in impls:
             try:
-                ms, synced, peak, act = time_impl(name, cfg, args.iters)
-                row["impls"][name] = dict(ms=ms, synced_ms=synced, peak_gib=peak, activation_gib=act)
+                ms, synced, peak, act, held = time_impl(name, cfg, args.iters)
+                row["impls"][name] = dict(ms=ms, synced_ms=synced, peak_gib=peak, activation_gib=act, held_gib=held)
             except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
                 row["impls"][name] = dict(error=f"{type(e).__name__}: {e}"[:300])
                 traceback.print_exc(limit=2)
@@ -366,7 +383,8 @@ def main():
         plot(results, os.path.join(args.out, "bench_layer.png"), torch.cuda.get_device_name())
     except Exception as e:  # noqa: BLE001
         print("plot failed:", e)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, fwd+bwd, ms (x dense floor) [peak GiB]")
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, fwd+bwd, ms (x dense floor) "
+          "[peak GiB / GiB held from forward to backward]")
     print("config (S,M,F,E,k)".ljust(30) + "".join(n[:22].rjust(24) for n in impls))
     for r in results:
         floor = r["impls"].get("dense floor", {}).get("ms")
@@ -377,7 +395,7 @@ def main():
                 cells.append("n/a".rjust(24))
             else:
                 ratio = f" x{v['ms'] / floor:.2f}" if floor else ""
-                cells.append(f"{v['ms']:.2f}{ratio} [{v['peak_gib']:.1f}]".rjust(24))
+                cells.append(f"{v['ms']:.2f}{ratio} [{v['peak_gib']:.2f}/{v['held_gib']:.2f}]".rjust(24))
         print(str(tuple(r["cfg"])).ljust(30) + "".join(cells))
     print("\nsynced (each step from an idle GPU), ms (x dense floor synced)")
     for r in results:

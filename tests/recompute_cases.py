@@ -29,8 +29,8 @@ def run(layer, x, g):
     def scatter_noted(*args, **kw):
         return noted(scatter(*args, **kw))
 
-    def act_noted(self, h):
-        return noted(act(self, h))
+    def act_noted(self, h, row_scale_R=None):
+        return noted(act(self, h, row_scale_R))
 
     ops.scatter_tokens, GroupedExperts._act = scatter_noted, act_noted
     try:

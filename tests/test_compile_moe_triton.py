@@ -49,3 +49,5 @@ def test_grouped_mm_and_swiglu_opcheck():
     torch.library.opcheck(custom_ops._grouped_mm, (x, w.detach(), counts, None, "triton"))  # dx only
     for rows in (7, 0):
         torch.library.opcheck(custom_ops._swiglu, (torch.randn(rows, 2 * 9, device=DEV, requires_grad=True),))
+        torch.library.opcheck(custom_ops._swiglu, (torch.randn(rows, 2 * 9, device=DEV, requires_grad=True),
+                                                   torch.rand(rows, device=DEV, requires_grad=True)))

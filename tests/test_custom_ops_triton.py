@@ -31,15 +31,19 @@ def backend(request):
     return request.param
 
 
-def layer(x_SM, w_EM, k, capacity, backend, gating=custom_ops, renormalize=True):
+def layer(x_SM, w_EM, k, capacity, backend, gating=custom_ops, renormalize=True, row_scores=False):
     """router -> slots -> scatter -> (experts: a per-row scale) -> gather, through `gating`
-    (turbomoe.custom_ops, or a shim over turbomoe.ops with the same signatures)."""
+    (turbomoe.custom_ops, or a shim over turbomoe.ops with the same signatures); row_scores: the
+    rows weighed by ops.row_scores and summed by the gather with unit weights (MoELayer's order)."""
     E = w_EM.shape[0]
     g = gating.topk_gating(x_SM @ w_EM.t(), k, "softmax", False, None, backend)
     s = gating.assign_slots(g.expert_ids, g.scores, E, capacity, "position", 0, backend)
     buf_RM = gating.scatter_tokens(x_SM, s, backend)
     y_RM = torch.tanh(buf_RM) * 1.5
-    out = gating.gather_tokens(y_RM, s, g.scores, renormalize, backend)
+    if row_scores:
+        out = gating.gather_tokens(y_RM * ops.row_scores(s, g.scores)[:, None], s, None, False, backend)
+    else:
+        out = gating.gather_tokens(y_RM, s, g.scores, renormalize, backend)
     return out.square().sum() + 0.1 * g.aux_loss + 0.01 * g.z_loss
 
 
@@ -58,7 +62,8 @@ def inputs(S, E, M, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("S, E, k, capacity", [(13, 4, 2, None), (9, 8, 1, 2), (5, 8, 3, None), (0, 4, 2, None)])
-def test_compiled_chain_matches_eager_and_reference(backend, S, E, k, capacity):
+@pytest.mark.parametrize("row_scores", [False, True])
+def test_compiled_chain_matches_eager_and_reference(backend, S, E, k, capacity, row_scores):
     torch._dynamo.reset()
     counters.clear()
     x, w = inputs(S, E, 24)
@@ -67,7 +72,7 @@ def test_compiled_chain_matches_eager_and_reference(backend, S, E, k, capacity):
     for fn, kernel_backend in ((compiled, backend), (layer, backend), (layer, "reference")):
         x.grad = w.grad = None
         gating = eager_ops if fn is layer else custom_ops
-        loss = fn(x, w, k, capacity, kernel_backend, gating=gating)
+        loss = fn(x, w, k, capacity, kernel_backend, gating=gating, row_scores=row_scores)
         loss.backward()
         results.append((loss.detach(), x.grad.clone(), w.grad.clone()))
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -103,3 +108,4 @@ def test_opcheck(backend):
         for renormalize in (False, True):
             torch.library.opcheck(custom_ops._gather_tokens,
                                   (y, s.slots, scores, s.kept_counts, capacity, renormalize, backend))
+        torch.library.opcheck(custom_ops._gather_tokens, (y, s.slots, None, s.kept_counts, capacity, False, backend))

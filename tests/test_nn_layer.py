@@ -1,11 +1,14 @@
 """MoELayer forward and backward against a per-expert loop reference; CUDA-graph capture on the GPU."""
 import copy
+import gc
 import importlib.util
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import require_cuda_backend
 from turbomoe import reference
 from turbomoe.nn import GroupedExperts, MoELayer, TopKRouter
 
@@ -110,6 +113,41 @@ def test_cpu_fp32_against_loop(kw):
     if layer.router.expert_bias is not None:
         layer.router.expert_bias.copy_(torch.randn(6) * 0.1)
     compare(layer, torch.randn(3, 17, 32), 1e-5, 1e-4)
+
+
+def expert_output_kept(layer, x) -> bool:
+    """Whether the layer's forward keeps its routed experts' output y [R, M] alive for backward."""
+    seen = []
+    hook = layer.experts.register_forward_hook(lambda module, inputs, y: seen.append(weakref.ref(y)))
+    try:
+        out, aux = layer(x)
+    finally:
+        hook.remove()
+    gc.collect()
+    return seen[0]() is not None
+
+
+def check_no_expert_output_kept(backend, device, gmm_backend=None):
+    """SwiGLU experts without a second bias take the scores in their activation, so the forward keeps
+    no y for the scores' gradient (dropless and with capacity); with b2 the weighted gather keeps it
+    (the kernel paths' GatherTokens; the reference path keeps a gathered copy instead)."""
+    torch.manual_seed(3)
+    x = torch.randn(20, 16, device=device, requires_grad=True)
+    for kw in (dict(), dict(capacity_factor=0.75)):
+        layer = MoELayer(16, 24, 4, 2, backend=backend, gmm_backend=gmm_backend, device=device, **kw)
+        assert not expert_output_kept(layer, x)
+        compare(layer, x, 1e-5, 1e-4)
+    assert expert_output_kept(MoELayer(16, 24, 4, 2, bias=True, backend=backend, device=device), x)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_keeps_no_expert_output(backend):
+    """On the interpreter: test_nn_layer_triton.py."""
+    if backend == "cuda":
+        require_cuda_backend()
+    check_no_expert_output_kept(backend, "cuda")
 
 
 def test_cpu_bf16_against_loop():

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from test_nn_layer import compare
+from test_nn_layer import check_no_expert_output_kept, compare
 from turbomoe.nn import MoELayer
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -22,3 +22,7 @@ def test_triton_path_against_loop(kw):
     k = kw.pop("k", 2)
     layer = MoELayer(32, 48, 5, k, backend="triton", gmm_backend="triton", **kw)
     compare(layer, torch.randn(40, 32), 1e-5, 1e-4)
+
+
+def test_triton_path_keeps_no_expert_output():
+    check_no_expert_output_kept("triton", "cpu", "triton")

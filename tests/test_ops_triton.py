@@ -359,3 +359,52 @@ def test_gradcheck_second_expert_cuda():
     assert torch.autograd.gradcheck(
         lambda l, p: SecondExpert.apply(l, first.expert_ids, p, first.counts, rand, ops.csrc)[1], (logits, p1),
         eps=1e-7, atol=1e-8)
+
+
+@pytest.mark.parametrize("S, E, k, C", [(37, 5, 2, 6), (9, 8, 3, None), (3, 8, 2, None), (0, 4, 2, None),
+                                        (20, 4, 1, 1)])
+def test_gather_unit_weights_and_row_scores(S, E, k, C, backend):
+    """MoELayer's order: the rows weighed by row_scores, gathered with unit weights (scores None),
+    against the weighted gather of the reference in fp64, forward and backward (y and scores),
+    with drops, capacity padding, S < E and S = 0; the unit-weight gather keeps no y for backward."""
+    ids, scores = routing(S, E, k, "hot" if C == 1 else "random")
+    s = ops.assign_slots(ids, scores, E, capacity=C, backend=backend)
+    M = 24
+    y = torch.randn(s.num_rows, M, device=DEV, dtype=torch.float64)
+    g = torch.randn(S, M, device=DEV, dtype=torch.float64)
+    ya, sa = y.float().requires_grad_(), scores.detach().float().clone().requires_grad_()
+    w_R = ops.row_scores(s, sa)
+    out_a = ops.gather_tokens(ya * w_R[:, None], s, None, backend=backend)
+    yb, sb = y.clone().requires_grad_(), scores.detach().double().requires_grad_()
+    out_b = ref.gather_tokens(yb, ref.routed_slots(s.slots, s.num_rows), sb)
+    out_a.backward(g.float())
+    out_b.backward(g)
+    assert rel_err(out_a, out_b) < TOL[torch.float32]
+    assert rel_err(ya.grad, yb.grad) < TOL[torch.float32] and rel_err(sa.grad, sb.grad) < TOL[torch.float32]
+    filled = torch.zeros(s.num_rows, dtype=torch.bool, device=DEV)
+    filled[s.slots[s.slots >= 0].long()] = True
+    assert (w_R[~filled] == 0).all() and (ya.grad[~filled] == 0).all()  # padding rows: no weight, no gradient
+    assert (sa.grad[s.slots < 0] == 0).all()  # dropped routes
+    # Unit weights: the backward is a scatter of the output gradient and y is not kept.
+    import gc
+    import weakref
+    y2 = y.float().requires_grad_()
+    y3 = y2 * 1.0
+    alive = weakref.ref(y3)
+    out = ops.gather_tokens(y3, s, None, backend=backend)
+    del y3
+    gc.collect()
+    assert alive() is None
+    out.backward(g.float())
+    assert torch.equal(y2.grad, ops.scatter_tokens(g.float(), s, backend=backend))
+
+
+def test_row_scores_and_unit_gather_errors():
+    ids, scores = routing(5, 4, 2)
+    s = ops.assign_slots(ids, scores, 4)
+    with pytest.raises(TypeError, match="Slots from assign_slots"):
+        ops.row_scores(s.slots, scores)
+    with pytest.raises(ValueError, match="differ"):
+        ops.row_scores(s, scores[:, :1])
+    with pytest.raises(ValueError, match="renormalize needs scores"):
+        ops.gather_tokens(torch.randn(s.num_rows, 3, device=DEV), s, None, renormalize=True)

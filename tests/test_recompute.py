@@ -80,3 +80,29 @@ def test_recompute_saves_memory_on_the_gpu(shape):
         assert torch.equal(a, b)
     R = S * k
     assert peaks[0] - peaks[1] >= 0.9 * R * (M + F) * 2, (peaks, R * (M + F) * 2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(8192, 2048, 768, 128, 8), (8192, 2048, 1408, 64, 6)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_what_the_forward_keeps_on_the_gpu(shape, recompute):
+    """What the forward keeps for backward at Qwen3-30B-A3B's and DeepSeek-V2-Lite's layer shapes,
+    bf16 (allocated after the forward, its outputs not counted): the first GEMM's output h [R, 2F],
+    and without recompute the expert rows [R, M] and the activation [R, F]; no expert output y
+    [R, M] (the scores are taken in the activation); 32 MiB left for the router and the tables."""
+    S, M, F, E, k = shape
+    torch.manual_seed(0)
+    layer = MoELayer(M, F, E, k, recompute=recompute, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(S, M, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    sum(layer(x)).sum().backward()  # a step first: cuBLAS's and the GEMMs' workspaces are allocated once, kept
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out, aux = layer(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base - out.numel() * out.element_size() - aux.element_size()
+    R = S * k
+    want = R * 2 * F * 2 + (0 if recompute else R * (M + F) * 2)
+    assert want <= held <= want + 32 * 2 ** 20, (held / 2 ** 20, want / 2 ** 20)

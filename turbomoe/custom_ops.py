@@ -184,7 +184,7 @@ def scatter_tokens(x_SM, slots: Slots, backend: str):
 # ---------------------------------------------------------------- gather_tokens
 
 @torch.library.custom_op("turbomoe::gather_tokens", mutates_args=())
-def _gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor,
+def _gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: Optional[torch.Tensor],
                    kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], renormalize: bool,
                    backend: str) -> torch.Tensor:
     return GatherTokens.forward(_Recorder(), y_RM, slots_SK, scores_SK, kept_counts_E, capacity, ops._impl(backend),
@@ -201,7 +201,7 @@ def _gather_tokens_backward(grad_out_SM: torch.Tensor, y_RM: torch.Tensor, slots
                             scores_SK: torch.Tensor, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int],
                             renormalize: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     ctx = _Saved(y_RM, slots_SK, scores_SK, kept_counts_E, capacity=capacity, impl=ops._impl(backend),
-                 renormalize=renormalize)
+                 renormalize=renormalize, num_rows=y_RM.shape[0])
     grad_y_RM, _, grad_scores_SK, *_ = GatherTokens.backward(ctx, grad_out_SM)
     return grad_y_RM, grad_scores_SK
 
@@ -213,12 +213,21 @@ def _(grad_out_SM, y_RM, slots_SK, scores_SK, kept_counts_E, capacity, renormali
 
 def _gather_setup(ctx, inputs, output):
     y_RM, slots_SK, scores_SK, kept_counts_E, capacity, renormalize, backend = inputs
-    ctx.save_for_backward(y_RM.contiguous(), as_contiguous(slots_SK, torch.int32), scores_SK.contiguous(),
-                          kept_counts_E)
-    ctx.config = (capacity, renormalize, backend)
+    slots_SK = as_contiguous(slots_SK, torch.int32)
+    if scores_SK is None:  # unit weights: the backward is a scatter, and y is not kept
+        ctx.save_for_backward(slots_SK, kept_counts_E)
+    else:
+        ctx.save_for_backward(y_RM.contiguous(), slots_SK, scores_SK.contiguous(), kept_counts_E)
+    ctx.config, ctx.num_rows = (capacity, renormalize, backend), y_RM.shape[0]
 
 
 def _gather_backward(ctx, grad_out_SM):
+    if len(ctx.saved_tensors) == 2:
+        slots_SK, kept_counts_E = ctx.saved_tensors
+        capacity, _, backend = ctx.config
+        grad_y_RM = _scatter_tokens(grad_out_SM.contiguous(), slots_SK, ctx.num_rows, kept_counts_E, capacity,
+                                    backend)
+        return grad_y_RM, None, None, None, None, None, None
     grad_y_RM, grad_scores_SK = _gather_tokens_backward(grad_out_SM, *ctx.saved_tensors, *ctx.config)
     return grad_y_RM, None, grad_scores_SK, None, None, None, None
 
@@ -282,32 +291,41 @@ def grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend: str):
 # ---------------------------------------------------------------- swiglu (turbomoe.autograd.swiglu, Triton)
 
 @torch.library.custom_op("turbomoe::swiglu", mutates_args=())
-def _swiglu(h_R2F: torch.Tensor) -> torch.Tensor:
-    return SwiGLU.forward(_Recorder(), h_R2F)
+def _swiglu(h_R2F: torch.Tensor, scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return SwiGLU.forward(_Recorder(), h_R2F, scale_R)
 
 
 @_swiglu.register_fake
-def _(h_R2F):
+def _(h_R2F, scale_R=None):
     return h_R2F.new_empty(h_R2F.shape[0], h_R2F.shape[1] // 2)
 
 
 @torch.library.custom_op("turbomoe::swiglu_backward", mutates_args=())
-def _swiglu_backward(da_RF: torch.Tensor, h_R2F: torch.Tensor) -> torch.Tensor:
-    return SwiGLU.backward(_Saved(h_R2F), da_RF)
+def _swiglu_backward(da_RF: torch.Tensor, h_R2F: torch.Tensor,
+                     scale_R: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    dh, ds = SwiGLU.backward(_Saved(h_R2F, scale_R), da_RF)
+    return dh, h_R2F.new_empty(0) if ds is None else ds  # an op returns tensors: no scale, an empty one
 
 
 @_swiglu_backward.register_fake
-def _(da_RF, h_R2F):
-    return torch.empty_like(h_R2F)
+def _(da_RF, h_R2F, scale_R):
+    return torch.empty_like(h_R2F), h_R2F.new_empty(0) if scale_R is None else torch.empty_like(scale_R)
 
 
 def _swiglu_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
+    ctx.save_for_backward(*inputs)
 
 
-_swiglu.register_autograd(lambda ctx, da_RF: _swiglu_backward(da_RF, *ctx.saved_tensors), setup_context=_swiglu_setup)
+def _swiglu_grads(ctx, da_RF):
+    h_R2F, scale_R = ctx.saved_tensors
+    dh, ds = _swiglu_backward(da_RF, h_R2F, scale_R)
+    return dh, None if scale_R is None else ds
 
 
-def swiglu(h_R2F):
-    """SwiGLU.apply's argument: h [R, 2F] with unit column stride, on the device Triton runs on."""
-    return _swiglu(h_R2F)
+_swiglu.register_autograd(_swiglu_grads, setup_context=_swiglu_setup)
+
+
+def swiglu(h_R2F, scale_R=None):
+    """SwiGLU.apply's arguments: h [R, 2F] with unit column stride, on the device Triton runs on; an
+    optional contiguous row scale [R]."""
+    return _swiglu(h_R2F, scale_R)

@@ -319,22 +319,30 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     return _scatter_fn(x_SM, table, num_rows, kept, cap, _impl(backend))
 
 
-def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor, renormalize: bool = False,
+def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: Optional[torch.Tensor], renormalize: bool = False,
                   backend: Optional[str] = None) -> torch.Tensor:
     """out [S, M] = sum over kept routes of w[s, j] * y[slots[s, j]], fp32 accumulation.
 
     slots: the Slots from assign_slots, or a bare [S, k] int tensor (y's rows are the buffer).
     w = scores; with renormalize, each token's kept scores over their sum (DeepSpeed's top-k
     combine after capacity, reference.renormalize_kept), formed inside the kernels, so the
-    gradient reaches the raw scores with no extra ops.
+    gradient reaches the raw scores with no extra ops. scores None: w = 1 (the rows were weighed
+    already, see row_scores), and y is not kept for backward.
     """
     check_bool("renormalize", renormalize)
     _check_float("y", y_RM, 2)
-    _check_float("scores", scores_SK, 2)
-    table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
-    if table.shape != scores_SK.shape:
-        raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
-    _check_same_device(y=y_RM, scores=scores_SK)  # slots were checked against y
+    if scores_SK is None:
+        if renormalize:
+            raise ValueError("gather_tokens: renormalize needs scores")
+        table = slots.slots if isinstance(slots, Slots) else slots
+        S = table.shape[0] if isinstance(table, torch.Tensor) and table.dim() else -1  # else _unpack_slots says why
+        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], S, y_RM)
+    else:
+        _check_float("scores", scores_SK, 2)
+        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
+        if table.shape != scores_SK.shape:
+            raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
+        _check_same_device(y=y_RM, scores=scores_SK)  # slots were checked against y
     table = _bare_table(table, y_RM.shape[0], kept)
     backend = choose_backend(y_RM, backend)
     if backend == "reference":
@@ -342,3 +350,21 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: torch.Tensor, renormaliz
     if torch.compiler.is_compiling():
         return custom_ops.gather_tokens(y_RM, Slots(table, kept, y_RM.shape[0], cap), scores_SK, renormalize, backend)
     return _gather_fn(y_RM, table, scores_SK, kept, cap, _impl(backend), renormalize)
+
+
+def row_scores(slots: Slots, scores_SK: torch.Tensor) -> torch.Tensor:
+    """w [R] of the expert buffer's rows: row slots[s, j] gets scores[s, j]; rows no route fills
+    (capacity's padding) 0. Differentiable (plain PyTorch: a scatter, whose gradient is a gather).
+    With them the experts weigh their rows (GroupedExperts' row_scale) and gather_tokens sums with
+    w = 1, so the experts' outputs need not be kept for the scores' gradient."""
+    if not isinstance(slots, Slots):
+        raise TypeError(f"row_scores needs the Slots from assign_slots, got {type(slots).__name__}")
+    _check_float("scores", scores_SK, 2)
+    if slots.slots.shape != scores_SK.shape:
+        raise ValueError(f"slots {tuple(slots.slots.shape)} and scores {tuple(scores_SK.shape)} differ")
+    R, routes = slots.num_rows, slots.slots.numel()
+    flat = slots.slots.reshape(-1).long()
+    # A dropped route (-1) writes a place of its own past the rows: every index distinct, so the
+    # scatter is deterministic, and a dropped route's gradient is 0.
+    index = torch.where(flat >= 0, flat, R + torch.arange(routes, device=flat.device))
+    return scores_SK.new_zeros(R + routes).scatter(0, index, scores_SK.reshape(-1))[:R]

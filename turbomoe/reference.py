@@ -287,14 +287,14 @@ def renormalize_kept(scores_SK: torch.Tensor, slots_SK: torch.Tensor) -> torch.T
     return kept / kept.sum(dim=1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps)
 
 
-def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: torch.Tensor,
+def gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: Optional[torch.Tensor],
                   renormalize: bool = False) -> torch.Tensor:
     """out[s] = sum over kept routes j of w[s, j] * y[slots[s, j]], accumulated in fp32, with
-    w = scores, or renormalize_kept(scores, slots) when renormalize."""
+    w = scores (1 where None), or renormalize_kept(scores, slots) when renormalize."""
     acc = compute_dtype(y_RM.dtype)
     slots_SK = routed_slots(slots_SK, y_RM.shape[0])
     keep = (slots_SK >= 0)
-    w_SK = scores_SK.to(acc)
+    w_SK = torch.ones(slots_SK.shape, dtype=acc, device=y_RM.device) if scores_SK is None else scores_SK.to(acc)
     if renormalize:
         w_SK = renormalize_kept(w_SK, slots_SK)
     # A zero row after the buffer stands for "nowhere" (-1), so an empty buffer needs no special case.

@@ -9,15 +9,17 @@ from ..reference import as_contiguous, compute_dtype
 class GatherTokens(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, y_RM, slots_SK, scores_SK, kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], impl,
-                renormalize: bool = False):
+    def forward(ctx, y_RM, slots_SK, scores_SK: Optional[torch.Tensor], kept_counts_E: Optional[torch.Tensor],
+                capacity: Optional[int], impl, renormalize: bool = False):
         """impl: the backend module (turbomoe.kernels or turbomoe.csrc). w = scores, or with
-        renormalize the kept scores over their sum (formed inside the kernels, both ways)."""
-        y_RM, slots_SK, scores_SK = y_RM.contiguous(), as_contiguous(slots_SK, torch.int32), scores_SK.contiguous()
+        renormalize the kept scores over their sum (formed inside the kernels, both ways), or 1 where
+        scores is None (then y is not kept: the backward is a scatter)."""
+        y_RM, slots_SK = y_RM.contiguous(), as_contiguous(slots_SK, torch.int32)
+        scores_SK = None if scores_SK is None else scores_SK.contiguous()
         out_SM = y_RM.new_empty(slots_SK.shape[0], y_RM.shape[1])
         impl.pull_rows(y_RM, slots_SK, out_SM, scores_SK, renormalize=renormalize)
-        ctx.save_for_backward(y_RM, slots_SK, scores_SK, kept_counts_E)
-        ctx.capacity, ctx.impl, ctx.renormalize = capacity, impl, renormalize
+        ctx.save_for_backward(None if scores_SK is None else y_RM, slots_SK, scores_SK, kept_counts_E)
+        ctx.capacity, ctx.impl, ctx.renormalize, ctx.num_rows = capacity, impl, renormalize, y_RM.shape[0]
         return out_SM
 
     @staticmethod
@@ -25,9 +27,13 @@ class GatherTokens(torch.autograd.Function):
         y_RM, slots_SK, scores_SK, kept_counts_E = ctx.saved_tensors
         # grad_y[slot] = w * grad_out (one writer per row, empty rows zero); grad_score from
         # <grad_out, y[slot]> in fp32 (through the renormalisation where asked).
-        grad_y_RM = torch.empty_like(y_RM)
+        grad_out_SM = grad_out_SM.contiguous()
+        grad_y_RM = grad_out_SM.new_empty(ctx.num_rows, grad_out_SM.shape[1])
+        if scores_SK is None:
+            ctx.impl.push_rows(grad_out_SM, slots_SK, grad_y_RM, kept_counts_E, ctx.capacity)
+            return grad_y_RM, None, None, None, None, None, None
         grad_scores_SK = torch.empty_like(scores_SK, dtype=compute_dtype(y_RM.dtype))
-        ctx.impl.push_rows(grad_out_SM.contiguous(), slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
+        ctx.impl.push_rows(grad_out_SM, slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
                            scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK, renormalize=ctx.renormalize)
         return grad_y_RM, None, as_contiguous(grad_scores_SK, scores_SK.dtype), None, None, None, None
 

@@ -14,7 +14,9 @@ and per-expert checkpoint files are those of stock; only `deepspeed_moe.forward`
 Dropless (drop_tokens=False) with ep_size > 1 sizes the buffers by C = the largest expert count
 over the expert-parallel group, as stock does: one host read per forward. With ep_size = 1 and
 grouped experts it uses turbomoe's dropless layout instead, [S * k, M] expert-contiguous rows and
-grouped GEMMs with the counts on the device: no host sync at all.
+grouped GEMMs with the counts on the device: no host sync at all; with bias-free SwiGLU experts
+the combine weights are applied in the experts' activation there and the gather sums with weight 1,
+so the experts' output [S * k, M] is not kept for the weights' gradient.
 """
 import contextlib
 from typing import Optional
@@ -28,10 +30,10 @@ from deepspeed.moe.sharded_moe import (FIRST_ALLTOALL_TIMER, MOE_TIMER, SECOND_A
 from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
-from .. import ops
+from .. import ops, reference
 from ..nn.recompute import remaking
 from .deepspeed_experts import (RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind, grouped_mlp,
-                                pack_expert_params, run_experts)
+                                pack_expert_params, run_experts, scales_rows)
 from .deepspeed_gating import drop_policy, expert_capacity, route, router_logits
 
 __all__ = ["MoE", "TurboMOELayer", "SwiGLUExpert", "patch", "unpatch", "is_patched"]
@@ -85,15 +87,23 @@ class TurboMOELayer(MOELayer):
             with _timed(self.gate, TOPK_GATE_TIMER, "gate_time"):
                 s, scores_SK = self._route_and_assign(x_SM, used_token, rows_layout)
             buf_RM = ops.scatter_tokens(x_SM, s)
+            # Stock's combine weights: for k >= 2 the kept routes' scores renormalised to sum 1.
+            row_scale_R = None
             if rows_layout:
+                if scales_rows(self.expert_fast_path, self.experts.deepspeed_experts):
+                    # Applied inside the experts' activation instead (MoELayer's order): y is not kept.
+                    w_SK = reference.renormalize_kept(scores_SK, s.slots) if self.norm_topk_prob else scores_SK
+                    row_scale_R = ops.row_scores(s, w_SK)
                 # The rows again from x_SM (the router's GEMM keeps it).
                 with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s)) as remake:
                     y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
-                                       RowGroups(s.kept_counts, s.num_rows), remake)
+                                       RowGroups(s.kept_counts, s.num_rows), remake, row_scale_R)
             else:
                 y_RM = self._exchange_and_run_experts(buf_RM.view(E, s.capacity, M)).reshape(E * s.capacity, M)
-            # Stock's combine weights: for k >= 2 the kept routes' scores renormalised to sum 1.
-            out_SM = ops.gather_tokens(y_RM, s, scores_SK, renormalize=self.norm_topk_prob)
+            if row_scale_R is not None:
+                out_SM = ops.gather_tokens(y_RM, s, None)
+            else:
+                out_SM = ops.gather_tokens(y_RM, s, scores_SK, renormalize=self.norm_topk_prob)
         return out_SM.reshape(hidden_states.shape)
 
     def _route_and_assign(self, x_SM: torch.Tensor, used_token: Optional[torch.Tensor], rows_layout: bool):

@@ -91,20 +91,23 @@ def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups) -> torch.
 
 
 def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
-                remake: Optional[Remake] = None) -> torch.Tensor:
+                remake: Optional[Remake] = None, row_scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Expert e's MLP on expert e's rows of x, all local experts at once: [.., M] -> [.., M].
 
     groups: EqualGroups for x [E_local, C, M], RowGroups for expert-contiguous x [R, M]. remake: the
     activation is remade from the first GEMM's output in backward instead of kept (swiglu and mlp kinds).
+    row_scale_R: each row of x [R, M] weighed inside the activation (see scales_rows).
     """
+    if row_scale_R is not None and not scales_rows(kind, experts):
+        raise ValueError("a row scale needs bias-free SwiGLU experts")
     if kind == "megatron":
         return grouped_parallel_mlp(list(experts), x, groups)
     if kind == "swiglu":
         # [gate | up] per expert: one GEMM for both, then turbomoe's fused SwiGLU.
         h = groups.matmul(x, stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in experts]))
 
-        def act(h):
-            return swiglu(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], h.shape[-1] // 2)  # not -1: rows may be 0
+        def act(h):  # not view(.., -1): rows may be 0
+            return swiglu(h.reshape(-1, h.shape[-1]), row_scale_R).view(*h.shape[:-1], h.shape[-1] // 2)
         second = [e.w2 for e in experts]
     else:
         h = _grouped_linear(x, [e[0] for e in experts], groups)
@@ -114,6 +117,13 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
     if remake is not None:
         remake.add(a, lambda: act(h))  # h is kept by the activation's own backward
     return _grouped_linear(a, second, groups)
+
+
+def scales_rows(kind: Optional[str], experts: nn.ModuleList) -> bool:
+    """Whether grouped_mlp can weigh the rows by the routing scores inside the activation (SwiGLU,
+    no bias after it: y_r = (s_r a_r) W2 = s_r (a_r W2)), so that the combine sums with weight 1
+    and the experts' output is not kept for the scores' gradient."""
+    return kind == "swiglu" and experts[0].w2.bias is None
 
 
 def fast_path_applies(experts_module: nn.Module, kind: Optional[str], dtype: torch.dtype) -> bool:

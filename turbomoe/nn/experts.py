@@ -20,7 +20,9 @@ class GroupedExperts(nn.Module):
     gelu:   y = gelu(x w1) w2          with w1 [E, M, F],                 w2 [E, F, M]
     Optional biases b1 [E, 2F or F], b2 [E, M]. Saved for backward: x, the first GEMM's output
     and the activation, all O(R * (M + F)); given a `Remake` (turbomoe.nn.recompute), the activation
-    is remade from the first GEMM's output in backward instead of kept.
+    is remade from the first GEMM's output in backward instead of kept. A row scale s [R] (swiglu,
+    no b2) weighs each row inside the activation, y_r = (s_r a_r) W2 = s_r (a_r W2), and takes its
+    gradient there (from the activation's output gradient and h), with no use of y.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
@@ -43,26 +45,35 @@ class GroupedExperts(nn.Module):
         nn.init.uniform_(self.w1, -hidden_size ** -0.5, hidden_size ** -0.5)
         nn.init.uniform_(self.w2, -ffn_hidden_size ** -0.5, ffn_hidden_size ** -0.5)
 
-    def forward(self, x_RM: torch.Tensor, counts_E: torch.Tensor, remake: Optional[Remake] = None) -> torch.Tensor:
+    def forward(self, x_RM: torch.Tensor, counts_E: torch.Tensor, remake: Optional[Remake] = None,
+                row_scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x_RM.dim() != 2 or x_RM.shape[1] != self.hidden_size:
             raise ValueError(f"x must be [R, {self.hidden_size}], got {tuple(x_RM.shape)}")
         if x_RM.dtype != self.w1.dtype:
             raise TypeError(f"x is {x_RM.dtype} but the expert weights are {self.w1.dtype}")
+        if row_scale_R is not None and not self.scales_rows:
+            raise ValueError("a row scale needs swiglu experts without a second bias (the scale must commute "
+                             "with the second GEMM)")
         offs_E = row_offsets(counts_E)  # once for all four GEMM launches
         groups_R = row_groups(offs_E, x_RM.shape[0]) if self.b1 is not None else None
         h = grouped_mm(x_RM, self.w1, counts_E, self.gmm_backend, offs_E)
         if groups_R is not None:
             h = add_group_bias(h, self.b1, groups_R)
-        a = self._act(h)
+        a = self._act(h, row_scale_R)
         if remake is not None:
-            remake.add(a, lambda: self._act(h))  # h is kept by the activation's own backward
+            remake.add(a, lambda: self._act(h, row_scale_R))  # h is kept by the activation's own backward
         y = grouped_mm(a, self.w2, counts_E, self.gmm_backend, offs_E)
         if groups_R is not None:
             y = add_group_bias(y, self.b2, groups_R)
         return y
 
-    def _act(self, h: torch.Tensor) -> torch.Tensor:
-        return swiglu(h) if self.activation == "swiglu" else F.gelu(h)
+    @property
+    def scales_rows(self) -> bool:
+        """Whether forward takes a row scale."""
+        return self.activation == "swiglu" and self.b2 is None
+
+    def _act(self, h: torch.Tensor, row_scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return swiglu(h, row_scale_R) if self.activation == "swiglu" else F.gelu(h)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

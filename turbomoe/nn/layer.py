@@ -79,11 +79,14 @@ class MoELayer(nn.Module):
         # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
         counts_E = s.kept_counts if C is None else torch.full_like(s.kept_counts, C)
         # The rows again from x_SM, which the router keeps.
+        # SwiGLU experts weigh their rows by the scores before the second GEMM (SonicMoE's order): the
+        # scores' gradient then comes from the activation's backward, and y [R, M] is not kept for it.
+        row_scale_R = ops.row_scores(s, g.scores) if self.experts.scales_rows else None
         with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s, backend=self.backend)) as remake:
-            y_RM = self.experts(buf_RM, counts_E, remake)
+            y_RM = self.experts(buf_RM, counts_E, remake, row_scale_R)
             shared_SM = (None if self.shared_expert is None else
                          self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device), remake))
-        out_SM = ops.gather_tokens(y_RM, s, g.scores, backend=self.backend)
+        out_SM = ops.gather_tokens(y_RM, s, None if row_scale_R is not None else g.scores, backend=self.backend)
         if shared_SM is not None:
             out_SM = out_SM + shared_SM
         self.expert_load = s.kept_counts.detach()
