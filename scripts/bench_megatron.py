@@ -6,9 +6,9 @@ Layers (one process, the same config):
   stock     megatron-core 0.16.1's MoELayer from its local spec: TopKRouter, allgather dispatcher,
             SequentialMLP (the legacy GroupedMLP needs the grouped_gemm package: not installable here)
   turbomoe  get_turbomoe_moe_spec: TurboTopKRouter, TurboTokenDispatcher, TurboGroupedMLP, the probs
-            weighing the expert rows in turbomoe's gather kernel (the default)
-  before    the same with probs_before_fc2=True: the probs scale the activation before fc2, as
-            Megatron's experts do (an [R, F] multiply each way)
+            scaling the activation inside turbomoe's SwiGLU kernel (the default)
+  before    the same with probs_before_fc2=True: the probs scale the activation before fc2 with
+            Megatron's own rounding (an [R, F] multiply each way)
   native    turbomoe.nn.MoELayer at the same shape (the bar: turbomoe's Megatron layer within 1.2x)
 All dropless, SwiGLU experts, softmax top-k (renormalised over the k, as Megatron's default), fp32
 router logits, aux loss 0.01. Times: CUDA-event medians after warm-up, the three layers interleaved in

@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
@@ -168,21 +169,32 @@ LAYER_CASES = [  # k, capacity factor, drop policy, shared expert size, tokens (
 ]
 
 
-@pytest.mark.parametrize("before_fc2", [False, True], ids=["probs-in-gather", "probs-before-fc2"])
+PROBS_PATHS = {  # name: (config overrides, probs_before_fc2, probs in turbomoe's SwiGLU kernel, in the gather)
+    "probs-in-swiglu-kernel": (dict(), False, True, False),
+    "probs-before-fc2": (dict(), True, False, False),  # Megatron's own rounding, in the experts
+    "gelu-probs-in-gather": (dict(gated_linear_unit=False, activation_func=F.gelu), False, False, True),
+}
+
+
+@pytest.mark.parametrize("path", list(PROBS_PATHS))
 @pytest.mark.parametrize("k,cf,policy,shared,tokens", LAYER_CASES)
-def test_layer_matches_stock_moe_layer(k, cf, policy, shared, tokens, before_fc2):
+def test_layer_matches_stock_moe_layer(k, cf, policy, shared, tokens, path):
     """TurboMoELayer (turbomoe's dispatcher and grouped-GEMM experts) against stock's MoELayer with its
     allgather dispatcher and SequentialMLP, both routed by turbomoe's router (so on the CPU), fp64;
-    the probs weighing the rows in the gather (default) or the activation before fc2 (as stock)."""
+    the probs scaling SwiGLU experts' activation in turbomoe's kernel (default), with Megatron's own
+    rounding (probs_before_fc2), or weighing GELU experts' rows in the gather."""
     E = 6
+    overrides, before_fc2, in_kernel, in_gather = PROBS_PATHS[path]
     cfg = moe_config(num_moe_experts=E, moe_router_topk=k, moe_router_pre_softmax=(k == 1),
                      moe_expert_capacity_factor=cf, moe_token_drop_policy="probs" if policy == "rts" else policy,
-                     moe_shared_expert_intermediate_size=shared, params_dtype=torch.float64, moe_router_dtype="fp64")
+                     moe_shared_expert_intermediate_size=shared, params_dtype=torch.float64, moe_router_dtype="fp64",
+                     **overrides)
     stock_spec = get_moe_module_spec(use_te=False, num_experts=E)
     stock_spec.submodules.router = functools.partial(TurboTopKRouter, drop_policy=policy)
     torch.manual_seed(0)
     stock = build_module(stock_spec, config=cfg)
     turbo = build_module(tm.get_turbomoe_moe_spec(cfg, drop_policy=policy, probs_before_fc2=before_fc2), config=cfg)
+    assert turbo.experts.probs_in_kernel == in_kernel and turbo.token_dispatcher.probs_in_combine == in_gather
     copy_stock_moe_to_turbomoe(stock, turbo)
     if shared:
         turbo.shared_experts.load_state_dict(stock.shared_experts.state_dict())

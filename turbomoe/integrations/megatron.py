@@ -12,8 +12,9 @@ The pieces (each its own module; megatron_config.check_config says which setting
   TurboGroupedMLP   (megatron_experts)     turbomoe's grouped GEMM, GroupedMLP's parameters
   TurboMoELayer     (here)                 MoELayer with the dispatcher installed; it keeps
                                            MoELayer's forward (shared experts, recompute); the
-                                           probs weigh the expert rows in the gather kernel
-                                           (probs_before_fc2=True: in the experts, as Megatron)
+                                           probs scale the experts' SwiGLU in turbomoe's kernel
+                                           (other activations: in the gather kernel;
+                                           probs_before_fc2=True: Megatron's own rounding)
 The layer does not sync with the host when ep_size == 1 (dropless or with a capacity), nor with a
 capacity below the local token count at any ep_size; dropless with ep_size > 1 (a capacity that
 reaches the token count drops nothing and runs dropless) reads the all-to-all split sizes once.
@@ -52,9 +53,10 @@ class TurboMoELayer(MoELayer):
                          pg_collection=pg_collection)
         if not isinstance(self.router, TurboTopKRouter):
             raise TypeError(f"TurboMoELayer needs a TurboTopKRouter, got {type(self.router).__name__}")
-        # Probs weigh the rows in the gather kernel, unless asked before fc2 (Megatron's rounding) or the
-        # experts scale their input by them (moe_apply_probs_on_input).
-        in_combine = not (probs_before_fc2 or config.moe_apply_probs_on_input)
+        # The experts take the probs: in turbomoe's SwiGLU kernel, before fc2 with Megatron's rounding
+        # (probs_before_fc2), or on their input (moe_apply_probs_on_input); else the gather kernel does.
+        in_combine = not (getattr(self.experts, "probs_in_kernel", False) or probs_before_fc2
+                          or config.moe_apply_probs_on_input)
         self.token_dispatcher = TurboTokenDispatcher(self.num_local_experts, config.num_moe_experts, self.ep_group,
                                                      backend, probs_in_combine=in_combine)
         self._hidden_shape = None
@@ -92,10 +94,12 @@ def get_turbomoe_moe_spec(config=None, *, shared_experts: Optional[ModuleSpec] =
     spec, or use use_turbomoe, which keeps the spec's own). drop_policy: None follows
     config.moe_token_drop_policy; "rts" is turbomoe's random token selection. backend /
     gmm_backend: turbomoe's op and grouped-GEMM backends (None: the fastest that applies).
-    probs_before_fc2: False (default) weighs each expert output row by its prob inside turbomoe's
-    gather kernel; True multiplies the activation by the probs before fc2, as Megatron's experts do
-    (the same in exact arithmetic, as fc2 has no bias; bf16 rounds differently; it costs an [R, F]
-    multiply each way: 1.0-2.7 ms, 1.23-1.40x the layer's time at the benchmark shapes on an H100,
+    probs_before_fc2: False (default): with SwiGLU experts the probs scale the activation inside
+    turbomoe's SwiGLU kernel (before fc2, as Megatron applies them; rounded once, and the experts'
+    output is not kept for the probs' gradient), with other activations they weigh each expert output
+    row inside turbomoe's gather kernel (the same in exact arithmetic, as fc2 has no bias). True:
+    Megatron's own rounding, its fused weighted SwiGLU or the activation times the probs (an [R, F]
+    multiply each way: 1.23-1.40x the layer's time at the benchmark shapes on an H100,
     notes/megatron_core.md).
     """
     if config is not None:
@@ -108,7 +112,8 @@ def get_turbomoe_moe_spec(config=None, *, shared_experts: Optional[ModuleSpec] =
         shared_experts = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
             linear_fc1=local.column_parallel_linear(), linear_fc2=local.row_parallel_linear()))
     router = functools.partial(TurboTopKRouter, drop_policy=drop_policy, backend=backend)
-    experts = ModuleSpec(module=TurboGroupedMLP, params={"gmm_backend": gmm_backend})
+    experts = ModuleSpec(module=TurboGroupedMLP, params={"gmm_backend": gmm_backend,
+                                                         "megatron_rounding": probs_before_fc2})
     return ModuleSpec(module=TurboMoELayer, params={"backend": backend, "probs_before_fc2": probs_before_fc2},
                       submodules=MoESubmodules(experts=experts, shared_experts=shared_experts, router=router),
                       metainfo={"fuse_pre_mlp_layernorm": False})

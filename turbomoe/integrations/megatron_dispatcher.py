@@ -29,13 +29,6 @@ from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from .. import ops
 
 
-def probs_to_rows(probs_TK: torch.Tensor, slots_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """probs_R [num_rows]: each kept route's prob at its buffer row, 0 on empty rows; differentiable.
-    Dropped routes write to one spare row past the end (dropped again), so no masking and no sync."""
-    rows = torch.where(slots_TK >= 0, slots_TK, num_rows).reshape(-1).long()
-    return probs_TK.new_zeros(num_rows + 1).scatter(0, rows, probs_TK.reshape(-1))[:num_rows]
-
-
 class TurboTokenDispatcher:
     """See the module doc. One dispatch, then one combine, per forward (state kept in between)."""
 
@@ -55,7 +48,7 @@ class TurboTokenDispatcher:
             p = routing.probs
             self._weights_TK = p if p.dtype in (torch.float32, torch.float64) else p.float()
         buf_RH = ops.scatter_tokens(x_TH, s, backend=self.backend)
-        probs_R = None if self.probs_in_combine else probs_to_rows(routing.probs, s.slots, s.num_rows)
+        probs_R = None if self.probs_in_combine else ops.row_scores(s, routing.probs)
         if self.ep_size == 1:
             counts_E = s.kept_counts if s.capacity is None else torch.full_like(s.kept_counts, s.capacity)
             return buf_RH, counts_E, probs_R
@@ -68,10 +61,8 @@ class TurboTokenDispatcher:
         s = self._slots
         if self.ep_size > 1:
             y_RH = self._combine_blocks(y_RH, s.capacity) if s.capacity is not None else self._combine_chunks(y_RH)
-        weights_TK = self._weights_TK
-        if weights_TK is None:  # the experts applied the probs
-            weights_TK = torch.ones(s.slots.shape, dtype=torch.float32, device=y_RH.device)
-        out_TH = ops.gather_tokens(y_RH, s, weights_TK, backend=self.backend)
+        # weights None: the experts applied the probs; the gather sums with weight 1 and keeps no y.
+        out_TH = ops.gather_tokens(y_RH, s, self._weights_TK, backend=self.backend)
         self._slots = self._weights_TK = self._splits = None
         return out_TH
 

@@ -3,7 +3,10 @@
 `TurboGroupedMLP(num_local_experts, config, pg_collection)` is called as Megatron calls its experts,
 `experts(tokens [R, H], tokens_per_expert [El] (int32, on the device), probs [R]) -> (out [R, H], None)`,
 and applies the probs as Megatron's experts do: after the activation, before fc2 (probs None: not at
-all, for a caller that weighs the output rows itself, as TurboMoELayer does by default). Its parameters are
+all, for a caller that weighs the output rows itself). With a plain SwiGLU (silu, no clamp, no offset)
+they scale the activation inside turbomoe's SwiGLU kernel, whose backward forms their gradient (one pass,
+rounded once), unless megatron_rounding asks for Megatron's own (its fused weighted SwiGLU, or the
+activation times the probs). Its parameters are
 GroupedMLP's, weight1 [H, El * 2F] (gated: [gate | up] per expert; else El * F) and weight2 [El * F, H],
 which are turbomoe's w1 [El, H, 2F] and w2 [El, F, H] in memory, so the GEMMs read them as views.
 It is a GroupedMLP subclass for GroupedMLP's sharded_state_dict (the same distributed-checkpoint
@@ -35,8 +38,10 @@ from ..autograd.swiglu import swiglu
 
 class TurboGroupedMLP(GroupedMLP):
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None, gmm_backend: Optional[str] = None):
+    def __init__(self, num_local_experts: int, config, pg_collection=None, gmm_backend: Optional[str] = None,
+                 megatron_rounding: bool = False):
         MegatronModule.__init__(self, config=config)  # not GroupedMLP's: it asserts grouped_gemm is installed
+        self.megatron_rounding = megatron_rounding
         pg_collection = pg_collection or get_default_pg_collection()
         if pg_collection.expt_tp.size() != 1:
             raise ValueError("turbomoe's Megatron experts need expert_tensor_parallel_size = 1, got "
@@ -97,13 +102,27 @@ class TurboGroupedMLP(GroupedMLP):
         weight.grad_added_to_main_grad = True  # DDP clears it when it zeroes the buffer, every step
         return weight.main_grad.view_as(w_GKN)
 
+    @property
+    def plain_swiglu(self) -> bool:
+        """silu(gate) * up exactly (no clamp, no offset): turbomoe's SwiGLU kernel computes it."""
+        cfg = self.config
+        return (cfg.gated_linear_unit and cfg.activation_func is F.silu and cfg.activation_func_clamp_value is None
+                and cfg.glu_linear_offset == 0)
+
+    @property
+    def probs_in_kernel(self) -> bool:
+        """Whether the probs scale the activation inside turbomoe's SwiGLU kernel."""
+        return self.plain_swiglu and not self.megatron_rounding
+
     def _activation_with_probs(self, h_RN: torch.Tensor, probs_R: Optional[torch.Tensor]) -> torch.Tensor:
         """act(h) * probs in h's dtype, as Megatron's MLP does it for experts (per_token_scale)."""
         cfg = self.config
         silu_glu = cfg.gated_linear_unit and cfg.activation_func is F.silu
+        if self.probs_in_kernel:  # turbomoe's kernel, the probs included where given
+            return swiglu(h_RN, probs_R)
         if silu_glu and cfg.bias_activation_fusion and probs_R is not None:
             return weighted_bias_swiglu_impl(h_RN, None, probs_R.unsqueeze(-1), cfg.activation_func_fp8_input_store)
-        if silu_glu and cfg.activation_func_clamp_value is None and cfg.glu_linear_offset == 0:
+        if self.plain_swiglu:
             a_RF = swiglu(h_RN)  # turbomoe's kernel
         elif cfg.gated_linear_unit:
             gate, up = torch.chunk(h_RN, 2, dim=-1)
