@@ -434,3 +434,33 @@ def test_recompute_same_bits_rows_freed(expert, k):
     assert alive == [True, False]
     with pytest.raises(TypeError, match="recompute"):
         tds.MoE(hidden_size=M, expert=EXPERTS[expert](), num_experts=E, recompute="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_swiglu_experts_keep_no_output(k):
+    """The dropless grouped path with bias-free SwiGLU experts applies the combine weights in the
+    experts' activation: the experts' output is not kept for backward (the kernel gather would keep
+    it for the weights' gradient, as it does for the GELU experts with biases), and the layer still
+    matches stock (fp32)."""
+    for expert, kept in (("swiglu", False), ("mlp", True)):
+        stock, turbo = make_pair(expert, "cuda", k=k, drop_tokens=False)
+        outputs = []
+        grouped = tds.grouped_mlp
+
+        def noted(*args, **kw):
+            y = grouped(*args, **kw)
+            outputs.append(weakref.ref(y))
+            return y
+
+        tds.grouped_mlp = noted
+        try:
+            x = torch.randn(50, M, device="cuda", requires_grad=True)
+            out, l_aux, _ = turbo(x)
+            gc.collect()
+            assert (outputs[0]() is not None) == kept, expert
+        finally:
+            tds.grouped_mlp = grouped
+        del out, l_aux
+        assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
