@@ -218,11 +218,11 @@ def _gather_setup(ctx, inputs, output):
         ctx.save_for_backward(slots_SK, kept_counts_E)
     else:
         ctx.save_for_backward(y_RM.contiguous(), slots_SK, scores_SK.contiguous(), kept_counts_E)
-    ctx.config, ctx.num_rows = (capacity, renormalize, backend), y_RM.shape[0]
+    ctx.config, ctx.num_rows, ctx.unit_weights = (capacity, renormalize, backend), y_RM.shape[0], scores_SK is None
 
 
 def _gather_backward(ctx, grad_out_SM):
-    if len(ctx.saved_tensors) == 2:
+    if ctx.unit_weights:
         slots_SK, kept_counts_E = ctx.saved_tensors
         capacity, _, backend = ctx.config
         grad_y_RM = _scatter_tokens(grad_out_SM.contiguous(), slots_SK, ctx.num_rows, kept_counts_E, capacity,

@@ -25,6 +25,9 @@ class MoELayer(nn.Module):
     expert computed: log it, or feed it to `router.update_expert_bias` (expert_bias=True).
     backend picks the gating ops' backend (see turbomoe.ops), gmm_backend the grouped GEMM's
     (see turbomoe.autograd.grouped_gemm); None picks the fastest that applies.
+    With SwiGLU experts and no bias, the scores multiply each expert row's activation before the
+    second GEMM (turbomoe.autograd.swiglu) and the gather sums with weight 1, so the experts' output
+    is not kept for the scores' gradient.
     recompute=True keeps less for backward: the expert rows and the activation are remade from what
     the router and the activation keep anyway (turbomoe.nn.recompute; eager, and not inside another
     saved-tensor policy such as activation checkpointing, which recomputes the whole layer already).
