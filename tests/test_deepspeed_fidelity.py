@@ -16,6 +16,7 @@ import deepspeed.moe.layer as ds_layer  # noqa: E402
 from conftest import assert_uniform, rel_err  # noqa: E402
 from turbomoe import ops  # noqa: E402
 from turbomoe.integrations import deepspeed as tds  # noqa: E402
+from turbomoe.integrations import deepspeed_experts as tde  # noqa: E402
 from turbomoe.integrations.deepspeed_experts import stack_expert_tensors  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
@@ -439,13 +440,17 @@ def test_recompute_same_bits_rows_freed(expert, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k", [1, 2])
-def test_dropless_swiglu_experts_keep_no_output(k):
-    """The dropless grouped path with bias-free SwiGLU experts applies the combine weights in the
-    experts' activation: the experts' output is not kept for backward (the kernel gather would keep
-    it for the weights' gradient, as it does for the GELU experts with biases), and the layer still
-    matches stock (fp32)."""
+@pytest.mark.parametrize("drop_tokens", [False, True])
+def test_swiglu_experts_keep_no_output(k, drop_tokens):
+    """On one rank, dropless (expert-contiguous rows) and with a capacity ([E, C, M] buffers), the
+    grouped path with bias-free SwiGLU experts applies the combine weights in the experts'
+    activation: the experts' output is not kept for backward (the kernel gather would keep it for
+    the weights' gradient, as it does for the GELU experts with biases), and the layer still matches
+    stock (fp32)."""
     for expert, kept in (("swiglu", False), ("mlp", True)):
-        stock, turbo = make_pair(expert, "cuda", k=k, drop_tokens=False)
+        # capacity factor E: the [E, C, M] buffers with nothing dropped (stock draws top-1's random
+        # token selection on the GPU from another stream of numbers than turbomoe's)
+        stock, turbo = make_pair(expert, "cuda", k=k, drop_tokens=drop_tokens, capacity_factor=float(E))
         outputs = []
         grouped = tds.grouped_mlp
 
@@ -454,13 +459,13 @@ def test_dropless_swiglu_experts_keep_no_output(k):
             outputs.append(weakref.ref(y))
             return y
 
-        tds.grouped_mlp = noted
+        tds.grouped_mlp = tde.grouped_mlp = noted  # the layer's call, and run_experts' (the capacity path's)
         try:
             x = torch.randn(50, M, device="cuda", requires_grad=True)
             out, l_aux, _ = turbo(x)
             gc.collect()
-            assert (outputs[0]() is not None) == kept, expert
+            assert len(outputs) == 1 and (outputs[0]() is not None) == kept, expert
         finally:
-            tds.grouped_mlp = grouped
+            tds.grouped_mlp = tde.grouped_mlp = grouped
         del out, l_aux
         assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])

@@ -14,9 +14,10 @@ and per-expert checkpoint files are those of stock; only `deepspeed_moe.forward`
 Dropless (drop_tokens=False) with ep_size > 1 sizes the buffers by C = the largest expert count
 over the expert-parallel group, as stock does: one host read per forward. With ep_size = 1 and
 grouped experts it uses turbomoe's dropless layout instead, [S * k, M] expert-contiguous rows and
-grouped GEMMs with the counts on the device: no host sync at all; with bias-free SwiGLU experts
-the combine weights are applied in the experts' activation there and the gather sums with weight 1,
-so the experts' output [S * k, M] is not kept for the weights' gradient.
+grouped GEMMs with the counts on the device: no host sync at all. With bias-free SwiGLU experts on
+one rank (ep_size 1, no tensor parallelism), dropless or with a capacity, the combine weights are
+applied in the experts' activation and the gather sums with weight 1, so the experts' output is not
+kept for the weights' gradient.
 """
 import contextlib
 from typing import Optional
@@ -32,8 +33,8 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops, reference
 from ..nn.recompute import remaking
-from .deepspeed_experts import (RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind, grouped_mlp,
-                                pack_expert_params, run_experts, scales_rows)
+from .deepspeed_experts import (EqualGroups, RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind,
+                                grouped_mlp, pack_expert_params, run_experts, scales_rows)
 from .deepspeed_gating import drop_policy, expert_capacity, route, router_logits
 
 __all__ = ["MoE", "TurboMOELayer", "SwiGLUExpert", "patch", "unpatch", "is_patched"]
@@ -79,25 +80,29 @@ class TurboMOELayer(MOELayer):
             M = hidden_states.shape[-1]
             x_SM = hidden_states.reshape(-1, M)
             E = self.gate.wg.weight.shape[0]
-            # Dropless on one expert-parallel rank with grouped experts: expert-contiguous rows and
-            # grouped GEMMs over counts on the device, no capacity, no padding, no host sync.
-            rows_layout = (not self.gate.drop_tokens and self.ep_size == 1
-                           and bwc_tensor_model_parallel_world_size(groups.mpu) == 1
-                           and fast_path_applies(self.experts, self.expert_fast_path, x_SM.dtype))
+            # Grouped experts on one rank, no tensor parallelism: nothing to exchange. Dropless, they
+            # take expert-contiguous rows and grouped GEMMs over counts on the device (no capacity,
+            # no padding, no host sync); with a capacity, the [E, C, M] buffer.
+            local = (self.ep_size == 1 and bwc_tensor_model_parallel_world_size(groups.mpu) == 1
+                     and fast_path_applies(self.experts, self.expert_fast_path, x_SM.dtype))
+            rows_layout = local and not self.gate.drop_tokens
             with _timed(self.gate, TOPK_GATE_TIMER, "gate_time"):
                 s, scores_SK = self._route_and_assign(x_SM, used_token, rows_layout)
             buf_RM = ops.scatter_tokens(x_SM, s)
             # Stock's combine weights: for k >= 2 the kept routes' scores renormalised to sum 1.
             row_scale_R = None
+            if local and scales_rows(self.expert_fast_path, self.experts.deepspeed_experts):
+                # Applied inside the experts' activation instead (MoELayer's order): y is not kept.
+                w_SK = reference.renormalize_kept(scores_SK, s.slots) if self.norm_topk_prob else scores_SK
+                row_scale_R = ops.row_scores(s, w_SK)
             if rows_layout:
-                if scales_rows(self.expert_fast_path, self.experts.deepspeed_experts):
-                    # Applied inside the experts' activation instead (MoELayer's order): y is not kept.
-                    w_SK = reference.renormalize_kept(scores_SK, s.slots) if self.norm_topk_prob else scores_SK
-                    row_scale_R = ops.row_scores(s, w_SK)
                 # The rows again from x_SM (the router's GEMM keeps it).
                 with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s)) as remake:
                     y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
                                        RowGroups(s.kept_counts, s.num_rows), remake, row_scale_R)
+            elif row_scale_R is not None:
+                y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM.view(E, s.capacity, M),
+                                   EqualGroups(), None, row_scale_R).reshape(E * s.capacity, M)
             else:
                 y_RM = self._exchange_and_run_experts(buf_RM.view(E, s.capacity, M)).reshape(E * s.capacity, M)
             if row_scale_R is not None:
