@@ -42,7 +42,7 @@ def run(experts, impl, x, ids, w):
     for p in experts.parameters():
         p.grad = None
     out = experts(x, ids, w)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(out)
     if out.requires_grad:  # eager's output for no tokens is a constant (zeros)
         (out * grad_out).sum().backward()
     zero_if_none = lambda t, like: torch.zeros_like(like) if t is None else t.clone()  # noqa: E731
@@ -109,3 +109,26 @@ def test_expert_parallel_experts_are_refused():
     experts._is_expert_parallel = True
     with pytest.raises(NotImplementedError, match="expert parallelism"):
         experts(torch.randn(3, cfg.hidden_size), torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", [qwen3_experts, mixtral_experts, gpt_oss_experts])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_experts_against_eager(family, dtype):
+    """On the GPU's kernels (Qwen3-MoE's and Mixtral's routing weights inside the SwiGLU kernel,
+    GPT-OSS's own gate with the weights in the gather) against transformers' eager loop in fp64."""
+    tt.register()
+    g = torch.Generator().manual_seed(11)
+    experts, cfg = family()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+    x = torch.randn(61, cfg.hidden_size, generator=g, dtype=torch.float64)
+    ids, w = routes(61, experts.num_experts, cfg.num_experts_per_tok, g)
+    expected = run(experts.double(), "eager", x, ids, w)
+    got = run(experts.to("cuda", dtype), "turbomoe", x.to("cuda", dtype), ids.cuda(), w.to("cuda", dtype))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, b in zip([*got[:3], *got[3]], [*expected[:3], *expected[3]]):
+        err = ((a.double().cpu() - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < tol, err

@@ -9,7 +9,8 @@ transformers' experts modules (Qwen3MoeExperts, MixtralExperts, ...) hold 3-D we
 the router's choices: x [S, H], top_k_index [S, k], top_k_weights [S, k]. This one runs them on
 turbomoe's dropless path, as turbomoe's own MoE layer does:
   assign_slots -> scatter_tokens [S*k, H] expert-contiguous -> grouped GEMM (counts on the device,
-  no host sync on CUDA) -> SwiGLU -> grouped GEMM -> gather_tokens (score-weighted, fp32 sums)
+  no host sync on CUDA) -> SwiGLU (times the routing weight, for bias-free [gate | up] silu experts)
+  -> grouped GEMM -> gather_tokens (fp32 sums; weighted by the routing weights in other layouts)
 with hand-written backward passes for every op, including the gradient of the routing weights.
 """
 import torch
@@ -31,17 +32,18 @@ def _grouped_linear(x_RK: torch.Tensor, w: torch.Tensor, bias, counts_E: torch.T
     return add_group_bias(y_RN, bias, row_groups(offs_E, x_RK.shape[0]))
 
 
-def _activation(experts, h_R2F: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up through turbomoe's fused SwiGLU for the default [gate | up] layout with silu;
-    the module's own gate (interleaved layouts, clamped or other activations) otherwise."""
+def _plain_swiglu(experts) -> bool:
+    """The default [gate | up] layout with silu: turbomoe's fused SwiGLU computes the gate."""
     from transformers.activations import SiLUActivation
-    if not _flag(experts, "has_gate"):
-        return experts.act_fn(h_R2F)
+    if not (_flag(experts, "has_gate") and _flag(experts, "is_concatenated")):
+        return False
     silu = isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU))
-    default_gate = getattr(type(experts)._apply_gate, "__name__", None) == "_default_apply_gate"
-    if silu and _flag(experts, "is_concatenated") and default_gate:
-        return swiglu(h_R2F)
-    return experts._apply_gate(h_R2F)
+    return silu and getattr(type(experts)._apply_gate, "__name__", None) == "_default_apply_gate"
+
+
+def _activation(experts, h_R2F: torch.Tensor) -> torch.Tensor:
+    """The module's own gate (interleaved layouts, clamped or other activations) or activation."""
+    return experts._apply_gate(h_R2F) if _flag(experts, "has_gate") else experts.act_fn(h_R2F)
 
 
 _FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
@@ -69,9 +71,13 @@ def turbomoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
     up = self.gate_up_proj if gated else self.up_proj
     up_bias = (self.gate_up_proj_bias if gated else self.up_proj_bias) if biased else None
     h = _grouped_linear(x_RH, up, up_bias, s.kept_counts, transposed)
-    y_RH = _grouped_linear(_activation(self, h), self.down_proj, self.down_proj_bias if biased else None,
-                           s.kept_counts, transposed)
-    return ops.gather_tokens(y_RH, s, top_k_weights).to(hidden_states.dtype)
+    plain = _plain_swiglu(self)
+    # Bias-free SwiGLU experts take the routing weights inside the SwiGLU kernel (before down_proj,
+    # which is linear): the gather sums with weight 1 and keeps no expert output for their gradient.
+    scale_R = ops.row_scores(s, top_k_weights) if plain and not biased else None
+    a_RF = swiglu(h, scale_R) if plain else _activation(self, h)
+    y_RH = _grouped_linear(a_RF, self.down_proj, self.down_proj_bias if biased else None, s.kept_counts, transposed)
+    return ops.gather_tokens(y_RH, s, top_k_weights if scale_R is None else None).to(hidden_states.dtype)
 
 
 def register() -> str:
