@@ -162,7 +162,6 @@ def optimizer_step(n: int):
         print(f"| {name} | {ms:.3f} | {bytes_per} | {bytes_per * n / ms / 1e6:.0f} |")
 
 
-
 def attention_core(B, T, N, G, D):
     """Causal GQA attention fwd+bwd by head matching and backend: ms, ratio to the first row, and
     whether the gradients of two identical backwards are bitwise equal."""

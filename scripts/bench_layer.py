@@ -168,16 +168,23 @@ def build(name, cfg):
     raise ValueError(name)
 
 
-def run_step(mod, x, gy):
+def layer_forward(mod, x):
+    """(out, aux loss or None) of mod(x)."""
     out = mod(x)
-    aux = None
-    if isinstance(out, tuple):
-        out, aux = out[0], out[1]
+    return (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+
+
+def layer_backward(out, aux, gy):
+    """Backward from out (gradient gy) and the aux loss (gradient 1) where it has one."""
     tensors, grads = [out], [gy]
     if isinstance(aux, torch.Tensor) and aux.requires_grad:
         tensors.append(aux)
         grads.append(torch.ones_like(aux))
     torch.autograd.backward(tensors, grads)
+
+
+def run_step(mod, x, gy):
+    layer_backward(*layer_forward(mod, x), gy)
 
 
 def train_step(mod, x, gy):
@@ -208,18 +215,13 @@ def time_impl(name, cfg, iters, warmup=3):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = mod(x)
-    out, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+    out, aux = layer_forward(mod, x)
     torch.cuda.synchronize()
     # What the forward keeps for backward (its outputs not counted): the layer's activation memory.
     held = (torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
             - (aux.numel() * aux.element_size() if isinstance(aux, torch.Tensor) else 0)) / 2 ** 30
-    tensors, grads = [out], [gy]
-    if isinstance(aux, torch.Tensor) and aux.requires_grad:
-        tensors.append(aux)
-        grads.append(torch.ones_like(aux))
-    torch.autograd.backward(tensors, grads)
-    del out, aux, tensors, grads
+    layer_backward(out, aux, gy)
+    del out, aux
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
     grads = sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad) / 2 ** 30

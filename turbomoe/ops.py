@@ -267,9 +267,9 @@ def _check_distinct_rows(table: torch.Tensor, num_rows: int):
                          "(or -1), as assign_slots makes them")
 
 
-def _unpack_slots(slots, num_rows, S: int, like: torch.Tensor):
+def _unpack_slots(slots, num_rows, S: Optional[int], like: torch.Tensor):
     """A Slots from assign_slots, or a bare [S, k] slots tensor with num_rows -> (tensor, rows,
-    kept counts or None, capacity or None)."""
+    kept counts or None, capacity or None). S None: any token count (nothing else gives it)."""
     if isinstance(slots, Slots):
         if num_rows is not None and num_rows != slots.num_rows:
             raise ValueError(f"num_rows {num_rows} disagrees with the Slots' {slots.num_rows}")
@@ -279,8 +279,9 @@ def _unpack_slots(slots, num_rows, S: int, like: torch.Tensor):
             raise ValueError("num_rows is required with a bare slots tensor (or pass the Slots from assign_slots)")
         table, kept, cap = slots, None, None
     _check_index("slots", table)
-    if table.dim() != 2 or table.shape[0] != S:
-        raise ValueError(f"slots must be [S, k] with S = {S} tokens, got {tuple(table.shape)}")
+    if table.dim() != 2 or S is not None and table.shape[0] != S:
+        raise ValueError(f"slots must be [S, k]{'' if S is None else f' with S = {S} tokens'}, "
+                         f"got {tuple(table.shape)}")
     if table.shape[1] > MAX_K:
         raise ValueError(f"slots may have at most {MAX_K} columns (k), got {table.shape[1]}")
     check_int("num_rows", num_rows, 0, _INT32_MAX)
@@ -334,9 +335,7 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: Optional[torch.Tensor], 
     if scores_SK is None:
         if renormalize:
             raise ValueError("gather_tokens: renormalize needs scores")
-        table = slots.slots if isinstance(slots, Slots) else slots
-        S = table.shape[0] if isinstance(table, torch.Tensor) and table.dim() else -1  # else _unpack_slots says why
-        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], S, y_RM)
+        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], None, y_RM)
     else:
         _check_float("scores", scores_SK, 2)
         table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
