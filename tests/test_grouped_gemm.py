@@ -32,22 +32,23 @@ def rel_err(a, b):
     return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm().clamp_min(1e-30)).item()
 
 
-def check(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12, transposed_w=False):
+def check(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12, transposed_w=False, gap=0):
+    """gap: the groups stored that many rows apart beyond their own (as packed parameters are)."""
     gen = torch.Generator().manual_seed(R * 7 + K + N + G)
     counts = random_counts(R - tail, G, gen, zero_groups)
     x = torch.randn(R, K, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
     if transposed_w:  # w stored [G, N, K], used as [G, K, N]
-        w = torch.randn(G, N, K, generator=gen, dtype=torch.float64).to(device, dtype).transpose(1, 2)
+        w = torch.randn(G, N + gap, K, generator=gen, dtype=torch.float64).to(device, dtype)[:, :N].transpose(1, 2)
     else:
-        w = torch.randn(G, K, N, generator=gen, dtype=torch.float64).to(device, dtype)
-    w.requires_grad_()
+        w = torch.randn(G, K + gap, N, generator=gen, dtype=torch.float64).to(device, dtype)[:, :K]
+    w = w.detach().requires_grad_()
     made = []  # the gradient as the GEMM makes it, before AccumulateGrad copies it into w's layout
     w.register_hook(lambda g: made.append(g.stride()))
     dy = torch.randn(R, N, generator=gen, dtype=torch.float64).to(device, dtype)
     used = int(counts.sum())
     y = grouped_mm(x, w, counts.to(device), backend=backend)
     (y[:used] * dy[:used]).sum().backward()
-    assert made == [w.stride()], (made, w.stride())  # stacked nn.Linear weights: no transposing copy
+    assert [st[1:] for st in made] == [w.stride()[1:]], (made, w.stride())  # stacked nn.Linear weights: no transposing copy
 
     xr = x.detach().double().cpu().requires_grad_()
     wr = w.detach().double().cpu().requires_grad_()
@@ -166,13 +167,35 @@ def skip_unless_runs(backend, dtype=torch.bfloat16):
 @pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5), 0), (777, 136, 200, 5, (0,), 9),
                                    (64, 64, 64, 64, (), 0), (4099, 264, 520, 6, (2,), 3)])
 @pytest.mark.parametrize("transposed_w", [False, True])
+@pytest.mark.parametrize("gap", [0, 8])  # 8: the groups 16-byte-aligned apart but not back to back
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu(backend, dtype, shape, transposed_w):
+def test_gpu(backend, dtype, shape, transposed_w, gap):
     R, K, N, G, zero_groups, tail = shape
     skip_unless_runs(backend, dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    check(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, tol, transposed_w)
+    check(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, tol, transposed_w, gap)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_packed_experts_take_cutlass():
+    """The drop-in's SwiGLU experts, packed into one buffer and stacked as views (their groups
+    3 F M elements apart), run the CUTLASS kernel where it applies; groups whose distance is not
+    16-byte aligned go to torch._grouped_mm."""
+    skip_unless_runs("cutlass")
+    from torch import nn
+    from turbomoe.autograd.grouped_gemm import choose_gmm_backend
+    from turbomoe.integrations.deepspeed_experts import SwiGLUExpert
+    from turbomoe.integrations.expert_stack import pack_expert_params, stack_expert_tensors
+    experts = nn.ModuleList([SwiGLUExpert(256, 384) for _ in range(4)]).cuda().bfloat16()
+    pack_expert_params(experts)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    w1 = stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in experts]).transpose(1, 2)
+    assert w1.stride(0) == 3 * 256 * 384 and w1.data_ptr() == experts[0].w1.weight.data_ptr()  # views, no copy
+    assert choose_gmm_backend(x, w1) == "cutlass"
+    odd = torch.randn(4, 256 * 384 + 4, device="cuda", dtype=torch.bfloat16)[:, :256 * 384].view(4, 384, 256)
+    assert choose_gmm_backend(x, odd.transpose(1, 2)) == "torch"
 
 
 @pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])

@@ -11,8 +11,9 @@ CUDA: the launches do not depend on counts' values, so the call is CUDA-graph ca
 
 Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] = x_g^T @ dy_g):
   cutlass    turbomoe.csrc.grouped_mm (CUTLASS's sm90 kernel, 128 x 256 tiles, no cluster) for y
-             and dx, torch._grouped_mm for dw: bf16 on sm90, K and N multiples of 8, w contiguous
-             (or its transpose), the nvidia-cutlass headers. At 256 rows per expert it took 11-26%
+             and dx, torch._grouped_mm for dw: bf16 on sm90, K and N multiples of 8, each w[g]
+             contiguous (or its transpose), the groups 16-byte-aligned apart, the nvidia-cutlass headers.
+             At 256 rows per expert it took 11-26%
              less time than torch._grouped_mm on y and dx; on dw no CUTLASS tile tried beat torch's
              by more than 3% (notes/bench_layer.md)
   torch      torch._grouped_mm (CUTLASS on Hopper): bf16 on sm90+, K and N multiples of 8
@@ -54,12 +55,13 @@ def _torch_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The sm90a kernel: where torch's applies (its kernel takes the weight gradient), on Hopper
-    only; w bf16, [G, K, N] contiguous or the transpose of a contiguous [G, N, K]; 16-byte aligned
-    operands for TMA."""
+    only; w bf16, each w[g] a contiguous [K, N] or the transpose of a contiguous [N, K], the groups
+    any 16-byte-aligned distance apart (the drop-in's experts stacked over packed parameters);
+    16-byte aligned operands for TMA."""
     if not (_torch_gmm_applies(x, w) and w.dtype == torch.bfloat16):
         return False
     G, K, N = w.shape
-    layout_ok = w.stride() in ((K * N, N, 1), (K * N, 1, K))
+    layout_ok = w.stride()[1:] in ((N, 1), (1, K)) and (G == 1 or w.stride(0) % 8 == 0)
     # Traced tensors have no addresses: mm_forward checks the alignment when the custom op runs.
     aligned = torch.compiler.is_compiling() or _aligned16(x, w)
     return layout_ok and aligned and _sm(_device_index(x)) == 90 and csrc.gmm_available()

@@ -3,7 +3,9 @@
 //
 //   y[rows_g] = x[rows_g] @ w[g]      x [R, K] bf16 row-major, w [G, K, N] bf16, y [R, N] bf16
 //
-// rows_g = offs[g-1] .. offs[g] (inclusive int32 offsets, on the device). One small kernel turns the
+// rows_g = offs[g-1] .. offs[g] (inclusive int32 offsets, on the device); w[g] starts group_stride
+// elements after w[g-1] (K * N when w is one tensor; more when the groups are parameters packed with
+// others between them, as the drop-in's stacked experts are). One small kernel turns the
 // offsets into the per-group problem shapes, pointers and strides that CUTLASS reads on the device,
 // so nothing here syncs with the host and the launch is CUDA-graph capturable. LayoutB is RowMajor
 // for w contiguous (N-major) and ColumnMajor for w a transposed view of a contiguous [G, N, K] (the
@@ -64,7 +66,7 @@ struct Gemm {
 // out of bounds.
 template <class Shape3, class StrideA, class StrideB, class StrideD>
 __global__ void prepare_groups(const int* __restrict__ offs, int num_groups, int R, int K, int N, const Elt* x,
-                               const Elt* w, Elt* y, Shape3* shapes, const Elt** ptr_x, const Elt** ptr_w, Elt** ptr_y,
+                               const Elt* w, int64_t group_stride, Elt* y, Shape3* shapes, const Elt** ptr_x, const Elt** ptr_w, Elt** ptr_y,
                                StrideA* stride_x, StrideB* stride_w, StrideD* stride_y) {
   int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= num_groups) return;
@@ -72,7 +74,7 @@ __global__ void prepare_groups(const int* __restrict__ offs, int num_groups, int
   const int rows = max(min(max(offs[g], 0), R) - static_cast<int>(start), 0);
   shapes[g] = {rows, N, K};
   ptr_x[g] = x + start * K;
-  ptr_w[g] = w + static_cast<int64_t>(g) * K * N;
+  ptr_w[g] = w + g * group_stride;
   ptr_y[g] = y + start * N;
   stride_x[g] = cutlass::make_cute_packed_stride(StrideA{}, {rows, K, 1});
   stride_w[g] = cutlass::make_cute_packed_stride(StrideB{}, {N, K, 1});
@@ -120,7 +122,7 @@ void grouped_mm_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   auto* stride_y = static_cast<typename G::StrideD*>(slot[6]);
   prepare_groups<<<(num_groups + 127) / 128, 128, 0, stream>>>(
       offs.data_ptr<int>(), num_groups, static_cast<int>(x.size(0)), K, N, reinterpret_cast<const Elt*>(x.data_ptr()),
-      reinterpret_cast<const Elt*>(w.data_ptr()), reinterpret_cast<Elt*>(y.data_ptr()), shapes, ptr_x, ptr_w, ptr_y,
+      reinterpret_cast<const Elt*>(w.data_ptr()), w.stride(0), reinterpret_cast<Elt*>(y.data_ptr()), shapes, ptr_x, ptr_w, ptr_y,
       stride_x, stride_w, stride_y);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 

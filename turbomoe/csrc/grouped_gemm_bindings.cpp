@@ -19,11 +19,13 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const int64_t R = x.size(0), K = x.size(1), G = w.size(0), N = w.size(2);
   TORCH_CHECK(K % 8 == 0 && N % 8 == 0, "grouped_mm: K and N must be multiples of 8 (16-byte rows for TMA)");
   TORCH_CHECK(x.is_contiguous(), "grouped_mm: x must be contiguous");
-  const bool n_major = w.stride(2) == 1 && w.stride(1) == N && w.stride(0) == K * N;
-  const bool k_major = w.stride(1) == 1 && w.stride(2) == K && w.stride(0) == K * N;
-  TORCH_CHECK(n_major || k_major, "grouped_mm: w must be contiguous [G, K, N] or the transpose of a contiguous [G, N, K]");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
-              "grouped_mm: x and w must be 16-byte aligned");
+  // Each group [K, N] row-major or column-major; the groups any 16-byte-aligned distance apart.
+  const bool n_major = w.stride(2) == 1 && w.stride(1) == N;
+  const bool k_major = w.stride(1) == 1 && w.stride(2) == K;
+  TORCH_CHECK(n_major || k_major, "grouped_mm: each w[g] must be a contiguous [K, N] or the transpose of a contiguous [N, K]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 &&
+              (G == 1 || w.stride(0) % 8 == 0),
+              "grouped_mm: x, w and every w[g] must be 16-byte aligned");
   at::Tensor y = at::empty({R, N}, x.options());
   if (R == 0 || N == 0 || G == 0) return y;
   if (K == 0) return y.zero_();  // CUTLASS leaves the accumulators of a K = 0 problem unset
