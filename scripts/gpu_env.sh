@@ -2,6 +2,8 @@
 #   gpu_setup [WHEEL_DIR]  the carried wheels (WHEEL_DIR, default .whl, and .whl_fbgemm when carried)
 #                          into /tmp/site; the tree, tests/ and /tmp/site on PYTHONPATH, /tmp/site/bin on
 #                          PATH (the deepspeed launcher); prints the GPU, torch and triton, and the time
+#   gpu_need MODULE...     says loudly (and into $OUT/missing.txt) which modules do not import: the tests
+#                          that need them skip rather than fail (scripts/gpu_wheels_extra.sh fetches them)
 #   gpu_build [gmm]        turbomoe's CUDA backend (and with gmm the CUTLASS grouped GEMM, side by side)
 #                          built once, before test processes or timings start (they would wait on the
 #                          build's lock, or time it). A failed build fails the cuda tests (tests/conftest.py).
@@ -30,4 +32,13 @@ gpu_build() {
   fi
   wait
   date -u
+}
+
+gpu_need() {
+  local missing="" m
+  for m in "$@"; do python3 -c "import $m" > /dev/null 2>&1 || missing="$missing $m"; done
+  if [ -n "$missing" ]; then
+    echo "WARNING: does not import here:$missing; the tests that need it SKIP (carry the wheels of scripts/gpu_wheels_extra.sh)" \
+      | tee -a "$OUT/missing.txt"
+  fi
 }

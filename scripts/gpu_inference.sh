@@ -6,7 +6,7 @@
 # tests of the inference ops, then scripts/bench_inference.py; logs and JSON go to $OUT.
 source scripts/gpu_env.sh
 gpu_setup "${WHL:-.whl}"
-python3 -c "import transformers; print('transformers', transformers.__version__)"
+gpu_need transformers cutlass_library
 gpu_build gmm
 TESTS=${TESTS:-"tests/test_inference.py tests/test_inference_triton.py tests/test_engine.py"}
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs $TESTS 2>&1 | tee "$OUT/pytest.log" | tail -25

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU tests of the whole suite in one call of the device machine (from the repository root):
 #   [TESTS="tests/test_a.py ..."] [TEST_TIMEOUT=600] bash scripts/gpu_tests.sh      logs under $OUT
-# installs the carried wheels (.whl: DeepSpeed, megatron-core, CUTLASS's headers; .whl_fbgemm if
+# installs the carried wheels (.whl: DeepSpeed, megatron-core from ../shared/gpu-wheels.sh, CUTLASS's headers,
+# transformers and pytest-xdist from scripts/gpu_wheels_extra.sh; .whl_fbgemm if
 # carried), builds the CUDA backend and the CUTLASS grouped GEMM side by side (once, before the test
 # processes start: they would wait on the build lock), then runs the test files that hold GPU tests,
 # natively (Triton kernels too), in 16 processes. A failed CUDA build fails the cuda tests
 # (tests/conftest.py require_cuda_backend).
 source scripts/gpu_env.sh
 gpu_setup
-python3 -c "import transformers; print('transformers', transformers.__version__)"
+gpu_need transformers deepspeed megatron.core cutlass_library xdist
 gpu_build gmm
 # Every file with GPU tests except the launcher ones (CPU ranks over gloo; CI runs them).
 TESTS=${TESTS:-$(grep -l "needs_cuda\|mark.gpu\|cuda.is_available()\|HAS_CUDA" tests/test_*.py | grep -v launcher)}
@@ -21,4 +22,5 @@ grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$OUT/pytest_gpu.log" | sed 's/^\[gw[0
 echo "passed: $(grep -cE '^\[gw[0-9]+\].* PASSED ' "$OUT/pytest_gpu.log"), failed: $(grep -cE '^\[gw[0-9]+\].* FAILED ' \
   "$OUT/pytest_gpu.log"), skipped: $(grep -cE '^\[gw[0-9]+\].* SKIPPED ' "$OUT/pytest_gpu.log")"
 tail -3 "$OUT/pytest_gpu.log"
+cat "$OUT/missing.txt" 2>/dev/null  # skipped for a missing package, not passed
 date -u
