@@ -83,7 +83,8 @@ def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] 
         raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {GMM_BACKENDS}")
     if backend == "cutlass" and not _cutlass_gmm_applies(x, w):
         raise ValueError("the cutlass grouped GEMM backend needs torch._grouped_mm, bf16 CUDA tensors on sm90 "
-                         "(Hopper), K and N multiples of 8, w contiguous or the transpose of a contiguous tensor, 16-byte aligned "
+                         "(Hopper), K and N multiples of 8, each w[g] contiguous or the transpose of a contiguous block (the groups "
+                         "16-byte-aligned apart), 16-byte aligned "
                          "operands, and the nvidia-cutlass headers with nvcc to build it")
     if backend == "torch" and not _torch_gmm_applies(x, w):
         raise ValueError("the torch grouped GEMM backend needs torch._grouped_mm, bf16 CUDA tensors on "

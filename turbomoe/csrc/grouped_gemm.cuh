@@ -8,8 +8,11 @@
 // others between them, as the drop-in's stacked experts are). One small kernel turns the
 // offsets into the per-group problem shapes, pointers and strides that CUTLASS reads on the device,
 // so nothing here syncs with the host and the launch is CUDA-graph capturable. LayoutB is RowMajor
-// for w contiguous (N-major) and ColumnMajor for w a transposed view of a contiguous [G, N, K] (the
-// input gradient dx = dy @ w^T). Rows past offs[G-1] are not written.
+// for each w[g] a row-major [K, N] (N-major) and ColumnMajor for each w[g] a transposed view of a
+// row-major [N, K] (the input gradient dx = dy @ w^T). Rows past offs[G-1] are not written.
+//
+// Tiles tried against this one on the H100 (notes/bench_layer.md, 2026-11-24): 64 x 256 and 128 x 128
+// ping-pong, 128 x 128 cooperative: 4-40% slower at every shape of the layer benchmark and the recipes.
 //
 // Tile 128 x 256 x 64 and no thread-block cluster: at 256 rows per expert (E = 64 in the layer
 // benchmark), a 2 x 1 cluster or torch._grouped_mm's kernel was 18-34% slower (notes/bench_layer.md).

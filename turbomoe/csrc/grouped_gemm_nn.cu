@@ -1,4 +1,4 @@
-// The grouped GEMM with w contiguous [G, K, N] (the forward pass): see grouped_gemm.cuh.
+// The grouped GEMM with each w[g] a row-major [K, N] (the forward pass): see grouped_gemm.cuh.
 #include "grouped_gemm.cuh"
 
 namespace turbomoe {

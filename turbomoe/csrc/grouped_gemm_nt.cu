@@ -1,4 +1,4 @@
-// The grouped GEMM with w a transposed view of a contiguous [G, N, K] (the input gradient dx = dy @ w^T):
+// The grouped GEMM with each w[g] a transposed view of a row-major [N, K] (the input gradient dx = dy @ w^T):
 // see grouped_gemm.cuh.
 #include "grouped_gemm.cuh"
 
