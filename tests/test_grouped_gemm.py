@@ -48,7 +48,8 @@ def check(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12,
     used = int(counts.sum())
     y = grouped_mm(x, w, counts.to(device), backend=backend)
     (y[:used] * dy[:used]).sum().backward()
-    assert [st[1:] for st in made] == [w.stride()[1:]], (made, w.stride())  # stacked nn.Linear weights: no transposing copy
+    # stacked nn.Linear weights: no transposing copy (made in w's layout, its groups back to back)
+    assert made == [(K * N, ) + w.stride()[1:]], (made, w.stride())
 
     xr = x.detach().double().cpu().requires_grad_()
     wr = w.detach().double().cpu().requires_grad_()
