@@ -4,7 +4,6 @@ stock <-> turbomoe weight copies, a stock / turbomoe GPT model pair and its toke
 import contextlib
 import dataclasses
 import os
-import socket
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +15,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from launching import free_port
 from turbomoe.integrations import megatron as tm
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -7,35 +7,21 @@ over gloo; with two or more GPUs, over NCCL.
 """
 import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from launching import ROOT, deepspeed_launch, launcher_env
 
 pytest.importorskip("deepspeed")
 import turbomoe.integrations as integrations  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "ds_train_script.py")
 SAVE_AFTER = 3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(workdir, phase, env, via_module):
-    launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += ["--module", "turbomoe.integrations.run_with_turbomoe"] if via_module else []
-    cmd += [SCRIPT, "--phase", phase, "--workdir", str(workdir)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    module = ["--module", "turbomoe.integrations.run_with_turbomoe"] if via_module else []
+    deepspeed_launch(SCRIPT, "--phase", phase, "--workdir", workdir, env=env, launcher_args=module)
     results = []
     for rank in range(2):
         with open(os.path.join(workdir, f"result_{phase}_rank{rank}.json")) as f:
@@ -49,11 +35,8 @@ def launch(workdir, phase, env, via_module):
                                                                      reason="needs 2 CUDA devices")]),
 ])
 def test_expert_parallel_train_save_resume(tmp_path, device):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    if device == "cpu":
-        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    else:
+    env = launcher_env(cpu=device == "cpu")
+    if device != "cpu":
         env.pop("DS_ACCELERATOR", None)
     trained = launch(tmp_path, "train", env, via_module=True)
 

@@ -9,38 +9,22 @@ docstring for the cases.
 """
 import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
 
 import pytest
+from launching import ROOT, deepspeed_launch, launcher_env
 
 pytest.importorskip("deepspeed")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "ds_tp_script.py")
 TOL = 1e-5  # max|turbo - stock| / max|stock| per tensor, fp32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(workdir, expert_tp, script=SCRIPT):
     """Run script (a tests/ file) on two gloo ranks; its per-rank JSON results."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    env = launcher_env(cpu=True)
     env.pop("TURBOMOE_PATCH_DEEPSPEED", None)  # the script builds stock layers by name
-    launcher = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
-    script = os.path.join(ROOT, "tests", script)
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), script, "--workdir", str(workdir)]
-    cmd += ["--expert-tp"] if expert_tp else []
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    args = ["--workdir", workdir] + (["--expert-tp"] if expert_tp else [])
+    deepspeed_launch(os.path.join(ROOT, "tests", script), *args, env=env, timeout=180)
     tag = "expert_tp" if expert_tp else "main"
     results = []
     for rank in range(2):

@@ -29,7 +29,8 @@ from megatron.core.distributed.finalize_model_grads import _update_router_expert
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
-from megatron_common import free_port, gpt_batch, gpt_pair, gpt_tensors_as_stock, model_parallel, moe_config  # noqa: E402
+from launching import free_port  # noqa: E402
+from megatron_common import gpt_batch, gpt_pair, gpt_tensors_as_stock, model_parallel, moe_config  # noqa: E402
 from turbomoe.integrations import megatron as tm  # noqa: E402
 
 if not hasattr(moe_utils, "te_general_gemm"):

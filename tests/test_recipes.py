@@ -5,15 +5,14 @@ losses of an uninterrupted one."""
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from launching import ROOT, deepspeed_launch, free_port, launcher_env
 
 pytest.importorskip("deepspeed")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 import checkpointing  # noqa: E402
 import pretrain  # noqa: E402
@@ -26,22 +25,10 @@ SHORT = ["--set", f"train.steps={STEPS}", "--set", "train.warmup_steps=2", "--se
          "--set", "eval.batches=2", "--set", "checkpoint.every=4", "--set", "log.wandb=false"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_launcher(script, *args, check=True, gpus=0):
     """deepspeed SCRIPT ARGS: on 2 CPU ranks, or on `gpus` GPUs."""
-    cmd = ["deepspeed", "--num_gpus", str(gpus or 2), "--master_port", str(free_port()), script, *args]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if not gpus:
-        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")  # CPU ranks also where there are GPUs
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"launcher exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
+    return deepspeed_launch(script, *args, env=launcher_env(cpu=not gpus), nproc=gpus or 2, timeout=600,
+                            check=check)
 
 
 def launch(tmp, *args, check=True, gpus=0):
