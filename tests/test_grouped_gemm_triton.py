@@ -27,3 +27,25 @@ def test_triton_interpreter_counts_past_rows():
 @pytest.mark.parametrize("zero_groups,tail", [((), 0), ((0, 3), 5)])
 def test_triton_interpreter_main_grad(zero_groups, tail):
     check_main_grad(70, 24, 40, 5, torch.float32, "cpu", "triton", zero_groups, tail, tol=1e-5)
+
+
+def test_triton_interpreter_fp16():
+    check(37, 24, 40, 3, torch.float16, "cpu", "triton", (1, ), 3, tol=3e-3)
+
+
+@pytest.mark.parametrize("dtype,want", [(torch.float32, "triton"), (torch.float16, "triton"),
+                                        (torch.bfloat16, "reference"), (torch.float64, "reference")])
+def test_default_backend_under_the_interpreter(dtype, want):
+    """The default takes the Triton GEMM on the CPU only for the dtypes it computes right there: the
+    interpreter's bf16 tl.dot is wrong, and the kernel accumulates in fp32 (float64 would be rounded).
+    Forcing it on those dtypes is an error naming them, not a wrong result."""
+    from turbomoe.autograd.grouped_gemm import choose_gmm_backend, grouped_mm
+    x, w = torch.randn(6, 16, dtype=dtype), torch.randn(2, 16, 16, dtype=dtype)
+    assert choose_gmm_backend(x, w) == want
+    counts = torch.tensor([2, 4], dtype=torch.int32)
+    if want == "reference":
+        with pytest.raises(TypeError, match="triton grouped GEMM takes .*got torch"):
+            grouped_mm(x, w, counts, backend="triton")
+    y = grouped_mm(x.double(), w.double(), counts, backend="reference").to(dtype)
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float64: 1e-12}[dtype]
+    assert (grouped_mm(x, w, counts) - y).abs().max().item() <= tol * y.abs().max().item()

@@ -17,9 +17,11 @@ Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] 
              less time than torch._grouped_mm on y and dx; on dw no CUTLASS tile tried beat torch's
              by more than 3% (notes/bench_layer.md)
   torch      torch._grouped_mm (CUTLASS on Hopper): bf16 on sm90+, K and N multiples of 8
-  triton     turbomoe.kernels.grouped_gemm: a persistent Triton grouped GEMM; any float dtype
+  triton     turbomoe.kernels.grouped_gemm: a persistent Triton grouped GEMM; fp16, bf16, fp32 (fp32
+             accumulation; on the CPU under TRITON_INTERPRET=1, fp16 and fp32)
   reference  a loop over groups in plain PyTorch: the CPU path and the test oracle (host sync)
-The default on CUDA is the first of cutlass, torch, triton that applies; on the CPU "reference".
+The default on CUDA is the first of cutlass, torch, triton that applies (float64: reference); on the
+CPU, triton where it runs there (TRITON_INTERPRET=1) and takes the dtype, else reference.
 Force one with backend= or TURBOMOE_GMM_BACKEND.
 """
 import os
@@ -74,8 +76,8 @@ def _aligned16(x: torch.Tensor, w: torch.Tensor) -> bool:
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
     backend = backend or os.environ.get("TURBOMOE_GMM_BACKEND")
     if backend is None:
-        if not x.is_cuda:
-            return "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+        if not _triton_gmm_takes(x):
+            return "reference"
         if _cutlass_gmm_applies(x, w):
             return "cutlass"
         return "torch" if _torch_gmm_applies(x, w) else "triton"
@@ -92,7 +94,24 @@ def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] 
     if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the triton grouped GEMM backend needs CUDA tensors, or TRITON_INTERPRET=1 "
                            "set before turbomoe is imported")
+    if backend == "triton" and not _triton_gmm_takes(x):
+        raise TypeError(f"the triton grouped GEMM takes {_TRITON_GMM_DTYPES[x.is_cuda]} "
+                        f"{'CUDA' if x.is_cuda else 'CPU (interpreted)'} tensors, got {x.dtype}: "
+                        "use the reference backend")
     return backend
+
+
+# The Triton kernels accumulate in fp32 (an fp64 product would be rounded); Triton's CPU interpreter
+# also gets bf16 tl.dot wrong (numpy has no bf16; triton 3.9), so on the CPU it takes fp16 and fp32.
+_TRITON_GMM_DTYPES = {True: (torch.float16, torch.bfloat16, torch.float32), False: (torch.float16, torch.float32)}
+
+
+def _triton_gmm_takes(x: torch.Tensor) -> bool:
+    """Whether the Triton grouped GEMM computes x's dtype right where x lives (the default's choice:
+    CPU tensors only under TRITON_INTERPRET=1)."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return x.dtype in _TRITON_GMM_DTYPES[x.is_cuda]
 
 
 def row_offsets(counts_G: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
