@@ -85,8 +85,30 @@ def test_engine_errors(tmp_path):
         engine.generate(ids, 0)
     with pytest.raises(ValueError, match="top_p"):
         engine.generate(ids, 2, do_sample=True, top_p=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int, got True"):
+        engine.generate(ids, True)
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size 101\), got ids from -1 to 3"):
+        engine.generate(torch.tensor([[1, -1, 3]]), 2)
+    with pytest.raises(ValueError, match="got ids from 1 to 101"):
+        engine.generate(torch.tensor([[1, 101]]), 2)
+    with pytest.raises(ValueError, match="pad_token_id must be one id below vocab_size 101"):
+        engine.generate(ids, 2, pad_token_id=101)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or a list of them"):
+        engine.generate(ids, 2, eos_token_id="7")
+    with pytest.raises(ValueError, match="attention_mask must be a tensor"):
+        engine.generate(ids, 2, attention_mask=[[1, 1, 1]])
+    assert engine.cache is None
+    # eos as a numpy integer, a 0-d or 1-d tensor or a tuple: the same stops as a list
+    import numpy as np
+    eos = int(engine.generate(ids, 3)[0, 4])
+    want = engine.generate(ids, 6, eos_token_id=[eos])
+    for form in (np.int64(eos), torch.tensor(eos), torch.tensor([eos]), (eos, )):
+        assert torch.equal(engine.generate(ids, 6, eos_token_id=form), want), form
     with pytest.raises(ValueError, match="max_position_embeddings"):
         load(path, device="cpu", max_seq_len=65)
+    for bad in (dict(max_seq_len=0), dict(max_batch=0), dict(max_batch=-1), dict(buckets=(0, 2))):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            load(path, device="cpu", **bad)
     cfg = json.load(open(os.path.join(path, "config.json")))
     cfg["model_type"] = "llama"
     other = os.path.join(tmp_path, "llama")
@@ -96,6 +118,31 @@ def test_engine_errors(tmp_path):
         load(other, device="cpu")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load(str(tmp_path), device="cpu")
+
+
+def test_engine_takes_the_models_experts(tmp_path):
+    """Engine(model) moves the MoE blocks into the engine (one copy of the experts): the model then
+    says so when used, saved or wrapped again, instead of failing obscurely or saving a checkpoint
+    without its experts; keep_model=True leaves it whole."""
+    from turbomoe.inference import Engine
+    from turbomoe.models import Qwen3MoeForCausalLM
+    _, path = hf_model(tmp_path, 5)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    kept = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    logits = kept(ids).logits
+    want = Engine(kept, max_batch=1, max_seq_len=16, keep_model=True).generate(ids, 6)
+    assert torch.equal(kept(ids).logits, logits)
+    kept.save_pretrained(str(tmp_path / "kept"))
+    assert torch.equal(Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "kept"), dtype=torch.float32)(ids).logits,
+                       logits)
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = Engine(model, max_batch=1, max_seq_len=16)
+    assert torch.equal(engine.generate(ids, 6), want)
+    for use in (lambda: model(ids), lambda: model.save_pretrained(str(tmp_path / "moved")),
+                lambda: Engine(model, max_batch=1, max_seq_len=16), lambda: model.load_hf_weights(path)):
+        with pytest.raises(RuntimeError, match="handed to a turbomoe.inference.Engine"):
+            use()
+    assert not (tmp_path / "moved").exists()
 
 
 def test_generate_cli(tmp_path, capsys):

@@ -11,10 +11,14 @@ the slots that hold real tokens: no shape depends on the step, and on CUDA the d
 batch-size bucket is captured once as a CUDA graph and replayed. Rotary positions count each row's
 real tokens (left padding shifts nothing), as transformers' generate does. The dense parts (embedding,
 norms, attention projections, dense MLPs, lm_head) are the model's own modules; each MoE layer's
-router and experts are restacked into a SparseMoE (the model's expert modules are then dropped).
+router and experts are restacked into a SparseMoE, and the model's MoE block is then dropped (one copy
+of the experts in memory: the model's MoE layers and save_pretrained then raise, saying so), unless
+keep_model=True.
 On the CPU the same code runs the reference ops.
 """
 import json
+import numbers
+import operator
 import os
 from typing import Optional, Sequence
 
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.hf_names import to_hf_state_dict
-from ..models.qwen3_moe import rotary_cos_sin
+from ..models.qwen3_moe import ExpertsMoved, rotary_cos_sin
 from .moe import SparseMoE
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -31,13 +35,19 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class Engine:
     """model: a turbomoe Qwen3MoeForCausalLM (moe_impl turbomoe or deepspeed) on its device and dtype.
     max_batch: the largest batch (the last bucket); max_seq_len: prompt + new tokens (default
-    the model's max_position_embeddings); cuda_graphs: capture the decode step per bucket on CUDA."""
+    the model's max_position_embeddings); cuda_graphs: capture the decode step per bucket on CUDA;
+    keep_model: leave the model whole (its experts then take memory twice), else its MoE blocks move
+    into the engine."""
 
     def __init__(self, model, max_batch: int = 64, max_seq_len: Optional[int] = None, cuda_graphs: bool = True,
-                 buckets: Sequence[int] = BUCKETS, **moe_kw):
+                 buckets: Sequence[int] = BUCKETS, keep_model: bool = False, **moe_kw):
+        model.check_whole()
         cfg = model.config
         self.config = cfg
-        self.max_seq_len = max_seq_len or cfg.max_position_embeddings
+        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), *(("bucket", b) for b in buckets)):
+            if value is not None and not _positive_int(value):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
@@ -58,7 +68,8 @@ class Engine:
                                                            cfg.num_experts_per_tok, cfg.norm_topk_prob, **moe_kw)
                 # The experts now live (stacked) in the SparseMoE: drop the model's copy before the next
                 # layer's stack, so building needs one layer's experts extra, not the whole model's.
-                layer.mlp = None
+                if not keep_model:
+                    layer.mlp = ExpertsMoved()
                 for key in [key for key in sd if key.startswith(prefix)]:
                     del sd[key]
         del sd
@@ -155,7 +166,11 @@ class Engine:
         B, T = input_ids.shape
         if B < 1 or T < 1:
             raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        V = self.config.vocab_size
+        lo, hi = input_ids.aminmax()  # one host sync a call, before the prefill
+        if lo < 0 or hi >= V:
+            raise ValueError(f"input_ids must lie in [0, vocab_size {V}), got ids from {int(lo)} to {int(hi)}")
+        if not _positive_int(max_new_tokens):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if B > self.max_batch:
             raise ValueError(f"batch {B} exceeds the engine's largest batch bucket {self.max_batch} (Engine(max_batch=...))")
@@ -163,6 +178,8 @@ class Engine:
             raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds the KV cache's "
                              f"max_seq_len {self.max_seq_len}")
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise ValueError(f"attention_mask must be a tensor [B, T], got {type(attention_mask).__name__}")
             if tuple(attention_mask.shape) != (B, T):
                 raise ValueError(f"attention_mask must have the shape of input_ids {(B, T)}, got "
                                  f"{tuple(attention_mask.shape)}")
@@ -178,6 +195,12 @@ class Engine:
         eos_token_id (an int or a list) gets pad_token_id (default: the first eos) after it, and
         generation stops when every row has. Greedy unless do_sample (temperature, top_p)."""
         self._check(input_ids, attention_mask, max_new_tokens)
+        _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
+        if pad_token_id is not None:
+            pad = _token_ids(pad_token_id, "pad_token_id")
+            if len(pad) != 1 or pad[0] >= self.config.vocab_size:
+                raise ValueError(f"pad_token_id must be one id below vocab_size {self.config.vocab_size}, "
+                                 f"got {pad_token_id!r}")
         if do_sample and not (temperature > 0 and 0 < top_p <= 1):
             raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         self._allocate()
@@ -185,9 +208,9 @@ class Engine:
         ids = input_ids.to(self.device, torch.long)
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.to(self.device, torch.bool))
-        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        eos = _token_ids(eos_token_id, "eos_token_id")
         eos_t = torch.tensor(eos, dtype=torch.long, device=self.device)
-        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        pad = _token_ids(pad_token_id, "pad_token_id")[0] if pad_token_id is not None else (eos[0] if eos else 0)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         out = [ids]
         logits = self._prefill(ids, mask)
@@ -219,6 +242,28 @@ class Engine:
             drop = sorted_p.cumsum(-1) - sorted_p >= top_p
             probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _token_ids(ids, name: str) -> list:
+    """None, a token id (int, numpy integer, 0-d tensor) or several (a sequence, a 1-d tensor) -> [int]."""
+    if ids is None:
+        return []
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool or ids.dim() > 1:
+            raise ValueError(f"{name} must be integer token ids, got a {ids.dtype} tensor of shape {tuple(ids.shape)}")
+        ids = ids.reshape(-1).tolist()
+    seq = [ids] if isinstance(ids, numbers.Integral) else ids
+    try:
+        out = [operator.index(i) for i in seq]
+    except TypeError:
+        raise ValueError(f"{name} must be a token id or a list of them, got {ids!r}") from None
+    if any(isinstance(i, bool) for i in seq) or any(i < 0 for i in out):
+        raise ValueError(f"{name} must hold non-negative integer token ids, got {ids!r}")
+    return out
 
 
 def _check_model_dir(model_dir: str):

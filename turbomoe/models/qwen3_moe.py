@@ -167,6 +167,16 @@ def build_moe(cfg: ModelConfig, args: MoEArgs) -> nn.Module:
                    **kwargs)
 
 
+class ExpertsMoved(nn.Module):
+    """What stays of an MoE block whose router and experts a turbomoe.inference.Engine took (it serves
+    from its own stacked copy): any use of the block, or saving the model, says so."""
+    MESSAGE = ("this model's MoE blocks were handed to a turbomoe.inference.Engine, which holds their router "
+               "and experts now; load the model again, or build the engine with Engine(model, keep_model=True)")
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(ExpertsMoved.MESSAGE)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, moe_args: MoEArgs):
         super().__init__()
@@ -214,6 +224,11 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def check_whole(self):
+        """Raises where an inference Engine took this model's MoE blocks (see ExpertsMoved)."""
+        if any(isinstance(layer.mlp, ExpertsMoved) for layer in self.model.layers):
+            raise RuntimeError(ExpertsMoved.MESSAGE)
 
     @torch.no_grad()
     def init_weights(self, seed: int, ep_rank: int = 0):
@@ -301,6 +316,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     def load_hf_weights(self, path: str, ep_rank: int = 0):
         """Copy a Hugging Face directory's weights (this rank's experts) into this model, in place."""
         from . import hf_checkpoint as hf
+        self.check_whole()
         with hf.CheckpointReader(path) as reader:
             hf.load_weights(self, reader, ep_rank)
 
@@ -312,5 +328,6 @@ class Qwen3MoeForCausalLM(nn.Module):
         holds it. An existing out_dir is an error unless force.
         """
         from . import hf_checkpoint as hf
+        self.check_whole()
         dtype = dtype or self.lm_head.weight.dtype
         hf.save_dir(out_dir, self.config, hf.hf_tensors(self), dtype, max_shard_size, force, tokenizer)
