@@ -3,6 +3,7 @@ the experts) -> export -> transformers loads it, and its loss on text the run ne
 turbomoe's model read straight from the DeepSpeed files; fp32 masters reassembled from the ZeRO
 partitions; a run started from the export (model.init_from) on stock DeepSpeed MoE, exported in turn;
 bad input, each a clear error with nothing written."""
+import json
 import os
 import shutil
 import subprocess
@@ -123,6 +124,31 @@ def test_no_checkpoint_incomplete_tag_and_existing_output(run, tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "already exists; pass --force" in proc.stderr
     assert os.listdir(tmp_path / "out") == []
+
+
+def test_output_that_holds_the_run_and_a_broken_marker(run, tmp_path):
+    """--force never replaces the checkpoint being read: OUT may not be the run, its tag or a directory
+    above them. A marker that is not JSON, or lacks a key, is an ExportError naming the file."""
+    bad = copy_run(run, tmp_path)
+    tag = bad / "checkpoints" / "global_step12"
+    for out in (bad, tmp_path, tag):
+        with pytest.raises(ExportError, match=f"OUT {out} holds the checkpoint {tag}"):
+            export(str(bad), str(out), force=True, progress=False)
+    proc = subprocess.run([sys.executable, "-m", "turbomoe.export", str(bad), str(bad), "--force"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "holds the checkpoint" in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(tag)) == sorted(os.listdir(
+        run / "checkpoints" / "global_step12"))
+    marker = tag / COMPLETE
+    meta = json.loads(marker.read_text())
+    del meta["world_size"]
+    marker.write_text(json.dumps(meta))
+    with pytest.raises(ExportError, match=f"{marker}: not a complete checkpoint's marker .KeyError: 'world_size'"):
+        export(str(bad), str(tmp_path / "out"), progress=False)
+    marker.write_text("{")
+    with pytest.raises(ExportError, match=f"{marker}: not a complete checkpoint's marker .JSONDecodeError"):
+        export(str(bad), str(tmp_path / "out"), progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
 # ---------------------------------------------------------------- the recipe starts from an export

@@ -4,6 +4,7 @@ sharded, and the fused expert layout) -> from_pretrained -> the same logits in f
 byte tokenizer through AutoTokenizer; and bad input, each a clear error with nothing written."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -177,6 +178,11 @@ def test_missing_and_truncated_shard(sharded):
     (dict(attention_dropout=0.1), "config.json: attention_dropout"),
     (dict(quantization_config={"quant_method": "fp8"}), r"config.json: fields \['quantization_config'\]"),
     (dict(mlp_only_layers=[7]), r"config.json: model.mlp_only_layers \[7\]"),
+    (dict(mlp_only_layers=1), r"config.json: model.mlp_only_layers must be a list of layer indices, got 1"),
+    (dict(rms_norm_eps="1e-6"), r"config.json: model.rms_norm_eps must be a positive finite number, got '1e-6'"),
+    (dict(rms_norm_eps=-1e-6), r"config.json: model.rms_norm_eps must be a positive finite number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "abc"}), r"config.json: model.rope_theta must be"),
+    (dict(norm_topk_prob="false"), r"config.json: model.norm_topk_prob must be true or false, got 'false'"),
 ])
 def test_config_errors(sharded, changes, match):
     edit_config(sharded, **changes)
@@ -204,6 +210,17 @@ def test_output_dir_exists_and_failed_write_leaves_nothing(tmp_path, sharded):
     assert os.listdir(out) == ["keep.txt"]
     model.save_pretrained(str(out), force=True)
     assert "keep.txt" not in os.listdir(out) and (out / "config.json").exists()
+
+    for bad, match in ((dict(dtype=torch.int8), "dtype torch.int8 cannot be saved"),
+                       (dict(max_shard_size=-1), "max_shard_size -1: expected a positive number of bytes"),
+                       (dict(max_shard_size="5 parsecs"), "max_shard_size '5 parsecs'")):
+        with pytest.raises(ValueError, match=match):
+            model.save_pretrained(str(tmp_path / "bad"), **bad)
+    model.save_pretrained(str(tmp_path / "f64"), dtype=torch.float64)  # float64 round-trips, as the config says
+    back = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "f64"))
+    assert next(back.parameters()).dtype == torch.float64
+    assert all(torch.equal(a.double(), b) for a, b in zip(model.parameters(), back.parameters()))
+    shutil.rmtree(tmp_path / "f64")
 
     def failing():
         yield "model.norm.weight", torch.ones(3)

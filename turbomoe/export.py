@@ -63,12 +63,16 @@ class RunCheckpoint:
 
     def __init__(self, tag_dir: str):
         self.tag_dir = tag_dir
-        with open(os.path.join(tag_dir, COMPLETE)) as f:
-            meta = json.load(f)
-        self.step, self.world_size = meta["step"], meta["world_size"]
-        self.recipe = meta["config"]
-        self.config = ModelConfig.from_dict(self.recipe["model"])
-        self.ep_size = self.recipe["moe"]["ep_size"]
+        marker = os.path.join(tag_dir, COMPLETE)
+        try:
+            with open(marker) as f:
+                meta = json.load(f)
+            self.step, self.world_size = meta["step"], meta["world_size"]
+            self.recipe = meta["config"]
+            self.config = ModelConfig.from_dict(self.recipe["model"])
+            self.ep_size = self.recipe["moe"]["ep_size"]
+        except (ValueError, KeyError, TypeError) as e:  # json's errors are ValueErrors
+            raise ExportError(f"{marker}: not a complete checkpoint's marker ({type(e).__name__}: {e})") from e
         with torch.device("meta"):  # names and shapes only, no memory
             skeleton = Qwen3MoeForCausalLM(self.config)
         self.shapes = {k: tuple(v.shape) for k, v in skeleton.named_parameters()}  # tied weights once
@@ -150,9 +154,13 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
     """Consolidate RUN's checkpoint into the Hugging Face directory OUT; returns the tag exported."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    tag_dir = resolve_tag(run, step)
+    if _within(tag_dir, out):
+        raise ExportError(f"OUT {out} holds the checkpoint {tag_dir}: writing there would replace it; "
+                          "choose another OUT")
     if os.path.exists(out) and not force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
-    ckpt = RunCheckpoint(resolve_tag(run, step))
+    ckpt = RunCheckpoint(tag_dir)
     masters = ckpt.fp32_masters() if dtype == "fp32" else None
     tokenizer = False if ckpt.recipe["data"]["source"] == "megatron" else None  # pre-tokenized: not ours to write
     bar = None
@@ -167,6 +175,12 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
         if bar is not None:
             bar.close()
     return ckpt.tag_dir
+
+
+def _within(path: str, directory: str) -> bool:
+    """path is directory or lies below it (links resolved)."""
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([path, directory]) == directory
 
 
 def load_run_model(run: str, step: Optional[int] = None) -> Qwen3MoeForCausalLM:

@@ -1,4 +1,5 @@
 """The size and routing of a Qwen3-MoE-layout language model, named as Hugging Face's Qwen3MoeConfig."""
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import List
 
@@ -50,6 +51,18 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+        for name, low in (("rope_theta", 0.0), ("rms_norm_eps", 0.0), ("initializer_range", None)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and (value > low if low is not None else value >= 0)):
+                raise ValueError(f"model.{name} must be a {'positive' if low is not None else 'non-negative'} "
+                                 f"finite number, got {value!r}")
+        for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        if not (isinstance(self.mlp_only_layers, (list, tuple))
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in self.mlp_only_layers)):
+            raise ValueError(f"model.mlp_only_layers must be a list of layer indices, got {self.mlp_only_layers!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")

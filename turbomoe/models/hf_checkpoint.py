@@ -50,7 +50,7 @@ _HF_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 
                 "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
                 "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "initializer_range": 0.02,
                 "tie_word_embeddings": False, "attention_bias": False}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _OUR_EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
 _OUR_TO_HF_LINEAR = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -89,7 +89,7 @@ def _rope_theta(raw: dict, file: str) -> float:
             if kind != "default":
                 raise CheckpointError(f"{file}: rope_scaling {scaling} is not supported (only default rotary "
                                       f"embeddings, rope_type 'default')")
-        return float(raw.get("rope_theta", 10000.0))
+        return raw.get("rope_theta", 10000.0)
     if not isinstance(params, dict):
         raise CheckpointError(f"{file}: rope_parameters must be an object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
@@ -97,7 +97,7 @@ def _rope_theta(raw: dict, file: str) -> float:
     if kind != "default" or extra:
         raise CheckpointError(f"{file}: rope_parameters {params} are not supported (only rope_type 'default' "
                               f"with rope_theta)")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    return params.get("rope_theta", raw.get("rope_theta", 10000.0))  # ModelConfig.validate checks it
 
 
 def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") -> ModelConfig:
@@ -119,13 +119,13 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
     d["num_experts"] = raw.get("num_experts", raw.get("num_local_experts", _HF_DEFAULTS["num_experts"]))
     if not d["num_experts"]:
         raise CheckpointError(f"{file}: num_experts is {d['num_experts']!r}; a Qwen3-MoE model needs experts")
-    d["mlp_only_layers"] = list(d["mlp_only_layers"] or [])
-    d["norm_topk_prob"] = bool(d["norm_topk_prob"])
+    d["mlp_only_layers"] = d["mlp_only_layers"] or []
     heads = d["num_attention_heads"]
     if raw.get("head_dim") is None and not (isinstance(heads, int) and heads > 0):
         raise CheckpointError(f"{file}: num_attention_heads must be a positive int, got {heads!r}")
     d["head_dim"] = raw.get("head_dim") or d["hidden_size"] // heads
-    d["rope_theta"] = _rope_theta(raw, file)
+    theta = _rope_theta(raw, file)
+    d["rope_theta"] = float(theta) if isinstance(theta, int) and not isinstance(theta, bool) else theta
     d["moe_impl"] = moe_impl
     try:
         return ModelConfig.from_dict(d)
@@ -281,15 +281,17 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
 
 def parse_size(size) -> int:
     """5GB, 500MB, 2GiB, 1000 (bytes) -> bytes; decimal units as transformers' max_shard_size."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"max_shard_size {size!r}: expected bytes or a size such as '5GB' or '500MiB'")
-    unit = (m.group(2) or "B").upper()
-    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
+    m = None if isinstance(size, (int, bool)) else re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*",
+                                                                   str(size), re.IGNORECASE)
+    if m:
+        unit = (m.group(2) or "B").upper()
+        scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+        size = int(float(m.group(1)) * scale)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"max_shard_size {size!r}: expected a positive number of bytes or a size such as '5GB' "
+                         f"or '500MiB'")
+    return size
 
 
 def hf_tensors(model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -387,6 +389,9 @@ def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer
 def save_dir(out_dir: str, cfg: ModelConfig, tensors: Iterable[Tuple[str, torch.Tensor]], dtype: torch.dtype,
              max_shard_size="5GB", force: bool = False, tokenizer=None, progress: Optional[Callable] = None):
     """A complete Hugging Face directory, written atomically."""
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype {dtype} cannot be saved; choose one of {list(_DTYPES.values())}")
+    parse_size(max_shard_size)  # before the directory is made
     with atomic_dir(out_dir, force) as tmp:
         write_weights(tmp, tensors, dtype, max_shard_size, progress)
         write_metadata(tmp, cfg, dtype, tokenizer)
