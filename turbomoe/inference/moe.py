@@ -22,6 +22,7 @@ By token count T:
             with a dense [T, E] weight matrix (TensorRT-LLM's small-batch idea), no shuffling
 On the CPU the reference ops run ("reference": the same math in plain PyTorch).
 """
+import os
 from typing import Optional
 
 import torch
@@ -117,6 +118,9 @@ class SparseMoE(nn.Module):
             raise ValueError(f"x must be [T, {self.w1.shape[1]}], got {tuple(x_TM.shape)}")
         x_TM = x_TM.contiguous()
         mode = self.choose_mode(x_TM)
+        if mode in ("few_rows", "grouped") and not x_TM.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(f"mode {mode!r} runs Triton kernels: it needs CUDA tensors, or TRITON_INTERPRET=1 set "
+                               "before turbomoe is imported (the CPU's modes: 'reference', 'dense')")
         if mode == "dense":
             return self._dense(x_TM, self._logits(x_TM, mode))
         r = self._shuffle(*self._router(x_TM, mode), mode)
