@@ -198,6 +198,9 @@ def test_missing_tensor_and_directory(tmp_path, sharded):
         Qwen3MoeForCausalLM.from_pretrained(str(sharded))
     with pytest.raises(FileNotFoundError, match="config.json does not exist"):
         Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "nowhere"))
+    for dtype in (torch.int32, "bfloat16"):
+        with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+            Qwen3MoeForCausalLM.from_pretrained(str(sharded), dtype=dtype)
 
 
 def test_output_dir_exists_and_failed_write_leaves_nothing(tmp_path, sharded):

@@ -292,6 +292,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         the experts of ep_rank (default: the process group's rank % ep_size, the recipe's placement).
         """
         from . import hf_checkpoint as hf
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         raw = hf.read_config(path)
         cfg = hf.config_from_hf(raw, os.path.join(path, hf.CONFIG), moe_impl)
         if ep_rank is None:
