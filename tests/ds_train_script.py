@@ -185,7 +185,9 @@ def main():
     # After training: ZeRO has packed the parameters into its buffers, the engine has run forwards.
     result["expert_weights_are_views"] = expert_weights_are_views(engine.module.moe_top2)
     inner = engine.module.moe_top2.deepspeed_moe
-    result["grouped_experts"] = fast_path_applies(inner.experts, inner.expert_fast_path, torch.float32)
+    weight = next(inner.experts.parameters())
+    result["grouped_experts"] = fast_path_applies(inner.experts, inner.expert_fast_path,
+                                                  torch.empty(0, device=weight.device, dtype=weight.dtype))
     with open(os.path.join(args.workdir, f"result_{args.phase}_rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

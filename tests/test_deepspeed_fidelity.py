@@ -95,6 +95,30 @@ def test_matches_stock_without_drops(device, dtype, k, expert):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("expert", ["mlp", "swiglu", "custom"])
+@pytest.mark.parametrize("kw", [dict(k=2), dict(k=1, capacity_factor=float(E)), dict(k=2, drop_tokens=False)])
+def test_trains_under_autocast(device, expert, kw):
+    """fp32 parameters under torch.autocast (bf16), forward and backward inside its region and the
+    backward after it: stock's output dtype (bf16), fp32 gradients, and the fp32 run's routes, and its
+    values to bf16's rounding (the router's logits stay fp32, so the routes are the same)."""
+    stock, turbo = make_pair(expert, device, **kw)
+    x = torch.randn(4, 32, M, device=device)
+    want = run(turbo, x)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert stock(x)[0].dtype == turbo(x)[0].dtype == torch.bfloat16
+        inside = run(turbo, x)
+    xg = x.clone().requires_grad_()
+    torch.manual_seed(5)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out, l_aux, counts = turbo(xg)
+    (out.float().square().sum() + l_aux).backward()
+    after = (out.float(), l_aux.float(), counts, xg.grad.float(), {n: p.grad for n, p in turbo.named_parameters()})
+    assert all(g.dtype == torch.float32 for g in after[4].values()) and xg.grad.dtype == torch.float32
+    assert_same(want, inside, 3e-2)
+    assert_same(want, after, 3e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("expert", ["mlp", "swiglu", "custom"])  # grouped: dropless rows; custom: C = max count
 @pytest.mark.parametrize("k,sampling", [(1, False), (2, False), (2, True), (4, False)])
 def test_dropless_matches_stock(device, expert, k, sampling):

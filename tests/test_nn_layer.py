@@ -156,6 +156,34 @@ def test_cpu_bf16_against_loop():
     compare(layer, torch.randn(2, 150, 64, dtype=torch.bfloat16), 2e-2, 3e-2)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(activation="gelu", bias=True, shared_ffn_hidden_size=40),
+                                dict(capacity_factor=1.0, recompute=True)])
+def test_cpu_trains_under_autocast(kw):
+    """fp32 parameters under torch.autocast (bf16): a bf16 output, as nn.Linear experts would give; fp32
+    gradients; the fp32 run's routes (fp32 router logits) and values to bf16's rounding."""
+    torch.manual_seed(6)
+    layer = MoELayer(32, 48, 6, 2, **kw)
+    x = torch.randn(3, 40, 32)
+
+    def step(autocast):
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, aux = layer(xg)
+            load = layer.expert_load.clone()
+        (out.float().square().sum() + aux).backward()
+        grads = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        return out, aux, load, xg.grad, grads
+
+    out32, aux32, load32, dx32, grads32 = step(False)
+    out, aux, load, dx, grads = step(True)
+    assert out.dtype == torch.bfloat16 and dx.dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert torch.equal(load, load32) and torch.equal(aux, aux32)
+    assert rel(out.float(), out32) < 2e-2 and rel(dx, dx32) < 3e-2
+    assert all(rel(g, g32) < 3e-2 for g, g32 in zip(grads, grads32))
+
+
 def test_cpu_expert_load_and_dropless_shapes():
     torch.manual_seed(1)
     layer = MoELayer(16, 24, 4, 2)

@@ -105,3 +105,29 @@ def test_split_matches_fp64(S, M, E, w_dtype):
         assert (gx != gx_ref.bfloat16()).float().mean() < 0.01 and rel_err(gx, gx_ref) < 2 ** -8
     assert grads_split(g, x, w_terms, w_dtype, False, True)[0] is None
     assert grads_split(g, x, w_terms, w_dtype, True, False)[1] is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_autocast_leaves_them_fp32(device, dtype):
+    """Under torch.autocast (whose mm would round to bf16) the logits and both gradients are the bits
+    of the run without it, backward inside the region or after it."""
+    torch.manual_seed(3)
+    x = torch.randn(37, 96, device=device).to(dtype)
+    w = torch.randn(8, 96, device=device) * 96 ** -0.5
+    g = torch.randn(37, 8, device=device)
+
+    def run(autocast, backward_inside):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = fp32_logits(xa, wa)
+            if backward_inside:
+                out.backward(g)
+        if not backward_inside:
+            out.backward(g)
+        return out, xa.grad, wa.grad
+
+    want = run(False, False)
+    assert want[0].dtype == torch.float32
+    for inside in (False, True):
+        assert all(torch.equal(a, b) for a, b in zip(run(True, inside), want))

@@ -7,6 +7,8 @@ Megatron's routers run (not the same bits: the sums run in another order), witho
 the tokens to fp32 each way and the fp32 GEMMs on CUDA cores (at small-1gpu's shapes the backward's
 casts and fp32 GEMMs took 0.24 ms a layer on an H100, notes/recipe_profile.md).
 """
+import contextlib
+
 import torch
 
 TERMS = 3  # bf16 terms of an fp32 value: 8 significant bits each, the same exponent range
@@ -79,13 +81,26 @@ def grads_split(g_SE: torch.Tensor, x_SM: torch.Tensor, w_terms: torch.Tensor, w
     return gx, gw
 
 
+def _no_autocast(t: torch.Tensor):
+    """A region where torch.autocast is off on t's device; no context at all where it is off already
+    (the usual case: its enter and exit are host time on every call)."""
+    device = t.device.type
+    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+
+
 class Fp32Logits(torch.autograd.Function):
     """logits [S, E] fp32 = x [S, M] @ w [E, M]^T: what F.linear(x.float(), w.float()) computes, as
     DeepSpeed's gate does, but saving x and w as they are rather than an fp32 copy of x (2x the
-    activation per layer), and as one autograd node instead of three."""
+    activation per layer), and as one autograd node instead of three. fp32 under torch.autocast too
+    (the router's choices are the precision-sensitive part; autocast would round them to 16 bits)."""
 
     @staticmethod
     def forward(ctx, x_SM, w_EM):
+        with _no_autocast(x_SM):  # fp32 logits under torch.autocast too
+            return Fp32Logits._forward(ctx, x_SM, w_EM)
+
+    @staticmethod
+    def _forward(ctx, x_SM, w_EM):
         if split_applies(x_SM, w_EM):
             w_terms = weight_terms(w_EM)
             ctx.save_for_backward(x_SM, w_EM, w_terms)
@@ -99,11 +114,13 @@ class Fp32Logits(torch.autograd.Function):
     def backward(ctx, g_SE):
         x_SM, w_EM, w_terms = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
-        if w_terms is not None:
-            return grads_split(g_SE.float(), x_SM, w_terms, w_EM.dtype, need_x, need_w)
-        gx = torch.mm(g_SE, w_EM.float()).to(x_SM.dtype) if need_x else None  # fp32, rounded once, as F.linear's
-        gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype) if need_w else None
-        return gx, gw
+        g_SE = g_SE.float()
+        with _no_autocast(g_SE):  # a backward called inside autocast's region
+            if w_terms is not None:
+                return grads_split(g_SE, x_SM, w_terms, w_EM.dtype, need_x, need_w)
+            gx = torch.mm(g_SE, w_EM.float()).to(x_SM.dtype) if need_x else None  # fp32, rounded once, as F.linear's
+            gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype) if need_w else None
+            return gx, gw
 
 
 def fp32_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:

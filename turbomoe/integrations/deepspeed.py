@@ -32,6 +32,7 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops, reference
+from ..nn.experts import autocast_dtype
 from ..nn.recompute import remaking
 from .deepspeed_experts import (EqualGroups, RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind,
                                 grouped_mlp, pack_expert_params, run_experts, scales_rows)
@@ -84,10 +85,13 @@ class TurboMOELayer(MOELayer):
             # take expert-contiguous rows and grouped GEMMs over counts on the device (no capacity,
             # no padding, no host sync); with a capacity, the [E, C, M] buffer.
             local = (self.ep_size == 1 and bwc_tensor_model_parallel_world_size(groups.mpu) == 1
-                     and fast_path_applies(self.experts, self.expert_fast_path, x_SM.dtype))
+                     and fast_path_applies(self.experts, self.expert_fast_path, x_SM))
             rows_layout = local and not self.gate.drop_tokens
             with _timed(self.gate, TOPK_GATE_TIMER, "gate_time"):
                 s, scores_SK = self._route_and_assign(x_SM, used_token, rows_layout)
+            dtype = autocast_dtype(x_SM)
+            if dtype is not None:  # torch.autocast: the tokens move in its dtype, as through stock's einsums
+                x_SM = x_SM.to(dtype)
             buf_RM = ops.scatter_tokens(x_SM, s)
             # Stock's combine weights: for k >= 2 the kept routes' scores renormalised to sum 1.
             row_scale_R = None

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..autograd.swiglu import swiglu
+from ..nn.experts import autocast_dtype
 from ..nn.recompute import Remake
 from .expert_stack import EqualGroups, RowGroups, pack_expert_params, stack_expert_tensors  # noqa: F401 (re-exported)
 from .megatron_mlp import grouped_parallel_mlp, parallel_mlp_signature
@@ -82,12 +83,18 @@ def _hooked(module: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in (module, ) + descendants)
 
 
-def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups) -> torch.Tensor:
+def _stack(blocks: List[List[torch.Tensor]], dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """stack_expert_tensors, cast to dtype (torch.autocast's) where one is given."""
+    w = stack_expert_tensors(blocks)
+    return w if dtype is None else w.to(dtype)
+
+
+def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups, dtype: Optional[torch.dtype]) -> torch.Tensor:
     """Expert e's Linear on expert e's rows of x [.., K] -> [.., N], one grouped GEMM."""
-    y = groups.matmul(x, stack_expert_tensors([[lin.weight] for lin in linears]))
+    y = groups.matmul(x, _stack([[lin.weight] for lin in linears], dtype))
     if linears[0].bias is None:
         return y
-    return groups.add_bias(y, stack_expert_tensors([[lin.bias] for lin in linears]))
+    return groups.add_bias(y, _stack([[lin.bias] for lin in linears], dtype))
 
 
 def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
@@ -102,21 +109,24 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
         raise ValueError("a row scale needs bias-free SwiGLU experts")
     if kind == "megatron":
         return grouped_parallel_mlp(list(experts), x, groups)
+    dtype = autocast_dtype(x)  # under torch.autocast, the casts its nn.Linear experts would make
+    if dtype is not None:
+        x = x.to(dtype)
     if kind == "swiglu":
         # [gate | up] per expert: one GEMM for both, then turbomoe's fused SwiGLU.
-        h = groups.matmul(x, stack_expert_tensors([[e.w1.weight, e.w3.weight] for e in experts]))
+        h = groups.matmul(x, _stack([[e.w1.weight, e.w3.weight] for e in experts], dtype))
 
         def act(h):  # not view(.., -1): rows may be 0
             return swiglu(h.reshape(-1, h.shape[-1]), row_scale_R).view(*h.shape[:-1], h.shape[-1] // 2)
         second = [e.w2 for e in experts]
     else:
-        h = _grouped_linear(x, [e[0] for e in experts], groups)
+        h = _grouped_linear(x, [e[0] for e in experts], groups, dtype)
         act: Callable = experts[0][1]
         second = [e[2] for e in experts]
     a = act(h)
     if remake is not None:
         remake.add(a, lambda: act(h))  # h is kept by the activation's own backward
-    return _grouped_linear(a, second, groups)
+    return _grouped_linear(a, second, groups, dtype)
 
 
 def scales_rows(kind: Optional[str], experts: nn.ModuleList) -> bool:
@@ -126,13 +136,18 @@ def scales_rows(kind: Optional[str], experts: nn.ModuleList) -> bool:
     return kind == "swiglu" and experts[0].w2.bias is None
 
 
-def fast_path_applies(experts_module: nn.Module, kind: Optional[str], dtype: torch.dtype) -> bool:
+def fast_path_applies(experts_module: nn.Module, kind: Optional[str], x: torch.Tensor) -> bool:
     """The grouped path runs when the experts are a known MLP, nothing hooks into them (it would
-    bypass the hooks) and the input has the weights' dtype (no autocast)."""
+    bypass the hooks) and the input x has the weights' dtype, or torch.autocast is on (grouped_mlp
+    then casts as autocast would; not Megatron's ParallelMLP experts, which run as they are)."""
     if kind is None:
         return False
     weight = next(experts_module.deepspeed_experts[0].parameters(), None)
-    return weight is not None and weight.dtype == dtype and not _hooked(experts_module)
+    if weight is None or _hooked(experts_module):
+        return False
+    if autocast_dtype(x) is not None:
+        return kind != "megatron"
+    return weight.dtype == x.dtype
 
 
 def run_experts(experts_module: nn.Module, kind: Optional[str], x_GECM: torch.Tensor) -> torch.Tensor:
@@ -140,7 +155,7 @@ def run_experts(experts_module: nn.Module, kind: Optional[str], x_GECM: torch.Te
 
     The grouped path where it applies, else the stock module (experts one by one).
     """
-    if not fast_path_applies(experts_module, kind, x_GECM.dtype):
+    if not fast_path_applies(experts_module, kind, x_GECM):
         return experts_module(x_GECM)
     G, E, C, M = x_GECM.shape
     x_ECM = x_GECM.transpose(0, 1).reshape(E, G * C, M)

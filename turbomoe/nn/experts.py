@@ -13,6 +13,13 @@ from .recompute import Remake
 ACTIVATIONS = ("swiglu", "gelu")
 
 
+def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype torch.autocast gives a linear layer on t's device, or None outside its regions: the
+    experts' GEMMs then take their input and weights in it, as nn.Linear's would."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 class GroupedExperts(nn.Module):
     """x [R, M] (rows of expert e contiguous, counts [E] int32 on the device) -> y [R, M].
 
@@ -49,22 +56,27 @@ class GroupedExperts(nn.Module):
                 row_scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x_RM.dim() != 2 or x_RM.shape[1] != self.hidden_size:
             raise ValueError(f"x must be [R, {self.hidden_size}], got {tuple(x_RM.shape)}")
-        if x_RM.dtype != self.w1.dtype:
-            raise TypeError(f"x is {x_RM.dtype} but the expert weights are {self.w1.dtype}")
+        w1, w2, b1, b2 = self.w1, self.w2, self.b1, self.b2
+        dtype = autocast_dtype(x_RM)
+        if dtype is not None:  # the casts autocast would make (differentiable: the gradients reach the weights)
+            x_RM = x_RM.to(dtype)
+            w1, w2, b1, b2 = (None if t is None else t.to(dtype) for t in (w1, w2, b1, b2))
+        if x_RM.dtype != w1.dtype:
+            raise TypeError(f"x is {x_RM.dtype} but the expert weights are {w1.dtype}")
         if row_scale_R is not None and not self.scales_rows:
             raise ValueError("a row scale needs swiglu experts without a second bias (the scale must commute "
                              "with the second GEMM)")
         offs_E = row_offsets(counts_E)  # once for all four GEMM launches
-        groups_R = row_groups(offs_E, x_RM.shape[0]) if self.b1 is not None else None
-        h = grouped_mm(x_RM, self.w1, counts_E, self.gmm_backend, offs_E)
+        groups_R = row_groups(offs_E, x_RM.shape[0]) if b1 is not None else None
+        h = grouped_mm(x_RM, w1, counts_E, self.gmm_backend, offs_E)
         if groups_R is not None:
-            h = add_group_bias(h, self.b1, groups_R)
+            h = add_group_bias(h, b1, groups_R)
         a = self._act(h, row_scale_R)
         if remake is not None:
             remake.add(a, lambda: self._act(h, row_scale_R))  # h is kept by the activation's own backward
-        y = grouped_mm(a, self.w2, counts_E, self.gmm_backend, offs_E)
+        y = grouped_mm(a, w2, counts_E, self.gmm_backend, offs_E)
         if groups_R is not None:
-            y = add_group_bias(y, self.b2, groups_R)
+            y = add_group_bias(y, b2, groups_R)
         return y
 
     @property

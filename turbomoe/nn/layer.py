@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .experts import GroupedExperts
+from .experts import GroupedExperts, autocast_dtype
 from .recompute import remaking
 from .router import TopKRouter
 
@@ -68,11 +68,14 @@ class MoELayer(nn.Module):
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
         if x.dim() < 2 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
-        if x.dtype != self.experts.w1.dtype:
+        dtype = autocast_dtype(x)
+        if x.dtype != self.experts.w1.dtype and dtype is None:
             raise TypeError(f"x is {x.dtype} but the layer's parameters are {self.experts.w1.dtype}")
         x_SM = x.reshape(-1, self.hidden_size)
         S, E = x_SM.shape[0], self.num_experts
         g, aux_loss = self.router(x_SM)
+        if dtype is not None:  # torch.autocast: the tokens move in its dtype from here, as through nn.Linear experts
+            x_SM = x_SM.to(dtype)
         C = None if self.capacity_factor is None else ops.capacity(S, E, self.k, self.capacity_factor,
                                                                    self.min_capacity)
         s = ops.assign_slots(g.expert_ids, g.scores, E, capacity=C, drop_policy=self.drop_policy, seed=self.seed,
