@@ -16,7 +16,8 @@ from typing import List, NamedTuple, Optional
 import yaml
 
 from turbomoe.data import SOURCES
-from turbomoe.models import ModelConfig
+from turbomoe.models import ModelConfig, moe_class
+from turbomoe.models.qwen3_moe import renormalizes_topk
 
 
 class ConfigError(ValueError):
@@ -309,6 +310,15 @@ def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
              f"moe.ep_size {moe.ep_size} does not divide model.num_experts {m.num_experts}")
     _require(not moe.recompute or m.moe_impl == "turbomoe",
              f"moe.recompute needs model.moe_impl: turbomoe, got {m.moe_impl!r}")
+    k = m.num_experts_per_tok
+    fixed = renormalizes_topk(moe_class(m.moe_impl)[0], k)  # DeepSpeed's own gates have no switch for it
+    _require(fixed is None or fixed == m.norm_topk_prob,
+             f"model.moe_impl {m.moe_impl!r} with num_experts_per_tok {k} always uses norm_topk_prob "
+             f"{str(fixed).lower()}; set model.norm_topk_prob: {str(fixed).lower()} or model.moe_impl: turbomoe")
+    tokens = t.micro_batch_size * d.seq_len
+    _require(k > 1 or moe.min_capacity <= tokens,  # top-1 gating (stock's and the drop-in's) asserts it per forward
+             f"moe.min_capacity {moe.min_capacity} exceeds the {tokens} tokens of a micro-batch "
+             f"(train.micro_batch_size x data.seq_len), which top-1 gating requires")
     # The drop-in traces in one graph at ep_size 1 (notes/compile.md); its all-to-all and a compiled
     # layer's recompute are not verified, stock DeepSpeed's MoE breaks graphs on host syncs.
     _require(not t.compile_moe or (m.moe_impl == "turbomoe" and moe.ep_size == 1 and not moe.recompute),

@@ -378,8 +378,11 @@ def test_norm_topk_prob_switch(k):
 
 
 def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match="k must be"):
-        tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=16, k=9)
+    for k in (9, True):
+        with pytest.raises(ValueError, match="k must be"):
+            tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=16, k=k)
+    with pytest.raises(TypeError, match="norm_topk_prob must be a bool"):
+        tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=E, norm_topk_prob="yes")
     with pytest.raises(ValueError, match="noisy_gate_policy"):
         tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=E, noisy_gate_policy="Gaussian")
     _, turbo = make_pair("mlp", k=1)

@@ -290,6 +290,8 @@ def test_bad_arguments_raise():
     cfg = moe_config()
     with pytest.raises(ValueError, match="drop_policy"):
         tm.get_turbomoe_moe_spec(cfg, drop_policy="first")
+    with pytest.raises(TypeError, match="probs_before_fc2 must be a bool"):
+        tm.get_turbomoe_moe_spec(cfg, probs_before_fc2="no")
     router = TurboTopKRouter(cfg)
     with pytest.raises(NotImplementedError, match="padding_mask"):
         router(torch.randn(4, 2, cfg.hidden_size), torch.zeros(4, 2, dtype=torch.bool))

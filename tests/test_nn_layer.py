@@ -218,8 +218,13 @@ def test_bad_input():
         MoELayer(16, 24, 4, 5)
     with pytest.raises(ValueError, match="activation"):
         MoELayer(16, 24, 4, 2, activation="relu")
-    with pytest.raises(ValueError, match="capacity_factor"):
-        MoELayer(16, 24, 4, 2, capacity_factor=0.0)
+    for cf in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+            MoELayer(16, 24, 4, 2, capacity_factor=cf)
+    for name, bad, error in (("aux_loss_coef", "0.01", TypeError), ("z_loss_coef", None, TypeError),
+                             ("aux_loss_coef", float("nan"), ValueError), ("z_loss_coef", -1.0, ValueError)):
+        with pytest.raises(error, match=f"{name} must be a"):
+            MoELayer(16, 24, 4, 2, **{name: bad})
     with pytest.raises(ValueError, match="drop_policy"):
         MoELayer(16, 24, 4, 2, capacity_factor=1.0, drop_policy="random")
     layer = MoELayer(16, 24, 4, 2)

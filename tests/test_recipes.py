@@ -90,6 +90,10 @@ def test_config_errors(tmp_path):
     ("train.compile_moe=true", "train.compile_moe needs model.moe_impl: turbomoe, moe.ep_size: 1"),  # tiny-cpu: ep 2
     ("train.cuda_graph=maybe", "train.cuda_graph must be true or false"),
     ("train.cuda_graph=true", "train.cuda_graph needs model.moe_impl: turbomoe, moe.ep_size: 1"),
+    # Rules between keys that used to fail only once the process group was up (in build_moe, the first forward).
+    ("model.norm_topk_prob=false", "moe_impl 'deepspeed' with num_experts_per_tok 2 always uses norm_topk_prob true"),
+    ("model.num_experts_per_tok=1", "moe_impl 'deepspeed' with num_experts_per_tok 1 always uses norm_topk_prob false"),
+    ("moe.min_capacity=100000", "moe.min_capacity 100000 exceeds the .* tokens of a micro-batch"),
 ])
 def test_every_value_typed_and_range_checked(override, message):
     """Each key's type and range are checked when the config loads, before any work (failed before:
@@ -97,7 +101,10 @@ def test_every_value_typed_and_range_checked(override, message):
     passed validation and failed, or not, after the process group was up)."""
     extra = {"model.num_experts=16": ["model.num_experts_per_tok=9"],
              "model.num_experts=4": ["model.num_experts_per_tok=8"],
-             "model.moe_impl=deepspeed": ["moe.recompute=true"]}.get(override, [])
+             "model.moe_impl=deepspeed": ["moe.recompute=true"],
+             "model.norm_topk_prob=false": ["model.moe_impl=deepspeed"],
+             "model.num_experts_per_tok=1": ["model.moe_impl=deepspeed"],
+             "moe.min_capacity=100000": ["model.num_experts_per_tok=1", "model.norm_topk_prob=false"]}.get(override, [])
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, [override, *extra])
 

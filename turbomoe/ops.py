@@ -13,6 +13,7 @@ The data flow of an MoE layer:
     buf_RM = scatter_tokens(x_SM, s)                     # experts run on buf
     out_SM = gather_tokens(y_RM, s, g.scores)
 """
+import math
 import os
 from typing import Optional
 
@@ -86,6 +87,14 @@ def check_int(name: str, value, low: int, high: Optional[int] = None):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < low or (high is not None and value > high):
         raise ValueError(f"{name} must be in [{low}, {'inf' if high is None else high}], got {value}")
+
+
+def check_number(name: str, value, low: float, strict: bool = False):
+    """value is a finite real number (int or float, not a bool) >= low (> low if strict)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value < low or (strict and value == low):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}, got {value}")
 
 
 def check_bool(name: str, value):

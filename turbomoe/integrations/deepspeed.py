@@ -196,10 +196,12 @@ class MoE(StockMoE):
                  top2_2nd_expert_sampling: bool = True,
                  norm_topk_prob: Optional[bool] = None,
                  recompute: bool = False) -> None:
-        if not isinstance(k, int) or not 1 <= k <= min(num_experts, ops.MAX_K):
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(num_experts, ops.MAX_K):
             raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got {k!r} "
                              f"with num_experts={num_experts}")
         ops.check_bool("recompute", recompute)
+        if norm_topk_prob is not None:
+            ops.check_bool("norm_topk_prob", norm_topk_prob)
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
             raise ValueError("noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', "
                              f"got {noisy_gate_policy!r}")

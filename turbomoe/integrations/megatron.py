@@ -33,6 +33,7 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from .. import ops
 from .megatron_config import check_config
 from .megatron_dispatcher import TurboTokenDispatcher
 from .megatron_experts import TurboGroupedMLP
@@ -104,6 +105,7 @@ def get_turbomoe_moe_spec(config=None, *, shared_experts: Optional[ModuleSpec] =
     """
     if config is not None:
         check_config(config)
+    ops.check_bool("probs_before_fc2", probs_before_fc2)
     if drop_policy is not None and drop_policy not in DROP_POLICIES:
         raise ValueError(f"drop_policy must be None or one of {DROP_POLICIES}, got {drop_policy!r}")
     if shared_experts is None:

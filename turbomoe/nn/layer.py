@@ -45,9 +45,8 @@ class MoELayer(nn.Module):
         ops.check_int("shared_ffn_hidden_size", shared_ffn_hidden_size, 0)
         for name, value in (("bias", bias), ("expert_bias", expert_bias), ("recompute", recompute)):
             ops.check_bool(name, value)
-        if capacity_factor is not None and (not isinstance(capacity_factor, (int, float))
-                                            or isinstance(capacity_factor, bool) or not capacity_factor > 0):
-            raise ValueError(f"capacity_factor must be None (dropless) or a number > 0, got {capacity_factor!r}")
+        if capacity_factor is not None:  # None: dropless
+            ops.check_number("capacity_factor", capacity_factor, 0, strict=True)
         if drop_policy not in ops.DROP_POLICIES:
             raise ValueError(f"drop_policy must be one of {ops.DROP_POLICIES}, got {drop_policy!r}")
         ops.check_seed(seed)

@@ -29,6 +29,8 @@ class TopKRouter(nn.Module):
         ops.check_int("hidden_size", hidden_size, 1)
         ops.check_int("num_experts", num_experts, 1)
         ops.check_bool("renormalize", renormalize)
+        ops.check_number("aux_loss_coef", aux_loss_coef, 0)
+        ops.check_number("z_loss_coef", z_loss_coef, 0)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(num_experts, ops.MAX_K):
             raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got k={k!r} "
                              f"with num_experts={num_experts}")
