@@ -77,8 +77,11 @@ def test_layer_on_an_empty_batch(kw):
     (dict(num_experts=True), TypeError, "num_experts"),
     (dict(k=5), ValueError, "k must be"),
     (dict(min_capacity=-3), ValueError, "min_capacity"),
-    (dict(capacity_factor=True), ValueError, "capacity_factor"),
-    (dict(capacity_factor="1.0"), ValueError, "capacity_factor"),
+    (dict(capacity_factor=True), TypeError, "capacity_factor"),  # wrong types: TypeErrors, as check_int's
+    (dict(capacity_factor="1.0"), TypeError, "capacity_factor"),
+    (dict(capacity_factor=float("inf")), ValueError, "capacity_factor"),
+    (dict(aux_loss_coef="0.01"), TypeError, "aux_loss_coef"),
+    (dict(z_loss_coef=float("nan")), ValueError, "z_loss_coef"),
     (dict(renormalize="yes"), TypeError, "renormalize"),
     (dict(seed=1.5), TypeError, "seed"),
     (dict(seed=None), TypeError, "seed"),
