@@ -31,6 +31,11 @@ def test_text_and_jsonl(tmp_path):
     stream = load_stream("jsonl", [str(jl)], text_key="body")
     assert stream.read(0, 5).tolist() == [120, 121, EOS, 122, EOS]
     assert len(load_stream("jsonl", [str(jl)], text_key="body", max_tokens=2)) == 2
+    # Text files are read as bytes: bytes that are not UTF-8 reach the byte tokenizer unchanged.
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "latin1.txt").write_bytes(b"caf\xe9 \xff")
+    stream = load_stream("text", [str(tmp_path / "raw")])
+    assert stream.read(0, len(stream)).tolist() == list(b"caf\xe9 \xff") + [EOS]
 
 
 def test_bad_paths_and_records(tmp_path):
@@ -44,6 +49,11 @@ def test_bad_paths_and_records(tmp_path):
     bad.write_text('{"text": "ok"}\n{"content": "no text field"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_stream("jsonl", [str(bad)])
+    for i, line in enumerate([b'{"text": null}', b'{"text": 3}', b'{"text": "caf\xe9"}']):
+        bad = tmp_path / f"bad{i}.jsonl"
+        bad.write_bytes(b'{"text": "ok"}\n' + line + b"\n")
+        with pytest.raises(ValueError, match=f"bad{i}.jsonl:2: not a UTF-8 JSON object with a 'text' string field"):
+            load_stream("jsonl", [str(bad)])
     with pytest.raises(FileNotFoundError, match="missing"):
         load_stream("megatron", [str(tmp_path / "nothing_text_document")])
     with pytest.raises(ValueError, match="data.source"):

@@ -99,17 +99,21 @@ def _documents(source: str, paths: List[str], text_key: str):
     else:
         files = _expand(paths, "*.txt" if source == "text" else "*.jsonl")
     for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            if source != "jsonl":
+        if source != "jsonl":
+            with open(path, "rb") as f:  # the bytes as they are: the byte tokenizer needs no decoding
                 yield f.read()
-                continue
+            continue
+        with open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    doc = json.loads(line)[text_key]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{lineno}: not a JSON object with a {text_key!r} string field ({e})")
+                    doc = json.loads(line.decode("utf-8"))[text_key]
+                    if not isinstance(doc, str):
+                        raise TypeError(f"its {text_key!r} is {type(doc).__name__}")
+                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{lineno}: not a UTF-8 JSON object with a {text_key!r} string field "
+                                     f"({type(e).__name__}: {e})") from None
                 yield doc
 
 

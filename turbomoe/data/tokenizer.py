@@ -11,9 +11,10 @@ class ByteTokenizer:
     vocab_size = 257
     eos_token = "<|endoftext|>"
 
-    def encode(self, text: str) -> np.ndarray:
-        """text -> uint16 token ids [len(utf-8 bytes)] (no end-of-document)."""
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    def encode(self, text) -> np.ndarray:
+        """text (str, or bytes taken as they are) -> uint16 token ids [len(utf-8 bytes)] (no end-of-document)."""
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
