@@ -31,7 +31,14 @@ def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
     tag = tag_of(step)
     marker = os.path.join(ckpt_dir, tag, COMPLETE)
     if dist.get_rank() == 0 and os.path.exists(marker):
-        os.remove(marker)  # overwriting a tag of a run resumed from an earlier one: incomplete until done
+        # Overwriting a tag of a run resumed from an earlier one: incomplete until done, so `latest`
+        # first goes back to the newest other complete tag (a crash now must not leave it naming this one).
+        others = [n for _, n in _tags(ckpt_dir) if n != tag and os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
+        if others:
+            _atomic_write(os.path.join(ckpt_dir, "latest"), others[-1])
+        else:
+            os.remove(os.path.join(ckpt_dir, "latest"))
+        os.remove(marker)
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"step": step}, save_latest=False)
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
@@ -45,12 +52,22 @@ def prune(ckpt_dir: str, keep: int, current: int):
     """Keep the newest `keep` complete tags up to step `current` (the one just saved); delete the other
     tags before it, complete or not. Tags after it (of a run that went further before this one resumed
     from an earlier checkpoint) stay until this run overwrites them."""
-    tags = sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := TAG.match(name)))
+    tags = _tags(ckpt_dir)
     complete = [(s, n) for s, n in tags if s <= current and os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
     kept = complete[-keep:]
     for s, name in tags:
         if s < current and (s, name) not in kept:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def _tags(ckpt_dir: str):
+    """[(step, name)] of the global_stepN directories, by step."""
+    return sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := TAG.match(name)))
+
+
+def holds_tags(ckpt_dir: str) -> bool:
+    """Whether ckpt_dir holds any checkpoint tag, complete or not."""
+    return os.path.isdir(ckpt_dir) and bool(_tags(ckpt_dir))
 
 
 def read_meta(ckpt_dir: str, tag: str) -> dict:

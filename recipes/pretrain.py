@@ -62,15 +62,29 @@ def prepare(args):
     except ImportError as e:
         raise ConfigError(str(e)) from e
     resume = None
-    if args.resume is None and os.path.isfile(os.path.join(cfg.checkpoint.dir, "latest")):
-        raise ConfigError(f"{cfg.checkpoint.dir} already holds a checkpoint; continue it with --resume, or start "
-                          f"afresh elsewhere (--set log.dir=... or checkpoint.dir=...) or after removing it")
+    if args.resume is None:
+        for held, what in ((os.path.join(cfg.checkpoint.dir, "latest"), "a checkpoint"),
+                           (os.path.join(cfg.log.dir, "log.jsonl"), "another run's log")):
+            if os.path.isfile(held):
+                raise ConfigError(f"{os.path.dirname(held)} already holds {what}; continue that run with --resume, "
+                                  f"or start afresh elsewhere (--set log.dir=... or checkpoint.dir=...) or after "
+                                  f"removing it")
     if args.resume is not None:
         try:
             resume = checkpointing.resolve(args.resume or cfg.checkpoint.dir)
         except FileNotFoundError as e:
             raise ConfigError(str(e)) from e
-        check_resumable(cfg, checkpointing.read_meta(*resume), os.path.join(*resume))
+        # The run saves into checkpoint.dir (and prunes there): never over another run's checkpoints.
+        if checkpointing.holds_tags(cfg.checkpoint.dir) and not os.path.samefile(resume[0], cfg.checkpoint.dir):
+            raise ConfigError(f"--resume {os.path.join(*resume)} would continue into checkpoint.dir "
+                              f"{cfg.checkpoint.dir}, which holds another run's checkpoints; set checkpoint.dir to "
+                              f"the resumed one or to an empty directory")
+        meta = checkpointing.read_meta(*resume)
+        check_resumable(cfg, meta, os.path.join(*resume))
+        last = args.stop_at_step or cfg.train.steps
+        if last <= meta["step"]:
+            raise ConfigError(f"--resume {os.path.join(*resume)} is at step {meta['step']}: nothing to run up to "
+                              f"step {last} (--stop-at-step or train.steps)")
     vocab = vocab_size_of(cfg.data.source)
     if vocab is not None and vocab > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer of data.source {cfg.data.source!r} has {vocab} tokens, more than "
@@ -78,19 +92,39 @@ def prepare(args):
     try:
         stream = load_stream(cfg.data.source, cfg.data.paths, cfg.data.text_key, cfg.data.max_tokens)
         samples = Samples(stream, cfg.data.seq_len, cfg.data.valid_fraction, cfg.train.seed)
+        # Every rank needs a validation batch (checked here, not after the process group is up).
+        samples.valid_batches(0, int(os.environ.get("WORLD_SIZE", "1")), cfg.train.micro_batch_size, 1)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
     return cfg, resume, samples
 
 
+# What an exact resume needs unchanged beside the model: the data stream (its split and order are drawn
+# from train.seed, the batches cut from micro_batch_size, grad_accum and the world size) and what
+# DeepSpeed's optimizer files are (the precision; ZeRO stage 0 against 1 or 2).
+RESUME_FIXED = {"data": None, "train": ("seed", "micro_batch_size", "grad_accum", "precision")}
+
+
 def check_resumable(cfg, meta: dict, path: str):
-    """A checkpoint continues only with the model and parallel layout that wrote it."""
+    """A checkpoint continues only with the model, data stream, optimizer files and parallel layout
+    that wrote it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # moe_impl may change: both layers have the same parameters.
     diff = {k: (v, getattr(cfg.model, k)) for k, v in meta["config"]["model"].items()
             if k != "moe_impl" and getattr(cfg.model, k) != v}
     if diff:
         raise ConfigError(f"--resume {path}: the checkpoint's model differs (key: (checkpoint, config)): {diff}")
+    for section, keys in RESUME_FIXED.items():
+        saved = meta["config"][section]
+        diff.update({f"{section}.{k}": (v, getattr(getattr(cfg, section), k)) for k, v in saved.items()
+                     if (keys is None or k in keys) and getattr(getattr(cfg, section), k) != v})
+    stages = meta["config"]["train"]["zero_stage"], cfg.train.zero_stage
+    if 0 in stages and stages[0] != stages[1]:
+        diff["train.zero_stage"] = stages
+    if diff:
+        raise ConfigError(f"--resume {path}: an exact resume needs the checkpoint's data stream and optimizer "
+                          f"files; these differ (key: (checkpoint, config)): {diff}. Start a new run from its "
+                          f"weights instead (python -m turbomoe.export, then model.init_from)")
     if (meta["world_size"], meta["config"]["moe"]["ep_size"]) != (world, cfg.moe.ep_size):
         raise ConfigError(f"--resume {path}: written by {meta['world_size']} ranks with ep_size "
                           f"{meta['config']['moe']['ep_size']}; this run has {world} ranks and ep_size {cfg.moe.ep_size}")

@@ -127,7 +127,7 @@ def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="257 tokens, more than model.vocab_size 200"):
         prepare("--set", "model.vocab_size=200")
     (tmp_path / "latest").write_text("global_step4")
-    with pytest.raises(ConfigError, match="already holds a checkpoint; continue it with --resume"):
+    with pytest.raises(ConfigError, match="already holds a checkpoint; continue that run with --resume"):
         prepare("--set", f"checkpoint.dir={tmp_path}")
     # A checkpoint of another model, or of another parallel layout, is refused before any work.
     (tmp_path / "global_step4").mkdir()
@@ -140,6 +140,29 @@ def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="written by 2 ranks with ep_size 2; this run has 4 ranks"):
         prepare("--resume", str(tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    # An exact resume: the data stream and the optimizer files as the checkpoint's (ZeRO 1 <-> 2 may change).
+    for override, key in (("train.seed=7", "train.seed"), ("data.seq_len=64", "data.seq_len"),
+                          ("train.micro_batch_size=2", "train.micro_batch_size"), ("train.precision=bf16",
+                          "train.precision"), ("train.zero_stage=0", "train.zero_stage")):
+        with pytest.raises(ConfigError, match=f"an exact resume needs .*'{key}'"):
+            prepare("--resume", str(tmp_path), "--set", override)
+    assert prepare("--resume", str(tmp_path), "--set", "train.zero_stage=2")[1] == (str(tmp_path), "global_step4")
+    with pytest.raises(ConfigError, match="is at step 4: nothing to run up to step 4"):
+        prepare("--resume", str(tmp_path), "--stop-at-step", "4")
+    # It saves into checkpoint.dir: never over another run's checkpoints.
+    (tmp_path / "other" / "global_step2").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="other, which holds another run's checkpoints"):
+        prepare("--resume", str(tmp_path), "--set", f"checkpoint.dir={tmp_path / 'other'}")
+    # A fresh run never appends to another run's log.
+    (tmp_path / "logged").mkdir()
+    (tmp_path / "logged" / "log.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="logged already holds another run's log"):
+        prepare("--set", f"log.dir={tmp_path / 'logged'}")
+    # Too little data for one validation batch on every rank: here, not after the process group is up.
+    (tmp_path / "small.txt").write_text("x" * 5000)
+    with pytest.raises(ConfigError, match="validation samples are fewer than one batch on every rank"):
+        prepare("--set", "data.source=text", "--set", f"data.paths=[{tmp_path / 'small.txt'}]")
 
 
 def test_generated_deepspeed_config():
@@ -277,6 +300,36 @@ def test_lr_schedule():
     f = [pretrain.lr_factor(s, 10, 110, 0.1) for s in range(110)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
     assert f[60] == pytest.approx(0.55) and f[-1] > 0.1 and all(a >= b for a, b in zip(f[10:], f[11:]))
+
+
+def test_overwriting_a_tag_moves_latest_back_first(tmp_path, monkeypatch):
+    """A run resumed from step 4 saves step 6 again over the run it left: until the new step 6 is
+    whole, `latest` names step 4, so a crash inside the save leaves a resumable directory."""
+    class OneRank:
+        get_rank = staticmethod(lambda: 0)
+        barrier = staticmethod(lambda: None)
+
+    class Crashes:
+        def save_checkpoint(self, *args, **kwargs):
+            raise KeyboardInterrupt  # killed while writing
+
+    monkeypatch.setattr(checkpointing, "dist", OneRank)
+    for step in (2, 4, 6):
+        (tmp_path / checkpointing.tag_of(step)).mkdir()
+        (tmp_path / checkpointing.tag_of(step) / checkpointing.COMPLETE).write_text(json.dumps({"step": step}))
+    (tmp_path / "latest").write_text("global_step6")
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing.save(Crashes(), str(tmp_path), 6, keep=2, meta={})
+    assert checkpointing.resolve(str(tmp_path)) == (str(tmp_path), "global_step4")
+    # The only complete tag overwritten: no `latest` until the save is whole.
+    only = tmp_path / "only" / checkpointing.tag_of(6)
+    only.mkdir(parents=True)
+    (only / checkpointing.COMPLETE).write_text(json.dumps({"step": 6}))
+    (only.parent / "latest").write_text("global_step6")
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing.save(Crashes(), str(only.parent), 6, keep=2, meta={})
+    with pytest.raises(FileNotFoundError, match="no checkpoint there"):
+        checkpointing.resolve(str(only.parent))
 
 
 def test_checkpoint_bookkeeping(tmp_path):
