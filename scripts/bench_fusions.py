@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 from recipe_config import load_config  # noqa: E402
-from scripts.timing import cuda_time_ms  # noqa: E402
+from scripts.timing import cuda_time_ms, require_gpu  # noqa: E402
 from turbomoe.models.qwen3_moe import RMSNorm, apply_rotary, rotary_cos_sin  # noqa: E402
 
 
@@ -51,6 +51,7 @@ def main():
     p.add_argument("--opt-numel", type=int, default=None, help="default: small-1gpu's parameter count")
     p.add_argument("--only", choices=("ops", "attention", "optimizer"), help="one section only")
     a = p.parse_args()
+    require_gpu("bench_fusions.py")
     if a.opt_numel is None:  # what small-1gpu's optimizer steps over
         a.opt_numel = load_config(os.path.join(ROOT, "recipes", "configs", "small-1gpu.yaml")).model.num_parameters()
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ import functools
 import json
 
 import torch
-from timing import capture_graph, copy_bandwidth_gbs, cuda_time_ms, interleaved_medians_ms, thread_wakeup_us
+from timing import capture_graph, copy_bandwidth_gbs, cuda_time_ms, interleaved_medians_ms, require_gpu, thread_wakeup_us
 
 import turbomoe
 from turbomoe import ops
@@ -124,6 +124,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="two configs only")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    require_gpu("bench_gating.py")
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
     backends = ["cuda", "triton"] if ops.csrc.available() else ["triton"]

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from turbomoe import csrc  # noqa: E402
 from turbomoe.inference import SparseMoE, index_shuffling  # noqa: E402
 from turbomoe.kernels.shuffling import index_shuffling as triton_shuffling  # noqa: E402
-from timing import capture_graph  # noqa: E402
+from timing import capture_graph, require_gpu  # noqa: E402
 
 REPS = 20
 
@@ -439,6 +439,7 @@ def main():
                    help="decode layers of the layer, stages and tune sections (default: all)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
+    require_gpu("bench_inference.py")
     if set(args.layers) - set(LAYERS):
         p.error(f"--layers: unknown {sorted(set(args.layers) - set(LAYERS))}, choose from {list(LAYERS)}")
     os.makedirs(args.out, exist_ok=True)

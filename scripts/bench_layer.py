@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, ".peers"))
 
-from timing import reset_grads, step_times_ms, synced_time_ms  # noqa: E402
+from timing import require_gpu, reset_grads, step_times_ms, synced_time_ms  # noqa: E402
 from turbomoe.autograd.grouped_gemm import mm_forward, mm_wgrad  # noqa: E402
 from turbomoe.nn import GroupedExperts, MoELayer  # noqa: E402
 
@@ -351,6 +351,7 @@ def main():
     ap.add_argument("--profile", default="", help="comma-separated impls to profile (kernels, CUDA graph)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    require_gpu("bench_layer.py")
     torch.manual_seed(0)
     impls = args.impls.split(",")
     os.makedirs(args.out, exist_ok=True)

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import interleaved_medians_ms  # noqa: E402
+from timing import interleaved_medians_ms, require_gpu  # noqa: E402
 
 SHAPES = {
     "qwen3-30b-a3b": dict(family="qwen3_moe", S=8192, H=2048, F=768, E=128, k=8),
@@ -80,6 +80,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer timed calls")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    require_gpu("bench_transformers.py")
     import transformers
     import turbomoe.integrations.transformers as tt
     tt.register()

@@ -20,6 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import require_gpu  # noqa: E402
 
 
 def issue_us(step, n=20):
@@ -167,6 +168,7 @@ def main():
     if a.what == "launch":
         launch_costs()
         return
+    require_gpu(f"profile_host.py {a.what}")
     if a.what == "stages":
         gating_stages(a.S or 4096, a.E, a.k, a.M)
         return

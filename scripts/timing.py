@@ -10,10 +10,17 @@ Two ways to time a step, both CUDA-event medians after warm-up:
 """
 import statistics
 import threading
+import sys
 import time
 from typing import Dict, List, Tuple
 
 import torch
+
+
+def require_gpu(script: str):
+    """Exit with a message (not an assertion from deep inside torch) where there is no CUDA GPU."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} times CUDA kernels: it needs a CUDA GPU, and torch sees none here")
 
 
 def _times_ms(fns, iters: int, synced: bool, block: int = 1) -> List[List[float]]:

@@ -160,7 +160,15 @@ def test_generate_cli(tmp_path, capsys):
     from transformers import AutoTokenizer
     text = AutoTokenizer.from_pretrained(out).decode(ids, skip_special_tokens=True)
     assert printed.out.endswith(text + "\n"), (printed.out, text)  # (DeepSpeed may log a line first)
-    assert "tokens/s" in printed.err
+    assert "prefill" in printed.err and ("tokens/s" in printed.err or "too short to time" in printed.err)
+    # Bad arguments: usage errors naming the problem, before anything loads.
+    for argv, message in (([str(tmp_path / "nope"), "--prompt", "a"], "nope is not a Hugging Face model directory"),
+                          ([out, "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+                          ([out, "--prompt", ""], "--prompt must not be empty"),
+                          ([out, "--prompt", "a", "--sample", "--temperature", "0"], "--sample needs --temperature > 0")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.gpu

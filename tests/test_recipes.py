@@ -398,6 +398,17 @@ def test_launcher_run_trains_and_checkpoints(full_run):
     assert sorted(d for d in os.listdir(ckpt) if d.startswith("global_step")) == ["global_step4", "global_step8"]
 
 
+def test_runs_without_a_launcher(tmp_path):
+    """python recipes/pretrain.py alone is one rank (DeepSpeed had looked for MPI and failed)."""
+    env = {k: v for k, v in launcher_env(cpu=True).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "pretrain.py"), "--config", TINY, *SHORT,
+                           "--set", "train.steps=2", "--set", "train.warmup_steps=1", "--set", "eval.every=2", "--set", "checkpoint.every=2",
+                           "--set", "moe.ep_size=1", "--set", f"log.dir={tmp_path}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in records(tmp_path, "train")] == [1, 2] and records(tmp_path, "summary")[0]["world_size"] == 1
+
+
 def test_stop_and_resume_reproduces_the_uninterrupted_run(full_run, tmp_path):
     launch(tmp_path, "--stop-at-step", "3")
     assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step3"

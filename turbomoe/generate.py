@@ -28,10 +28,21 @@ def main(argv=None):
     p.add_argument("--device", default=None, help="default: cuda where available")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if any(not prompt for prompt in args.prompt):
+        p.error("--prompt must not be empty")
+    if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
+        p.error(f"--sample needs --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
 
     from transformers import AutoTokenizer
 
     from .inference import load
+    from .inference.engine import check_model_dir
+    try:  # before the tokenizer, which would take a missing directory for a Hub model's name
+        check_model_dir(args.model_dir)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
@@ -59,9 +70,10 @@ def main(argv=None):
     for row in out[:, T:]:
         print(tok.decode(row, skip_special_tokens=True))
     steps = out.shape[1] - T - 1
-    decode = max(total - prefill, 1e-9)
-    print(f"\n[{B} x {out.shape[1] - T} new tokens] prefill {prefill * 1e3:.1f} ms, decode {decode * 1e3:.1f} ms "
-          f"({B * steps / decode:.1f} tokens/s), first call (kernel build, graph capture) {warm:.2f} s",
+    decode = total - prefill  # the two calls' difference: noise can exceed it when little is decoded
+    rate = f"{B * steps / decode:.1f} tokens/s" if steps > 0 and decode > 0 else "too short to time"
+    print(f"\n[{B} x {out.shape[1] - T} new tokens] prefill {prefill * 1e3:.1f} ms, decode "
+          f"{max(decode, 0) * 1e3:.1f} ms ({rate}), first call (kernel build, graph capture) {warm:.2f} s",
           file=sys.stderr)
 
 

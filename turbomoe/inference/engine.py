@@ -266,7 +266,7 @@ def _token_ids(ids, name: str) -> list:
     return out
 
 
-def _check_model_dir(model_dir: str):
+def check_model_dir(model_dir: str):
     config = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
@@ -280,7 +280,7 @@ def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **eng
     """An Engine for a Hugging Face Qwen3-MoE directory, read by Qwen3MoeForCausalLM.from_pretrained.
     device: default CUDA where available; dtype: default the checkpoint's."""
     from ..models import Qwen3MoeForCausalLM
-    _check_model_dir(model_dir)
+    check_model_dir(model_dir)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
     return Engine(model.eval(), **engine_kw)
