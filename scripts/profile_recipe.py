@@ -18,6 +18,7 @@ import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +50,10 @@ def main():
                    help="then compile the dense blocks in place (train.compile) and measure again")
     a = p.parse_args()
     args = pretrain.parse_args(["--config", a.config, *sum((["--set", s] for s in a.set), []),
-                                "--set", "log.wandb=false", "--set", "checkpoint.every=0"])
+                                "--set", "log.wandb=false", "--set", "checkpoint.every=0",
+                                # it writes no log: an empty directory, so that prepare's check of a
+                                # log.dir holding another run's log never refuses it
+                                "--set", f"log.dir={tempfile.mkdtemp(prefix='profile_recipe_')}"])
     cfg, _, samples = pretrain.prepare(args)
     if not torch.cuda.is_available():
         sys.exit("profile_recipe.py needs a GPU")
