@@ -33,7 +33,7 @@ def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
     if dist.get_rank() == 0 and os.path.exists(marker):
         # Overwriting a tag of a run resumed from an earlier one: incomplete until done, so `latest`
         # first goes back to the newest other complete tag (a crash now must not leave it naming this one).
-        others = [n for _, n in _tags(ckpt_dir) if n != tag and os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
+        others = [n for _, n in _complete_tags(ckpt_dir) if n != tag]
         if others:
             _atomic_write(os.path.join(ckpt_dir, "latest"), others[-1])
         else:
@@ -52,10 +52,8 @@ def prune(ckpt_dir: str, keep: int, current: int):
     """Keep the newest `keep` complete tags up to step `current` (the one just saved); delete the other
     tags before it, complete or not. Tags after it (of a run that went further before this one resumed
     from an earlier checkpoint) stay until this run overwrites them."""
-    tags = _tags(ckpt_dir)
-    complete = [(s, n) for s, n in tags if s <= current and os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
-    kept = complete[-keep:]
-    for s, name in tags:
+    kept = [(s, n) for s, n in _complete_tags(ckpt_dir) if s <= current][-keep:]
+    for s, name in _tags(ckpt_dir):
         if s < current and (s, name) not in kept:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
@@ -63,6 +61,11 @@ def prune(ckpt_dir: str, keep: int, current: int):
 def _tags(ckpt_dir: str):
     """[(step, name)] of the global_stepN directories, by step."""
     return sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := TAG.match(name)))
+
+
+def _complete_tags(ckpt_dir: str):
+    """_tags of the checkpoints marked complete."""
+    return [(s, n) for s, n in _tags(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
 
 
 def holds_tags(ckpt_dir: str) -> bool:

@@ -195,12 +195,11 @@ class Engine:
         eos_token_id (an int or a list) gets pad_token_id (default: the first eos) after it, and
         generation stops when every row has. Greedy unless do_sample (temperature, top_p)."""
         self._check(input_ids, attention_mask, max_new_tokens)
-        _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
-        if pad_token_id is not None:
-            pad = _token_ids(pad_token_id, "pad_token_id")
-            if len(pad) != 1 or pad[0] >= self.config.vocab_size:
-                raise ValueError(f"pad_token_id must be one id below vocab_size {self.config.vocab_size}, "
-                                 f"got {pad_token_id!r}")
+        eos = _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
+        pad = _token_ids(pad_token_id, "pad_token_id") if pad_token_id is not None else eos[:1] or [0]
+        if pad_token_id is not None and (len(pad) != 1 or pad[0] >= self.config.vocab_size):
+            raise ValueError(f"pad_token_id must be one id below vocab_size {self.config.vocab_size}, "
+                             f"got {pad_token_id!r}")
         if do_sample and not (temperature > 0 and 0 < top_p <= 1):
             raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         self._allocate()
@@ -208,9 +207,8 @@ class Engine:
         ids = input_ids.to(self.device, torch.long)
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.to(self.device, torch.bool))
-        eos = _token_ids(eos_token_id, "eos_token_id")
         eos_t = torch.tensor(eos, dtype=torch.long, device=self.device)
-        pad = _token_ids(pad_token_id, "pad_token_id")[0] if pad_token_id is not None else (eos[0] if eos else 0)
+        pad = pad[0]
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         out = [ids]
         logits = self._prefill(ids, mask)

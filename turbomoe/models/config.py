@@ -51,11 +51,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be a positive int, got {value!r}")
-        for name, low in (("rope_theta", 0.0), ("rms_norm_eps", 0.0), ("initializer_range", None)):
+        for name, positive in (("rope_theta", True), ("rms_norm_eps", True), ("initializer_range", False)):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                    and (value > low if low is not None else value >= 0)):
-                raise ValueError(f"model.{name} must be a {'positive' if low is not None else 'non-negative'} "
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not (number and (value > 0 if positive else value >= 0)):
+                raise ValueError(f"model.{name} must be a {'positive' if positive else 'non-negative'} "
                                  f"finite number, got {value!r}")
         for name in ("norm_topk_prob", "tie_word_embeddings", "attention_bias"):
             if not isinstance(getattr(self, name), bool):
