@@ -616,8 +616,7 @@ def main(argv=None):
     args = parse_args(argv)
     if "RANK" not in os.environ:
         # Started without a launcher: one rank on this machine (DeepSpeed would otherwise look for MPI).
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1")
         if "MASTER_PORT" not in os.environ:
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
