@@ -246,15 +246,16 @@ def few_rows_tiles(max_rows: int, routes: int, G: int, N: int, K: int, device: t
 
 
 def _use_tma(w_GKN: torch.Tensor, tiles: Tiles) -> bool:
-    """TMA needs 16-byte aligned rows and a Hopper or later GPU. The interpreter runs it anywhere, but
-    also asserts that every tile starts 16-byte aligned (the hardware does not): K slices and column
-    tiles start on tile edges, so there only the up half's columns, from N / 2, can break it."""
+    """TMA needs 16-byte aligned rows, every tile starting on a 16-byte edge, and a Hopper or later GPU
+    (the interpreter runs it anywhere and asserts the same alignment). K slices and column tiles start
+    on tile edges, so only the up half's columns, from N / 2, can break it: an H100 raised "illegal
+    instruction" there (F = 6, fp32; 2026-11-25), so such weights load without TMA everywhere."""
     es = w_GKN.element_size()
     if not tiles.tma or w_GKN.data_ptr() % 16 or any(st * es % 16 for st in w_GKN.stride()[:-1]):
         return False
-    if w_GKN.device.type != "cuda":
-        return w_GKN.shape[2] // 2 * es % 16 == 0
-    return compute_capability(w_GKN.device.index) >= 90
+    if w_GKN.shape[2] // 2 * es % 16:
+        return False
+    return w_GKN.device.type != "cuda" or compute_capability(w_GKN.device.index) >= 90
 
 
 def _fit_smem(tiles: Tiles, w_GKN: torch.Tensor, glu_out: bool) -> Tiles:
