@@ -152,9 +152,24 @@ def test_bad_input():
         grouped_mm(x, w, counts, backend="cutlass")
 
 
+# "cutlass+wgrad": the cutlass backend with its own weight-gradient kernel for every group size (the
+# default rule keeps torch's below CUTLASS_WGRAD_MIN_ROWS rows a group, which most shapes here are)
+BACKENDS = ["cutlass", "cutlass+wgrad", "triton", "torch"]
+
+
+def use_backend(backend, monkeypatch):
+    """The backend's name for grouped_mm; "cutlass+wgrad" lowers the weight-gradient rule to 0 rows."""
+    if backend == "cutlass+wgrad":
+        from turbomoe.autograd import grouped_gemm
+        monkeypatch.setattr(grouped_gemm, "CUTLASS_WGRAD_MIN_ROWS", 0)
+        return "cutlass"
+    return backend
+
+
 def skip_unless_runs(backend, dtype=torch.bfloat16):
     """Skips where a backend does not apply. The cutlass backend is not skipped for a failed build:
     on an sm90 GPU with the headers installed, a build error fails the test."""
+    backend = backend.split("+")[0]
     if backend == "torch" and (dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm")
                                or torch.cuda.get_device_capability() < (9, 0)):
         pytest.skip("torch._grouped_mm runs bf16 on sm90+ only")
@@ -163,19 +178,58 @@ def skip_unless_runs(backend, dtype=torch.bfloat16):
         pytest.skip("the CUTLASS grouped GEMM runs bf16 on sm90 and needs the nvidia-cutlass headers")
 
 
-@pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5), 0), (777, 136, 200, 5, (0,), 9),
-                                   (64, 64, 64, 64, (), 0), (4099, 264, 520, 6, (2,), 3)])
+                                   (64, 64, 64, 64, (), 0), (4099, 264, 520, 6, (2,), 3),
+                                   (3307, 72, 136, 2, (1,), 7)])  # one group with every row: cutlass's own dw
 @pytest.mark.parametrize("transposed_w", [False, True])
 @pytest.mark.parametrize("gap", [0, 8])  # 8: the groups 16-byte-aligned apart but not back to back
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu(backend, dtype, shape, transposed_w, gap):
+def test_gpu(backend, dtype, shape, transposed_w, gap, monkeypatch):
     R, K, N, G, zero_groups, tail = shape
     skip_unless_runs(backend, dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    check(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, tol, transposed_w, gap)
+    check(R, K, N, G, dtype, "cuda", use_backend(backend, monkeypatch), zero_groups, tail, tol, transposed_w, gap)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("counts, M, N", [([0, 5, 0, 300, 1], 64, 128), ([0, 0, 0], 16, 8), ([1000], 8, 16),
+                                          ([7, 0, 129, 64], 136, 264), ([1] * 70 + [3000, 0, 2], 24, 40)])
+def test_gpu_cutlass_wgrad_kernel(counts, M, N):
+    """turbomoe's CUTLASS weight-gradient kernel alone, fresh random data: against fp64 per group
+    (empty groups exactly zero), bit for bit against torch._grouped_mm (the same tile and cluster: the
+    longest-first order of the groups changes no sum), repeatable, rows past sum(counts) not read,
+    offsets past R truncated; bad input is a clear error."""
+    skip_unless_runs("cutlass")
+    from turbomoe import csrc
+    R = sum(counts)
+    a = torch.randn(R + 5, M, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(R + 5, N, device="cuda", dtype=torch.bfloat16)
+    a[R:] = b[R:] = float("nan")  # rows past the groups' are never read
+    offs = torch.tensor(counts, device="cuda").cumsum(0).int()
+    d = csrc.grouped_mm_wgrad(a, b, offs)
+    start = 0
+    for g, c in enumerate(counts):
+        want = a[start:start + c].double().t() @ b[start:start + c].double()
+        if c == 0:
+            assert torch.equal(d[g], torch.zeros_like(d[g]))
+        else:
+            assert rel_err(d[g], want) < 1e-2
+        start += c
+    assert torch.equal(d, csrc.grouped_mm_wgrad(a, b, offs))
+    if R:
+        assert torch.equal(d, torch._grouped_mm(a[:R].t(), b[:R], offs=offs))
+        short = offs.clamp(max=R - 1)  # offsets past R' = R - 1 rows: the last rows' groups truncated
+        assert torch.equal(csrc.grouped_mm_wgrad(a[:R - 1], b[:R - 1], offs), csrc.grouped_mm_wgrad(a[:R - 1], b[:R - 1], short))
+    with pytest.raises(RuntimeError, match="bf16"):
+        csrc.grouped_mm_wgrad(a.float(), b.float(), offs)
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        csrc.grouped_mm_wgrad(a[:, :M - 1].contiguous(), b, offs)
+    with pytest.raises(RuntimeError, match=r"\[R, M\]"):
+        csrc.grouped_mm_wgrad(a, b[:R + 4], offs)
 
 
 @pytest.mark.gpu
@@ -199,19 +253,19 @@ def test_gpu_packed_experts_take_cutlass():
     assert choose_gmm_backend(x, odd.transpose(1, 2)) == "torch"
 
 
-@pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5), 0), (777, 136, 200, 5, (0,), 9),
                                    (4099, 264, 520, 6, (2,), 3), (4099, 72, 48, 2, (), 3)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_main_grad(backend, dtype, shape):
+def test_gpu_main_grad(backend, dtype, shape, monkeypatch):
     """Every backend's weight gradient accumulates into main_grad on the GPU: inside the Triton kernel,
     or (groups of over FUSED_WGRAD_MAX_ROWS rows, the last shape) as the backend's dw plus an add."""
     R, K, N, G, zero_groups, tail = shape
     skip_unless_runs(backend, dtype)
-    check_main_grad(R, K, N, G, dtype, "cuda", backend, zero_groups, tail, 1e-2 if dtype == torch.bfloat16 else 1e-5,
-                    transposed_w=backend == "triton")
+    check_main_grad(R, K, N, G, dtype, "cuda", use_backend(backend, monkeypatch), zero_groups, tail,
+                    1e-2 if dtype == torch.bfloat16 else 1e-5, transposed_w=backend == "triton")
 
 
 def check_counts_past_rows(device, backend, dtype, tol):
@@ -239,21 +293,22 @@ def test_counts_past_rows_reference():
     check_counts_past_rows("cpu", "reference", torch.float64, 1e-12)
 
 
-@pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_counts_past_rows(backend):
+def test_gpu_counts_past_rows(backend, monkeypatch):
     skip_unless_runs(backend)
-    check_counts_past_rows("cuda", backend, torch.bfloat16, 1e-2)
+    check_counts_past_rows("cuda", use_backend(backend, monkeypatch), torch.bfloat16, 1e-2)
 
 
-@pytest.mark.parametrize("backend", ["cutlass", "triton", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_graph_new_counts(backend):
+def test_gpu_cuda_graph_new_counts(backend, monkeypatch):
     """Forward + backward captured once, replayed with new counts: no host sync, counts read on device."""
     if backend != "triton":
         skip_unless_runs(backend)
+    backend = use_backend(backend, monkeypatch)
     R, K, N, G = 512, 128, 256, 6
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(R, K, generator=gen).cuda().bfloat16().requires_grad_()

@@ -11,11 +11,12 @@ CUDA: the launches do not depend on counts' values, so the call is CUDA-graph ca
 
 Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] = x_g^T @ dy_g):
   cutlass    turbomoe.csrc.grouped_mm (CUTLASS's sm90 kernel, 128 x 256 tiles, no cluster) for y
-             and dx, torch._grouped_mm for dw: bf16 on sm90, K and N multiples of 8, each w[g]
-             contiguous (or its transpose), the groups 16-byte-aligned apart, the nvidia-cutlass headers.
-             At 256 rows per expert it took 11-26%
-             less time than torch._grouped_mm on y and dx; on dw no CUTLASS tile tried beat torch's
-             by more than 3% (notes/bench_layer.md)
+             and dx, and for dw turbomoe.csrc.grouped_mm_wgrad (the groups handed to the persistent
+             kernel longest first) where groups average at least CUTLASS_WGRAD_MIN_ROWS rows, else
+             torch._grouped_mm: bf16 on sm90, K and N multiples of 8, each w[g] contiguous (or its
+             transpose), the groups 16-byte-aligned apart, the nvidia-cutlass headers. At 256 rows
+             per expert y and dx took 11-26% less time than torch._grouped_mm; dw with unbalanced
+             groups of thousands of rows (a recipe's early routing) up to 18% less (notes/bench_layer.md)
   torch      torch._grouped_mm (CUTLASS on Hopper): bf16 on sm90+, K and N multiples of 8
   triton     turbomoe.kernels.grouped_gemm: a persistent Triton grouped GEMM; fp16, bf16, fp32 (fp32
              accumulation; on the CPU under TRITON_INTERPRET=1, fp16 and fp32)
@@ -37,6 +38,11 @@ GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 # where groups average at most this many rows: there the fp32 buffer's traffic dominates and the
 # fusion wins; beyond, torch's / CUTLASS's faster GEMM and a separate add (H100, notes/bench_layer.md).
 FUSED_WGRAD_MAX_ROWS = 1024
+# The cutlass backend's weight gradient runs turbomoe's CUTLASS kernel where groups average at least
+# this many rows (the same bits as torch's; against it 0.99-1.04x balanced, 1.04-1.22x with the
+# recipes' unbalanced groups of 2048-4096 rows) and torch._grouped_mm below (level there: 0.96-1.07x
+# at 256-768 rows; H100, 2026-11-25, notes/bench_layer.md).
+CUTLASS_WGRAD_MIN_ROWS = 1536
 
 
 @torch.compiler.assume_constant_result  # a constant to torch.compile (lru_cache is not, to dynamo)
@@ -163,7 +169,7 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
 def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str,
              offs_G: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
-    takes torch's kernel here: no CUTLASS tile tried beat it by more than 3% on the weight gradient.
+    takes torch's kernel where groups average fewer than CUTLASS_WGRAD_MIN_ROWS rows.
     out (a [G, K, N] float buffer, e.g. an fp32 main_grad): out += dw in place, returned; inside the
     Triton kernel (torch's cannot accumulate) where groups average at most FUSED_WGRAD_MAX_ROWS rows,
     else the backend's dw and an add."""
@@ -177,6 +183,9 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
         return out.add_(mm_wgrad(x_RK, dy_RN, counts_G, backend, offs_G))
     if backend in ("torch", "cutlass"):
         offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
+        if (backend == "cutlass" and x_RK.shape[0] >= CUTLASS_WGRAD_MIN_ROWS * counts_G.shape[0]
+                and x_RK.is_contiguous() and dy_RN.is_contiguous() and _aligned16(x_RK, dy_RN)):
+            return csrc.grouped_mm_wgrad(x_RK, dy_RN, offs_G)
         return torch._grouped_mm(x_RK.t(), dy_RN, offs=offs_G)
     if backend == "triton":
         from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad

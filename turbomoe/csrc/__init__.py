@@ -11,8 +11,9 @@ The build (about a minute of nvcc, once per torch and CUDA version; cached by to
 TORCH_EXTENSIONS_DIR) needs nvcc and ninja. Limits: E <= MAX_EXPERTS (the Triton backend serves
 larger E), k <= 8.
 
-Also here, as a module of its own: grouped_mm, the experts' grouped GEMM on Hopper from CUTLASS's
-sm90 kernel templates (grouped_gemm.cuh; the headers come from the nvidia-cutlass wheel).
+Also here, as a module of its own: grouped_mm and grouped_mm_wgrad, the experts' grouped GEMMs on
+Hopper from CUTLASS's sm90 kernel templates (grouped_gemm.cuh; the headers come from the
+nvidia-cutlass wheel).
 """
 import functools
 import importlib.util
@@ -26,7 +27,7 @@ from ..reference import Slots, as_contiguous, aux_loss_coefficient, compute_dtyp
 
 MAX_EXPERTS = 1024  # mirrors common.cuh, whose kernels check it too; read here without building them
 _SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu", "sampling.cu", "shuffling.cu")
-_GMM_SOURCES = ("grouped_gemm_bindings.cpp", "grouped_gemm_nn.cu", "grouped_gemm_nt.cu")
+_GMM_SOURCES = ("grouped_gemm_bindings.cpp", "grouped_gemm_nn.cu", "grouped_gemm_nt.cu", "grouped_gemm_tn.cu")
 _POLICIES = {"position": 0, "rts": 1, "probs": 2}
 
 
@@ -99,6 +100,12 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) ->
     """y [R, N], y[rows_g] = x[rows_g] @ w[g]: bf16, x contiguous, w contiguous or a transposed
     view of a contiguous [G, N, K], offs_G the inclusive int32 row offsets."""
     return gmm_extension().grouped_mm(x_RK, w_GKN, offs_G)
+
+
+def grouped_mm_wgrad(a_RM: torch.Tensor, b_RN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """d [G, M, N], d[g] = a[rows_g]^T @ b[rows_g] (zero for empty groups): bf16, a and b contiguous
+    and 16-byte aligned, M and N multiples of 8, offs_G the inclusive int32 row offsets."""
+    return gmm_extension().grouped_mm_wgrad(a_RM, b_RN, offs_G)
 
 
 def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: bool, bias_E=None):

@@ -11,6 +11,20 @@
 // for each w[g] a row-major [K, N] (N-major) and ColumnMajor for each w[g] a transposed view of a
 // row-major [N, K] (the input gradient dx = dy @ w^T). Rows past offs[G-1] are not written.
 //
+// The weight gradient, with the groups' rows as the reduction:
+//
+//   d[g] = a[rows_g]^T @ b[rows_g]    a [R, M], b [R, N] bf16 row-major, d [G, M, N] bf16
+//
+// A is a[rows_g] read M-major (ColumnMajor), B is b[rows_g] (RowMajor). Each group has the same
+// M x N tiles and a K of its own, so under the persistent scheduler's static order (tile i on SM
+// i mod #SMs) a long group's tiles land on a run of SMs and the step waits for them. The problems
+// are handed over longest first (LPT order; results do not depend on it: one CTA sums each tile in
+// row order). Empty groups get no problem (CUTLASS leaves a K = 0 problem's accumulators unset, and
+// TMA refuses a zero extent): the same kernel writes their zeros. Tile 128 x 256 x 64 as above, with
+// 2 x 1 clusters (as torch._grouped_mm's kernel, whose bits it matches): against that kernel on the
+// H100 (notes/bench_layer.md, 2026-11-25) 0.99-1.04x as fast with balanced groups of 2048-4096 rows,
+// up to 1.22x with unbalanced ones; 0.96-1.07x at 256-768 rows a group, where the caller keeps torch's.
+//
 // Tiles tried against this one on the H100 (notes/bench_layer.md, 2026-11-24): 64 x 256 and 128 x 128
 // ping-pong, 128 x 128 cooperative: 4-40% slower at every shape of the layer benchmark and the recipes.
 //
@@ -42,7 +56,7 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 
 // Tile and Cluster are template parameters, not member aliases: a builder type that does not depend
 // on the template's parameters is instantiated early, and nvcc's host pass then fails on CUTLASS.
-template <class LayoutB, class Tile = cute::Shape<cute::_128, cute::_256, cute::_64>,
+template <class LayoutA, class LayoutB, class Tile = cute::Shape<cute::_128, cute::_256, cute::_64>,
           class Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>>
 struct Gemm {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -51,7 +65,7 @@ struct Gemm {
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<Elt, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elt, Row*, 8, Elt, LayoutB*, 8, float, Tile, Cluster,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elt, LayoutA*, 8, Elt, LayoutB*, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
@@ -86,22 +100,31 @@ __global__ void prepare_groups(const int* __restrict__ offs, int num_groups, int
 
 inline size_t align256(size_t bytes) { return (bytes + 255) & ~size_t(255); }
 
-// y [R, N] (allocated by the caller) from x [R, K], w [G, K, N] and offs [G]; shapes checked by the caller.
-template <class LayoutB>
-void grouped_mm_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y) {
-  using G = Gemm<LayoutB>;
-  const int num_groups = static_cast<int>(offs.size(0));
-  const int K = static_cast<int>(x.size(1)), N = static_cast<int>(y.size(1));
-  c10::cuda::CUDAGuard guard(x.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+// The per-group argument arrays CUTLASS reads on the device, filled by a kernel of the caller's.
+template <class G>
+struct GroupArgs {
+  typename G::Shape3* shapes;
+  const Elt** ptr_a;
+  const Elt** ptr_b;
+  Elt** ptr_d;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
+  typename G::StrideD* stride_d;
+};
 
-  // The per-group argument arrays and CUTLASS's own workspace share one allocation.
+// Allocates the argument arrays and CUTLASS's workspace (one tensor), lets `prepare(args, stream)`
+// launch the kernel that fills them, then runs the grouped GEMM behind it on the same stream: the
+// shapes live on the device only, so nothing syncs with the host.
+template <class G, class Prepare>
+void run_grouped(const at::Tensor& like, int num_groups, Prepare prepare) {
+  c10::cuda::CUDAGuard guard(like.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const size_t per_group[7] = {sizeof(typename G::Shape3), sizeof(void*), sizeof(void*), sizeof(void*),
                                sizeof(typename G::StrideA), sizeof(typename G::StrideB), sizeof(typename G::StrideD)};
   size_t arrays = 0;
   for (size_t bytes : per_group) arrays += align256(bytes * num_groups);
   cutlass::KernelHardwareInfo hw;
-  hw.device_id = x.get_device();
+  hw.device_id = like.get_device();
   hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw.device_id);
   typename G::Device::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
                                      {num_groups, nullptr, nullptr},
@@ -109,38 +132,105 @@ void grouped_mm_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                                      {{}, nullptr, nullptr, nullptr, nullptr},
                                      hw};
   const size_t cutlass_bytes = G::Device::get_workspace_size(args);
-  at::Tensor work = at::empty({static_cast<int64_t>(arrays + cutlass_bytes)}, x.options().dtype(at::kByte));
+  at::Tensor work = at::empty({static_cast<int64_t>(arrays + cutlass_bytes)}, like.options().dtype(at::kByte));
   char* p = static_cast<char*>(work.data_ptr());
   void* slot[7];
   for (int i = 0; i < 7; ++i) {
     slot[i] = p;
     p += align256(per_group[i] * num_groups);
   }
-  auto* shapes = static_cast<typename G::Shape3*>(slot[0]);
-  auto* ptr_x = static_cast<const Elt**>(slot[1]);
-  auto* ptr_w = static_cast<const Elt**>(slot[2]);
-  auto* ptr_y = static_cast<Elt**>(slot[3]);
-  auto* stride_x = static_cast<typename G::StrideA*>(slot[4]);
-  auto* stride_w = static_cast<typename G::StrideB*>(slot[5]);
-  auto* stride_y = static_cast<typename G::StrideD*>(slot[6]);
-  prepare_groups<<<(num_groups + 127) / 128, 128, 0, stream>>>(
-      offs.data_ptr<int>(), num_groups, static_cast<int>(x.size(0)), K, N, reinterpret_cast<const Elt*>(x.data_ptr()),
-      reinterpret_cast<const Elt*>(w.data_ptr()), w.stride(0), reinterpret_cast<Elt*>(y.data_ptr()), shapes, ptr_x, ptr_w, ptr_y,
-      stride_x, stride_w, stride_y);
+  GroupArgs<G> ga{static_cast<typename G::Shape3*>(slot[0]), static_cast<const Elt**>(slot[1]),
+                  static_cast<const Elt**>(slot[2]), static_cast<Elt**>(slot[3]),
+                  static_cast<typename G::StrideA*>(slot[4]), static_cast<typename G::StrideB*>(slot[5]),
+                  static_cast<typename G::StrideD*>(slot[6])};
+  prepare(ga, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  args.problem_shape = {num_groups, shapes, nullptr};  // shapes on the device only: no host sync
-  args.mainloop = {ptr_x, stride_x, ptr_w, stride_w};
-  args.epilogue = {{}, nullptr, nullptr, ptr_y, stride_y};
+  args.problem_shape = {num_groups, ga.shapes, nullptr};  // shapes on the device only: no host sync
+  args.mainloop = {ga.ptr_a, ga.stride_a, ga.ptr_b, ga.stride_b};
+  args.epilogue = {{}, nullptr, nullptr, ga.ptr_d, ga.stride_d};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
   typename G::Device gemm;
   TORCH_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, "turbomoe grouped GEMM: CUTLASS cannot run ",
-              "K = ", K, ", N = ", N);
+              "these shapes");
   TORCH_CHECK(gemm.initialize(args, p, stream) == cutlass::Status::kSuccess,
               "turbomoe grouped GEMM: CUTLASS initialisation failed");
   TORCH_CHECK(gemm.run(stream) == cutlass::Status::kSuccess, "turbomoe grouped GEMM: CUTLASS launch failed");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// y [R, N] (allocated by the caller) from x [R, K], w [G, K, N] and offs [G]; shapes checked by the caller.
+template <class LayoutB>
+void grouped_mm_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y) {
+  using G = Gemm<Row, LayoutB>;
+  const int num_groups = static_cast<int>(offs.size(0));
+  const int K = static_cast<int>(x.size(1)), N = static_cast<int>(y.size(1));
+  run_grouped<G>(x, num_groups, [&](GroupArgs<G>& a, cudaStream_t stream) {
+    prepare_groups<<<(num_groups + 127) / 128, 128, 0, stream>>>(
+        offs.data_ptr<int>(), num_groups, static_cast<int>(x.size(0)), K, N, reinterpret_cast<const Elt*>(x.data_ptr()),
+        reinterpret_cast<const Elt*>(w.data_ptr()), w.stride(0), reinterpret_cast<Elt*>(y.data_ptr()), a.shapes,
+        a.ptr_a, a.ptr_b, a.ptr_d, a.stride_a, a.stride_b, a.stride_d);
+  });
+}
+
+constexpr int kWgradPrepareThreads = 256;
+
+// Grid (G, Z). Block (g, 0) finds group g's rank in the longest-first order (ties by index: a fixed
+// order) and writes its problem there; a group with no rows becomes an empty problem (M = 0: no
+// tiles) placed last, and the Z blocks of group g write its zeros instead.
+template <class Shape3, class StrideA, class StrideB, class StrideD>
+__global__ void prepare_wgrad_groups(const int* __restrict__ offs, int num_groups, int R, int M, int N, const Elt* a,
+                                     const Elt* b, Elt* d, Shape3* shapes, const Elt** ptr_a, const Elt** ptr_b,
+                                     Elt** ptr_d, StrideA* stride_a, StrideB* stride_b, StrideD* stride_d) {
+  const int g = blockIdx.x;
+  auto rows_of = [&](int h) {
+    const int lo = h ? min(max(offs[h - 1], 0), R) : 0;
+    return max(min(max(offs[h], 0), R) - lo, 0);
+  };
+  const int rows = rows_of(g);
+  const int64_t MN = static_cast<int64_t>(M) * N;
+  if (rows == 0) {  // zeros, 16 bytes a store (M N is a multiple of 8)
+    uint4* out = reinterpret_cast<uint4*>(d + g * MN);
+    for (int64_t i = blockIdx.y * blockDim.x + threadIdx.x; i < MN / 8; i += gridDim.y * blockDim.x) out[i] = uint4{0, 0, 0, 0};
+  }
+  if (blockIdx.y != 0) return;
+  __shared__ int before;
+  if (threadIdx.x == 0) before = 0;
+  __syncthreads();
+  int mine = 0;
+  for (int h = threadIdx.x; h < num_groups; h += blockDim.x) {
+    const int r = rows_of(h);
+    mine += r > rows || (r == rows && h < g);
+  }
+  atomicAdd(&before, mine);
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const int i = before;
+  const int64_t start = g ? min(max(offs[g - 1], 0), R) : 0;
+  shapes[i] = {rows ? M : 0, N, max(rows, 1)};
+  ptr_a[i] = a + start * M;
+  ptr_b[i] = b + start * N;
+  ptr_d[i] = d + g * MN;
+  stride_a[i] = cutlass::make_cute_packed_stride(StrideA{}, {M, max(rows, 1), 1});
+  stride_b[i] = cutlass::make_cute_packed_stride(StrideB{}, {N, max(rows, 1), 1});
+  stride_d[i] = cutlass::make_cute_packed_stride(StrideD{}, {M, N, 1});
+}
+
+// d [G, M, N] (allocated by the caller, contiguous) = a[rows_g]^T @ b[rows_g] from a [R, M], b [R, N]
+// and offs [G]; shapes checked by the caller.
+inline void grouped_mm_wgrad_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d) {
+  using G = Gemm<cutlass::layout::ColumnMajor, Row, cute::Shape<cute::_128, cute::_256, cute::_64>,
+                 cute::Shape<cute::_2, cute::_1, cute::_1>>;
+  const int num_groups = static_cast<int>(offs.size(0));
+  const int M = static_cast<int>(a.size(1)), N = static_cast<int>(b.size(1));
+  run_grouped<G>(a, num_groups, [&](GroupArgs<G>& ga, cudaStream_t stream) {
+    const dim3 grid(num_groups, 16);
+    prepare_wgrad_groups<<<grid, kWgradPrepareThreads, 0, stream>>>(
+        offs.data_ptr<int>(), num_groups, static_cast<int>(a.size(0)), M, N, reinterpret_cast<const Elt*>(a.data_ptr()),
+        reinterpret_cast<const Elt*>(b.data_ptr()), reinterpret_cast<Elt*>(d.data_ptr()), ga.shapes, ga.ptr_a, ga.ptr_b,
+        ga.ptr_d, ga.stride_a, ga.stride_b, ga.stride_d);
+  });
 }
 
 }  // namespace gmm

@@ -6,6 +6,7 @@
 namespace turbomoe {
 void grouped_mm_nn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y);
 void grouped_mm_nt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y);
+void grouped_mm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d);
 
 // y [R, N] with y[rows_g] = x[rows_g] @ w[g]; rows past offs[G-1] unspecified.
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
@@ -33,8 +34,29 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   (n_major ? grouped_mm_nn : grouped_mm_nt)(x, w, offs, y);
   return y;
 }
+
+// d [G, M, N] with d[g] = a[rows_g]^T @ b[rows_g] (the weight gradient); zero for empty groups.
+at::Tensor grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  TORCH_CHECK(a.is_cuda() && b.device() == a.device() && offs.device() == a.device(),
+              "grouped_mm_wgrad: a, b and offs must be on one CUDA device");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, "grouped_mm_wgrad: a and b must be bf16");
+  TORCH_CHECK(offs.scalar_type() == at::kInt && offs.dim() == 1 && offs.is_contiguous(),
+              "grouped_mm_wgrad: offs must be a contiguous int32 [G]");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0), "grouped_mm_wgrad: a must be [R, M] and b [R, N]");
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "grouped_mm_wgrad: a and b must be contiguous");
+  const int64_t R = a.size(0), M = a.size(1), N = b.size(1), G = offs.size(0);
+  TORCH_CHECK(M % 8 == 0 && N % 8 == 0, "grouped_mm_wgrad: M and N must be multiples of 8 (16-byte rows for TMA)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
+              "grouped_mm_wgrad: a and b must be 16-byte aligned");
+  if (R == 0 || G == 0 || M == 0 || N == 0) return at::zeros({G, M, N}, a.options());
+  TORCH_CHECK(R < (int64_t(1) << 31) && G < 65536 && M * N < (int64_t(1) << 40), "grouped_mm_wgrad: sizes out of range");
+  at::Tensor d = at::empty({G, M, N}, a.options());
+  grouped_mm_tn(a, b, offs, d);
+  return d;
+}
 }  // namespace turbomoe
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_mm", &turbomoe::grouped_mm, "y[rows_g] = x[rows_g] @ w[g] over expert-contiguous rows (CUTLASS, sm90)");
+  m.def("grouped_mm_wgrad", &turbomoe::grouped_mm_wgrad, "d[g] = a[rows_g]^T @ b[rows_g] over expert-contiguous rows (CUTLASS, sm90)");
 }
