@@ -152,8 +152,9 @@ def test_bad_input():
         grouped_mm(x, w, counts, backend="cutlass")
 
 
-# "cutlass+wgrad": the cutlass backend with its own weight-gradient kernel for every group size (the
-# default rule keeps torch's below CUTLASS_WGRAD_MIN_ROWS rows a group, which most shapes here are)
+# "cutlass+wgrad": the cutlass backend with its own weight-gradient kernels for every group size (the
+# default rules keep torch's below CUTLASS_WGRAD_MIN_ROWS rows a group, which most shapes here are,
+# and accumulate into a main_grad in the Triton kernel up to FUSED_WGRAD_MAX_ROWS)
 BACKENDS = ["cutlass", "cutlass+wgrad", "triton", "torch"]
 
 
@@ -162,6 +163,7 @@ def use_backend(backend, monkeypatch):
     if backend == "cutlass+wgrad":
         from turbomoe.autograd import grouped_gemm
         monkeypatch.setattr(grouped_gemm, "CUTLASS_WGRAD_MIN_ROWS", 0)
+        monkeypatch.setattr(grouped_gemm, "FUSED_WGRAD_MAX_ROWS", 0)
         return "cutlass"
     return backend
 
@@ -224,6 +226,22 @@ def test_gpu_cutlass_wgrad_kernel(counts, M, N):
         assert torch.equal(d, torch._grouped_mm(a[:R].t(), b[:R], offs=offs))
         short = offs.clamp(max=R - 1)  # offsets past R' = R - 1 rows: the last rows' groups truncated
         assert torch.equal(csrc.grouped_mm_wgrad(a[:R - 1], b[:R - 1], offs), csrc.grouped_mm_wgrad(a[:R - 1], b[:R - 1], short))
+    # the fp32 accumulating variant: d += a_g^T b_g, empty groups' slices untouched (bitwise)
+    d0 = torch.randn(len(counts), M, N, device="cuda")
+    d1 = csrc.grouped_mm_wgrad_add_(a, b, offs, d0.clone())
+    start = 0
+    for g, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(d1[g], d0[g])
+        else:
+            want = d0[g].double() + a[start:start + c].double().t() @ b[start:start + c].double()
+            assert rel_err(d1[g], want) < 1e-5
+        start += c
+    assert torch.equal(d1, csrc.grouped_mm_wgrad_add_(a, b, offs, d0.clone()))
+    with pytest.raises(RuntimeError, match="fp32"):
+        csrc.grouped_mm_wgrad_add_(a, b, offs, d0.bfloat16())
+    with pytest.raises(RuntimeError, match=r"\[G, M, N\]"):
+        csrc.grouped_mm_wgrad_add_(a, b, offs, d0[:, :, :N - 8].contiguous())
     with pytest.raises(RuntimeError, match="bf16"):
         csrc.grouped_mm_wgrad(a.float(), b.float(), offs)
     with pytest.raises(RuntimeError, match="multiples of 8"):
@@ -256,12 +274,13 @@ def test_gpu_packed_experts_take_cutlass():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5), 0), (777, 136, 200, 5, (0,), 9),
-                                   (4099, 264, 520, 6, (2,), 3), (4099, 72, 48, 2, (), 3)])
+                                   (4099, 264, 520, 6, (2,), 3), (4099, 72, 48, 2, (), 3), (4099, 72, 48, 3, (1,), 3)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_main_grad(backend, dtype, shape, monkeypatch):
     """Every backend's weight gradient accumulates into main_grad on the GPU: inside the Triton kernel,
-    or (groups of over FUSED_WGRAD_MAX_ROWS rows, the last shape) as the backend's dw plus an add."""
+    or (groups of over FUSED_WGRAD_MAX_ROWS rows, the last two shapes) inside the cutlass backend's
+    kernel, else as the backend's dw plus an add; an empty group's slice untouched."""
     R, K, N, G, zero_groups, tail = shape
     skip_unless_runs(backend, dtype)
     check_main_grad(R, K, N, G, dtype, "cuda", use_backend(backend, monkeypatch), zero_groups, tail,

@@ -34,9 +34,11 @@ from .. import csrc
 from ..reference import as_contiguous
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
-# Gradient-accumulation fusion runs the Triton weight-gradient kernel with the add in its epilogue
-# where groups average at most this many rows: there the fp32 buffer's traffic dominates and the
-# fusion wins; beyond, torch's / CUTLASS's faster GEMM and a separate add (H100, notes/bench_layer.md).
+# Gradient-accumulation fusion into an fp32 buffer: the cutlass backend adds inside its own weight-
+# gradient kernel (CUTLASS's epilogue reads the buffer as C: 1.19-1.52x dw + add, 1.23-1.33x the Triton
+# kernel, at every shape measured; H100, 2026-11-25); other backends run the Triton kernel with the add
+# in its epilogue where groups average at most this many rows (there the buffer's traffic dominates),
+# beyond it torch's faster GEMM and a separate add (notes/bench_layer.md).
 FUSED_WGRAD_MAX_ROWS = 1024
 # The cutlass backend's weight gradient runs turbomoe's CUTLASS kernel where groups average at least
 # this many rows (the same bits as torch's; against it 0.99-1.04x balanced, 1.04-1.22x with the
@@ -171,9 +173,12 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
     takes torch's kernel where groups average fewer than CUTLASS_WGRAD_MIN_ROWS rows.
     out (a [G, K, N] float buffer, e.g. an fp32 main_grad): out += dw in place, returned; inside the
-    Triton kernel (torch's cannot accumulate) where groups average at most FUSED_WGRAD_MAX_ROWS rows,
-    else the backend's dw and an add."""
+    cutlass backend's kernel (a contiguous fp32 out), else inside the Triton kernel (torch's cannot
+    accumulate) where groups average at most FUSED_WGRAD_MAX_ROWS rows, else the backend's dw and an add."""
     if out is not None:
+        if (backend == "cutlass" and out.dtype == torch.float32 and out.is_contiguous() and out.data_ptr() % 16 == 0
+                and x_RK.is_contiguous() and dy_RN.is_contiguous() and _aligned16(x_RK, dy_RN)):
+            return csrc.grouped_mm_wgrad_add_(x_RK, dy_RN, _offsets(counts_G, x_RK.shape[0], offs_G), out)
         few_rows = x_RK.shape[0] <= FUSED_WGRAD_MAX_ROWS * counts_G.shape[0]
         if backend == "triton" or (x_RK.is_cuda and few_rows):
             from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad

@@ -27,7 +27,8 @@ from ..reference import Slots, as_contiguous, aux_loss_coefficient, compute_dtyp
 
 MAX_EXPERTS = 1024  # mirrors common.cuh, whose kernels check it too; read here without building them
 _SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu", "sampling.cu", "shuffling.cu")
-_GMM_SOURCES = ("grouped_gemm_bindings.cpp", "grouped_gemm_nn.cu", "grouped_gemm_nt.cu", "grouped_gemm_tn.cu")
+_GMM_SOURCES = ("grouped_gemm_bindings.cpp", "grouped_gemm_nn.cu", "grouped_gemm_nt.cu", "grouped_gemm_tn.cu",
+                "grouped_gemm_tn_add.cu")
 _POLICIES = {"position": 0, "rts": 1, "probs": 2}
 
 
@@ -106,6 +107,11 @@ def grouped_mm_wgrad(a_RM: torch.Tensor, b_RN: torch.Tensor, offs_G: torch.Tenso
     """d [G, M, N], d[g] = a[rows_g]^T @ b[rows_g] (zero for empty groups): bf16, a and b contiguous
     and 16-byte aligned, M and N multiples of 8, offs_G the inclusive int32 row offsets."""
     return gmm_extension().grouped_mm_wgrad(a_RM, b_RN, offs_G)
+
+
+def grouped_mm_wgrad_add_(a_RM: torch.Tensor, b_RN: torch.Tensor, offs_G: torch.Tensor, d_GMN: torch.Tensor) -> torch.Tensor:
+    """d [G, M, N] fp32 (contiguous) += a[rows_g]^T @ b[rows_g] in place, empty groups untouched; d returned."""
+    return gmm_extension().grouped_mm_wgrad_add_(a_RM, b_RN, offs_G, d_GMN)
 
 
 def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: bool, bias_E=None):

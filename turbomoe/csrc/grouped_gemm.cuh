@@ -20,7 +20,9 @@
 // i mod #SMs) a long group's tiles land on a run of SMs and the step waits for them. The problems
 // are handed over longest first (LPT order; results do not depend on it: one CTA sums each tile in
 // row order). Empty groups get no problem (CUTLASS leaves a K = 0 problem's accumulators unset, and
-// TMA refuses a zero extent): the same kernel writes their zeros. Tile 128 x 256 x 64 as above, with
+// TMA refuses a zero extent): the same kernel writes their zeros. With an fp32 d the kernel adds to
+// it instead (d read as the epilogue's C: gradient-accumulation fusion into a main_grad; 1.19-1.52x
+// a bf16 dw and an add, 1.23-1.33x the Triton kernel's fused add, H100, 2026-11-25). Tile 128 x 256 x 64 as above, with
 // 2 x 1 clusters (as torch._grouped_mm's kernel, whose bits it matches): against that kernel on the
 // H100 (notes/bench_layer.md, 2026-11-25) 0.99-1.04x as fast with balanced groups of 2048-4096 rows,
 // up to 1.22x with unbalanced ones; 0.96-1.07x at 256-768 rows a group, where the caller keeps torch's.
@@ -35,6 +37,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <type_traits>
 
 // CUTLASS's own include order (its builders need cutlass.h and the dispatch policies first).
 #include "cutlass/cutlass.h"
@@ -56,14 +60,17 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 
 // Tile and Cluster are template parameters, not member aliases: a builder type that does not depend
 // on the template's parameters is instantiated early, and nvcc's host pass then fails on CUTLASS.
+// Out: d's element type; Src: void (d = acc) or float (d = acc + d, d read as C: an fp32 main_grad).
 template <class LayoutA, class LayoutB, class Tile = cute::Shape<cute::_128, cute::_256, cute::_64>,
-          class Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>>
+          class Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>, class Out = Elt, class Src = void>
 struct Gemm {
+  static constexpr int kOutAlign = 16 / sizeof(Out);
+  using OutT = Out;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Row*, 8, Elt, Row*, 8,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Src, Row*, kOutAlign, Out, Row*, kOutAlign,
       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<Elt, float>>::CollectiveOp;
+      cutlass::epilogue::fusion::LinearCombination<Out, float, std::conditional_t<std::is_void_v<Src>, Out, Src>>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elt, LayoutA*, 8, Elt, LayoutB*, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
@@ -72,6 +79,7 @@ struct Gemm {
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 };
@@ -106,7 +114,7 @@ struct GroupArgs {
   typename G::Shape3* shapes;
   const Elt** ptr_a;
   const Elt** ptr_b;
-  Elt** ptr_d;
+  typename G::OutT** ptr_d;
   typename G::StrideA* stride_a;
   typename G::StrideB* stride_b;
   typename G::StrideD* stride_d;
@@ -114,7 +122,8 @@ struct GroupArgs {
 
 // Allocates the argument arrays and CUTLASS's workspace (one tensor), lets `prepare(args, stream)`
 // launch the kernel that fills them, then runs the grouped GEMM behind it on the same stream: the
-// shapes live on the device only, so nothing syncs with the host.
+// shapes live on the device only, so nothing syncs with the host. With a source (G's Src not void)
+// d = acc + d: d is read as C through the same pointers and strides.
 template <class G, class Prepare>
 void run_grouped(const at::Tensor& like, int num_groups, Prepare prepare) {
   c10::cuda::CUDAGuard guard(like.device());
@@ -140,7 +149,7 @@ void run_grouped(const at::Tensor& like, int num_groups, Prepare prepare) {
     p += align256(per_group[i] * num_groups);
   }
   GroupArgs<G> ga{static_cast<typename G::Shape3*>(slot[0]), static_cast<const Elt**>(slot[1]),
-                  static_cast<const Elt**>(slot[2]), static_cast<Elt**>(slot[3]),
+                  static_cast<const Elt**>(slot[2]), static_cast<typename G::OutT**>(slot[3]),
                   static_cast<typename G::StrideA*>(slot[4]), static_cast<typename G::StrideB*>(slot[5]),
                   static_cast<typename G::StrideD*>(slot[6])};
   prepare(ga, stream);
@@ -148,9 +157,16 @@ void run_grouped(const at::Tensor& like, int num_groups, Prepare prepare) {
 
   args.problem_shape = {num_groups, ga.shapes, nullptr};  // shapes on the device only: no host sync
   args.mainloop = {ga.ptr_a, ga.stride_a, ga.ptr_b, ga.stride_b};
-  args.epilogue = {{}, nullptr, nullptr, ga.ptr_d, ga.stride_d};
+  using Source = typename G::Epilogue::ElementC;
+  constexpr bool accumulate = !std::is_void_v<Source>;
+  if constexpr (accumulate) {
+    args.epilogue = {{}, const_cast<const Source**>(reinterpret_cast<Source**>(ga.ptr_d)),
+                     reinterpret_cast<typename G::StrideC*>(ga.stride_d), ga.ptr_d, ga.stride_d};
+  } else {
+    args.epilogue = {{}, nullptr, nullptr, ga.ptr_d, ga.stride_d};
+  }
   args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.thread.beta = accumulate ? 1.0f : 0.0f;
   typename G::Device gemm;
   TORCH_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, "turbomoe grouped GEMM: CUTLASS cannot run ",
               "these shapes");
@@ -178,11 +194,12 @@ constexpr int kWgradPrepareThreads = 256;
 
 // Grid (G, Z). Block (g, 0) finds group g's rank in the longest-first order (ties by index: a fixed
 // order) and writes its problem there; a group with no rows becomes an empty problem (M = 0: no
-// tiles) placed last, and the Z blocks of group g write its zeros instead.
-template <class Shape3, class StrideA, class StrideB, class StrideD>
+// tiles) placed last, and (when d is written, not added to) the Z blocks of group g write its zeros.
+template <class Shape3, class StrideA, class StrideB, class StrideD, class T>
 __global__ void prepare_wgrad_groups(const int* __restrict__ offs, int num_groups, int R, int M, int N, const Elt* a,
-                                     const Elt* b, Elt* d, Shape3* shapes, const Elt** ptr_a, const Elt** ptr_b,
-                                     Elt** ptr_d, StrideA* stride_a, StrideB* stride_b, StrideD* stride_d) {
+                                     const Elt* b, T* d, bool zero_empty, Shape3* shapes, const Elt** ptr_a,
+                                     const Elt** ptr_b, T** ptr_d, StrideA* stride_a, StrideB* stride_b,
+                                     StrideD* stride_d) {
   const int g = blockIdx.x;
   auto rows_of = [&](int h) {
     const int lo = h ? min(max(offs[h - 1], 0), R) : 0;
@@ -190,9 +207,10 @@ __global__ void prepare_wgrad_groups(const int* __restrict__ offs, int num_group
   };
   const int rows = rows_of(g);
   const int64_t MN = static_cast<int64_t>(M) * N;
-  if (rows == 0) {  // zeros, 16 bytes a store (M N is a multiple of 8)
+  if (rows == 0 && zero_empty) {  // zeros, 16 bytes a store (M N elements fill whole 16-byte words)
     uint4* out = reinterpret_cast<uint4*>(d + g * MN);
-    for (int64_t i = blockIdx.y * blockDim.x + threadIdx.x; i < MN / 8; i += gridDim.y * blockDim.x) out[i] = uint4{0, 0, 0, 0};
+    const int64_t words = MN * sizeof(T) / 16;
+    for (int64_t i = blockIdx.y * blockDim.x + threadIdx.x; i < words; i += gridDim.y * blockDim.x) out[i] = uint4{0, 0, 0, 0};
   }
   if (blockIdx.y != 0) return;
   __shared__ int before;
@@ -217,19 +235,22 @@ __global__ void prepare_wgrad_groups(const int* __restrict__ offs, int num_group
   stride_d[i] = cutlass::make_cute_packed_stride(StrideD{}, {M, N, 1});
 }
 
-// d [G, M, N] (allocated by the caller, contiguous) = a[rows_g]^T @ b[rows_g] from a [R, M], b [R, N]
-// and offs [G]; shapes checked by the caller.
-inline void grouped_mm_wgrad_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d) {
+// d [G, M, N] (contiguous; allocated by the caller) = a[rows_g]^T @ b[rows_g] from a [R, M], b [R, N]
+// and offs [G], d bf16; or, d fp32, d += a[rows_g]^T @ b[rows_g] (empty groups untouched: Megatron's
+// gradient-accumulation fusion into an fp32 main_grad). Shapes checked by the caller.
+template <class Out>
+void grouped_mm_wgrad_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d) {
+  constexpr bool accumulate = std::is_same_v<Out, float>;
   using G = Gemm<cutlass::layout::ColumnMajor, Row, cute::Shape<cute::_128, cute::_256, cute::_64>,
-                 cute::Shape<cute::_2, cute::_1, cute::_1>>;
+                 cute::Shape<cute::_2, cute::_1, cute::_1>, Out, std::conditional_t<accumulate, float, void>>;
   const int num_groups = static_cast<int>(offs.size(0));
   const int M = static_cast<int>(a.size(1)), N = static_cast<int>(b.size(1));
   run_grouped<G>(a, num_groups, [&](GroupArgs<G>& ga, cudaStream_t stream) {
-    const dim3 grid(num_groups, 16);
+    const dim3 grid(num_groups, accumulate ? 1 : 16);
     prepare_wgrad_groups<<<grid, kWgradPrepareThreads, 0, stream>>>(
         offs.data_ptr<int>(), num_groups, static_cast<int>(a.size(0)), M, N, reinterpret_cast<const Elt*>(a.data_ptr()),
-        reinterpret_cast<const Elt*>(b.data_ptr()), reinterpret_cast<Elt*>(d.data_ptr()), ga.shapes, ga.ptr_a, ga.ptr_b,
-        ga.ptr_d, ga.stride_a, ga.stride_b, ga.stride_d);
+        reinterpret_cast<const Elt*>(b.data_ptr()), reinterpret_cast<Out*>(d.data_ptr()), !accumulate, ga.shapes,
+        ga.ptr_a, ga.ptr_b, ga.ptr_d, ga.stride_a, ga.stride_b, ga.stride_d);
   });
 }
 

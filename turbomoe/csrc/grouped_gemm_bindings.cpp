@@ -7,6 +7,7 @@ namespace turbomoe {
 void grouped_mm_nn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y);
 void grouped_mm_nt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y);
 void grouped_mm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d);
+void grouped_mm_tn_add(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d);
 
 // y [R, N] with y[rows_g] = x[rows_g] @ w[g]; rows past offs[G-1] unspecified.
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
@@ -35,8 +36,8 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return y;
 }
 
-// d [G, M, N] with d[g] = a[rows_g]^T @ b[rows_g] (the weight gradient); zero for empty groups.
-at::Tensor grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+// The checks shared by the weight-gradient entry points: a [R, M], b [R, N] bf16, offs int32 [G].
+static void check_wgrad_args(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
   TORCH_CHECK(a.is_cuda() && b.device() == a.device() && offs.device() == a.device(),
               "grouped_mm_wgrad: a, b and offs must be on one CUDA device");
   TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, "grouped_mm_wgrad: a and b must be bf16");
@@ -44,14 +45,33 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::
               "grouped_mm_wgrad: offs must be a contiguous int32 [G]");
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0), "grouped_mm_wgrad: a must be [R, M] and b [R, N]");
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "grouped_mm_wgrad: a and b must be contiguous");
-  const int64_t R = a.size(0), M = a.size(1), N = b.size(1), G = offs.size(0);
-  TORCH_CHECK(M % 8 == 0 && N % 8 == 0, "grouped_mm_wgrad: M and N must be multiples of 8 (16-byte rows for TMA)");
+  TORCH_CHECK(a.size(1) % 8 == 0 && b.size(1) % 8 == 0, "grouped_mm_wgrad: M and N must be multiples of 8 (16-byte rows for TMA)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
               "grouped_mm_wgrad: a and b must be 16-byte aligned");
+  TORCH_CHECK(a.size(0) < (int64_t(1) << 31) && offs.size(0) < 65536 && a.size(1) * b.size(1) < (int64_t(1) << 40),
+              "grouped_mm_wgrad: sizes out of range");
+}
+
+// d [G, M, N] with d[g] = a[rows_g]^T @ b[rows_g] (the weight gradient); zero for empty groups.
+at::Tensor grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs) {
+  check_wgrad_args(a, b, offs);
+  const int64_t R = a.size(0), M = a.size(1), N = b.size(1), G = offs.size(0);
   if (R == 0 || G == 0 || M == 0 || N == 0) return at::zeros({G, M, N}, a.options());
-  TORCH_CHECK(R < (int64_t(1) << 31) && G < 65536 && M * N < (int64_t(1) << 40), "grouped_mm_wgrad: sizes out of range");
   at::Tensor d = at::empty({G, M, N}, a.options());
   grouped_mm_tn(a, b, offs, d);
+  return d;
+}
+
+// d[g] += a[rows_g]^T @ b[rows_g] in place, d a contiguous fp32 [G, M, N] (a main_grad); returns d.
+at::Tensor grouped_mm_wgrad_add_(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor d) {
+  check_wgrad_args(a, b, offs);
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.device() == a.device() && d.is_contiguous() &&
+                  reinterpret_cast<uintptr_t>(d.data_ptr()) % 16 == 0,
+              "grouped_mm_wgrad_add_: d must be a contiguous, 16-byte aligned fp32 tensor on a's device");
+  TORCH_CHECK(d.dim() == 3 && d.size(0) == offs.size(0) && d.size(1) == a.size(1) && d.size(2) == b.size(1),
+              "grouped_mm_wgrad_add_: d must be [G, M, N]");
+  if (a.size(0) == 0 || d.numel() == 0) return d;
+  grouped_mm_tn_add(a, b, offs, d);
   return d;
 }
 }  // namespace turbomoe
@@ -59,4 +79,5 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_mm", &turbomoe::grouped_mm, "y[rows_g] = x[rows_g] @ w[g] over expert-contiguous rows (CUTLASS, sm90)");
   m.def("grouped_mm_wgrad", &turbomoe::grouped_mm_wgrad, "d[g] = a[rows_g]^T @ b[rows_g] over expert-contiguous rows (CUTLASS, sm90)");
+  m.def("grouped_mm_wgrad_add_", &turbomoe::grouped_mm_wgrad_add_, "d[g] += a[rows_g]^T @ b[rows_g], d fp32 (CUTLASS, sm90)");
 }

@@ -16,9 +16,9 @@ With `config.gradient_accumulation_fusion` and a `main_grad` on the weights (Meg
 DistributedDataParallel gives every parameter one: the fp32 gradient buffer), the weight gradients are
 added to main_grad inside turbomoe's weight-gradient GEMM, as Megatron's and Transformer Engine's
 linears do, instead of a bf16 gradient that DDP's hook then adds (no bf16 gradient written and read
-back, none rounded to bf16), where experts average at most FUSED_WGRAD_MAX_ROWS rows; beyond, where
-the Triton GEMM is slower than CUTLASS's, the backend's gradient and an add
-(turbomoe.autograd.grouped_gemm.mm_wgrad).
+back, none rounded to bf16): in the cutlass backend's kernel (bf16 on Hopper), else in the Triton
+kernel where experts average at most FUSED_WGRAD_MAX_ROWS rows, else the backend's gradient and an
+add (turbomoe.autograd.grouped_gemm.mm_wgrad).
 Expert tensor parallelism is not supported (expert_tensor_parallel_size must be 1).
 """
 from typing import Optional
