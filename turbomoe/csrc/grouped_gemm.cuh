@@ -160,6 +160,7 @@ void run_grouped(const at::Tensor& like, int num_groups, Prepare prepare) {
   using Source = typename G::Epilogue::ElementC;
   constexpr bool accumulate = !std::is_void_v<Source>;
   if constexpr (accumulate) {
+    static_assert(std::is_same_v<typename G::StrideC, typename G::StrideD>, "C is read through D's strides");
     args.epilogue = {{}, const_cast<const Source**>(reinterpret_cast<Source**>(ga.ptr_d)),
                      reinterpret_cast<typename G::StrideC*>(ga.stride_d), ga.ptr_d, ga.stride_d};
   } else {
