@@ -77,8 +77,13 @@ def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return layout_ok and aligned and _sm(_device_index(x)) == 90 and csrc.gmm_available()
 
 
-def _aligned16(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+def _aligned16(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _tma_operands(*tensors: torch.Tensor) -> bool:
+    """Contiguous and 16-byte aligned: what turbomoe's CUTLASS weight-gradient kernels read and write."""
+    return all(t.is_contiguous() for t in tensors) and _aligned16(*tensors)
 
 
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -176,8 +181,7 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
     cutlass backend's kernel (a contiguous fp32 out), else inside the Triton kernel (torch's cannot
     accumulate) where groups average at most FUSED_WGRAD_MAX_ROWS rows, else the backend's dw and an add."""
     if out is not None:
-        if (backend == "cutlass" and out.dtype == torch.float32 and out.is_contiguous() and out.data_ptr() % 16 == 0
-                and x_RK.is_contiguous() and dy_RN.is_contiguous() and _aligned16(x_RK, dy_RN)):
+        if backend == "cutlass" and out.dtype == torch.float32 and _tma_operands(x_RK, dy_RN, out):
             return csrc.grouped_mm_wgrad_add_(x_RK, dy_RN, _offsets(counts_G, x_RK.shape[0], offs_G), out)
         few_rows = x_RK.shape[0] <= FUSED_WGRAD_MAX_ROWS * counts_G.shape[0]
         if backend == "triton" or (x_RK.is_cuda and few_rows):
@@ -189,7 +193,7 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
     if backend in ("torch", "cutlass"):
         offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         if (backend == "cutlass" and x_RK.shape[0] >= CUTLASS_WGRAD_MIN_ROWS * counts_G.shape[0]
-                and x_RK.is_contiguous() and dy_RN.is_contiguous() and _aligned16(x_RK, dy_RN)):
+                and _tma_operands(x_RK, dy_RN)):
             return csrc.grouped_mm_wgrad(x_RK, dy_RN, offs_G)
         return torch._grouped_mm(x_RK.t(), dy_RN, offs=offs_G)
     if backend == "triton":
