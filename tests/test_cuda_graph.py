@@ -12,6 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
+from tests.test_grouped_gemm import rel_err  # noqa: E402
 from tests.test_models import build, tiny  # noqa: E402
 from turbomoe.models.cuda_graph import coalesce_adds, graph_training_forward  # noqa: E402
 
@@ -81,12 +82,25 @@ def flat_buffers(params, device=None):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout,accumulate", [("apart", True), ("flat", True), ("flat", False)])
-def test_grad_buffers_take_the_gradients(dtype, layout, accumulate):
+def test_grad_buffers_take_the_gradients(dtype, layout, accumulate, monkeypatch):
     """Parameters with a grad buffer (an fp32 main grad, as DeepSpeed's BF16_Optimizer keeps): the
     backward graph adds each micro-batch's gradient into it, bit for bit the eager gradients'
     fp32 sum (or with accumulate=False writes it: the last micro-batch's), and .grad stays None;
-    the others accumulate in .grad as eager does. Buffers apart, or views of one flat buffer in
-    parameter order (the experts' adds coalesced)."""
+    the others accumulate in .grad as eager does. Buffers apart (the experts' gradients made and
+    added one by one), or views of one flat buffer in parameter order: there the grouped experts'
+    weight-gradient GEMMs write or add into the buffers themselves, in fp32 (not rounded to the
+    model's dtype first, and with the Triton kernel's fused add summed in another order, so equal to
+    the eager sums within rounding, not bit for bit)."""
+    from turbomoe.integrations import expert_stack
+    sinks = []  # what each grouped GEMM of the captured forward was given to write its weight gradient into
+    stacked = expert_stack.stacked_grad_buffer
+
+    def spy(blocks):
+        sink = stacked(blocks)
+        if expert_stack._GRAD_BUFFERS is not None:
+            sinks.append(sink)
+        return sink
+    monkeypatch.setattr(expert_stack, "stacked_grad_buffer", spy)
     cfg = tiny(num_experts=8, num_hidden_layers=3)
     eager = build(cfg).cuda().to(dtype)
     graphed = copy.deepcopy(eager)
@@ -99,6 +113,8 @@ def test_grad_buffers_take_the_gradients(dtype, layout, accumulate):
     graph_training_forward(graphed, sample[:, :-1], sample[:, 1:], grad_buffers=bufs,
                            before_replay=lambda: replays.append(1), accumulate=accumulate)
     assert all(not b.any() for b in bufs.values())  # capture added nothing
+    # both expert weights of each layer go to their buffers in the flat layout, none when apart
+    assert len(sinks) == 2 * cfg.num_hidden_layers and all((s is not None) == (layout == "flat") for s in sinks)
     ref32 = [torch.zeros(p.numel(), device="cuda") for p in eager.parameters()]
     ref = [None] * len(ref32)
     for m in range(3):
@@ -112,7 +128,9 @@ def test_grad_buffers_take_the_gradients(dtype, layout, accumulate):
             p.grad = None
     assert replays == [1, 1, 1]
     for i, ((name, p), want32, want) in enumerate(zip(graphed.named_parameters(), ref32, ref)):
-        if p in bufs:
+        if p in bufs and layout == "flat" and "experts" in name:
+            assert p.grad is None and rel_err(bufs[p], want32) < (1e-2 if dtype == torch.bfloat16 else 1e-5), name
+        elif p in bufs:
             assert p.grad is None and torch.equal(bufs[p], want32), name
         else:
             assert torch.equal(p.grad, want), name

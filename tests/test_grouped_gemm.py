@@ -63,40 +63,63 @@ def check(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12,
         assert torch.equal(w.grad[g].cpu(), torch.zeros_like(w.grad[g].cpu()))
 
 
-def check_main_grad(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12, transposed_w=False):
+def main_grad_buffer(G, K, N, gen, device, layout):
+    """An fp32 [G, K, N] main_grad filled with noise: "plain" (contiguous), "transposed" (each group a
+    row-major [N, K] block seen transposed, as stacked nn.Linear weights' buffers are) or "gap" (the
+    groups 8 elements further apart than their size, as packed parameters' buffers lie)."""
+    if layout == "transposed":
+        return torch.randn(G, N, K, generator=gen, dtype=torch.float64).to(device, torch.float32).transpose(1, 2)
+    if layout == "gap":
+        return torch.randn(G, K * N + 8, generator=gen, dtype=torch.float64).to(device, torch.float32)[:, :K * N].view(G, K, N)
+    return torch.randn(G, K, N, generator=gen, dtype=torch.float64).to(device, torch.float32)
+
+
+def check_main_grad(R, K, N, G, dtype, device, backend, zero_groups=(), tail=0, tol=1e-12, transposed_w=False,
+                    add=True, placeholder=True, layout="plain"):
     """Gradient-accumulation fusion: two micro-batches' weight gradients added into a pre-filled fp32
-    main_grad inside the GEMM; empty groups' slices untouched (bitwise); the input gradient as
-    without fusion; w gets a placeholder gradient of its shape."""
+    main_grad inside the GEMM (add), or each written there (not add: the second micro-batch's alone);
+    added, empty groups' slices untouched (bitwise), written, exact zeros; the input gradient as
+    without fusion; w gets a placeholder gradient of its shape (placeholder), or none."""
     gen = torch.Generator().manual_seed(R * 5 + K + N + G)
     counts = random_counts(R - tail, G, gen, zero_groups)
     used = int(counts.sum())
     w = torch.randn(G, N, K, generator=gen, dtype=torch.float64).transpose(1, 2) if transposed_w else \
         torch.randn(G, K, N, generator=gen, dtype=torch.float64)
     w = w.to(device, dtype).requires_grad_()
-    main = torch.randn(G, K, N, generator=gen, dtype=torch.float64).to(device, torch.float32)
+    main = main_grad_buffer(G, K, N, gen, device, layout)
     want = main.double().cpu()
     before = main.clone()
     for _ in range(2):
         x = torch.randn(R, K, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
         dy = torch.randn(R, N, generator=gen, dtype=torch.float64).to(device, dtype)
         w.grad = None
-        y = grouped_mm(x, w, counts.to(device), backend=backend, main_grad_GKN=main)
+        y = grouped_mm(x, w, counts.to(device), backend=backend, main_grad_GKN=main, main_grad_add=add,
+                       main_grad_placeholder=placeholder)
         (y[:used] * dy[:used]).sum().backward()
-        assert w.grad is not None and w.grad.shape == w.shape
+        if placeholder:
+            assert w.grad is not None and w.grad.shape == w.shape
+        else:
+            assert w.grad is None
         xr = x.detach().double().cpu().requires_grad_()
         wr = w.detach().double().cpu().requires_grad_()
         (per_group(xr, wr, counts)[:used] * dy[:used].double().cpu()).sum().backward()
         assert rel_err(x.grad[:used], xr.grad[:used]) < tol
-        want += wr.grad
+        want = want + wr.grad if add else wr.grad
     assert main.dtype == torch.float32
     assert rel_err(main, want) < tol
     for g in zero_groups:
-        assert torch.equal(main[g], before[g]), "an empty group's main_grad changed"
+        if add:
+            assert torch.equal(main[g], before[g]), "an empty group's main_grad changed"
+        else:
+            assert torch.equal(main[g].cpu(), torch.zeros(K, N)), "an empty group's written main_grad is not zero"
 
 
 @pytest.mark.parametrize("zero_groups,tail", [((), 0), ((1,), 3)])
-def test_reference_main_grad(zero_groups, tail):
-    check_main_grad(37, 8, 12, 4, torch.float64, "cpu", "reference", zero_groups, tail, tol=1e-6)
+@pytest.mark.parametrize("add,placeholder,layout", [(True, True, "plain"), (False, False, "transposed"),
+                                                    (False, True, "gap"), (True, False, "transposed")])
+def test_reference_main_grad(zero_groups, tail, add, placeholder, layout):
+    check_main_grad(37, 8, 12, 4, torch.float64, "cpu", "reference", zero_groups, tail, tol=1e-6, add=add,
+                    placeholder=placeholder, layout=layout)
 
 
 def test_main_grad_no_rows():
@@ -226,22 +249,35 @@ def test_gpu_cutlass_wgrad_kernel(counts, M, N):
         assert torch.equal(d, torch._grouped_mm(a[:R].t(), b[:R], offs=offs))
         short = offs.clamp(max=R - 1)  # offsets past R' = R - 1 rows: the last rows' groups truncated
         assert torch.equal(csrc.grouped_mm_wgrad(a[:R - 1], b[:R - 1], offs), csrc.grouped_mm_wgrad(a[:R - 1], b[:R - 1], short))
-    # the fp32 accumulating variant: d += a_g^T b_g, empty groups' slices untouched (bitwise)
-    d0 = torch.randn(len(counts), M, N, device="cuda")
-    d1 = csrc.grouped_mm_wgrad_add_(a, b, offs, d0.clone())
-    start = 0
-    for g, c in enumerate(counts):
-        if c == 0:
-            assert torch.equal(d1[g], d0[g])
-        else:
-            want = d0[g].double() + a[start:start + c].double().t() @ b[start:start + c].double()
-            assert rel_err(d1[g], want) < 1e-5
-        start += c
-    assert torch.equal(d1, csrc.grouped_mm_wgrad_add_(a, b, offs, d0.clone()))
+    # into fp32: d = (or +=) a_g^T b_g; written, empty groups exactly zero and the bits those of the
+    # fp32 sums torch rounds to bf16; added, empty groups' slices untouched (bitwise). The groups
+    # contiguous, or 8 elements further apart (as an optimizer's flat buffer holds packed experts).
+    G = len(counts)
+    for gap in (0, 8):
+        for add in (True, False):
+            d0 = torch.randn(G, M * N + gap, device="cuda")[:, :M * N].view(G, M, N)
+            d1 = csrc.grouped_mm_wgrad_fp32_(a, b, offs, d0.clone(), add)
+            start = 0
+            for g, c in enumerate(counts):
+                if c == 0:
+                    assert torch.equal(d1[g], d0[g] if add else torch.zeros_like(d0[g]))
+                else:
+                    want = a[start:start + c].double().t() @ b[start:start + c].double() + (d0[g].double() if add else 0)
+                    assert rel_err(d1[g], want) < 1e-5
+                start += c
+            out = torch.full((G, M * N + gap), 7.0, device="cuda")
+            d2 = csrc.grouped_mm_wgrad_fp32_(a, b, offs, out[:, :M * N].view(G, M, N), add)
+            assert torch.equal(out[:, M * N:], torch.full_like(out[:, M * N:], 7.0)), "wrote between the groups"
+            if add:
+                assert torch.equal(d1, csrc.grouped_mm_wgrad_fp32_(a, b, offs, d0.clone(), add))
+            else:
+                assert torch.equal(d1, d2) and torch.equal(d1.bfloat16(), d)
     with pytest.raises(RuntimeError, match="fp32"):
-        csrc.grouped_mm_wgrad_add_(a, b, offs, d0.bfloat16())
+        csrc.grouped_mm_wgrad_fp32_(a, b, offs, d0.bfloat16(), True)
     with pytest.raises(RuntimeError, match=r"\[G, M, N\]"):
-        csrc.grouped_mm_wgrad_add_(a, b, offs, d0[:, :, :N - 8].contiguous())
+        csrc.grouped_mm_wgrad_fp32_(a, b, offs, d0[:, :, :N - 8].contiguous(), True)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        csrc.grouped_mm_wgrad_fp32_(a, b, offs, torch.zeros(G, N, M, device="cuda").transpose(1, 2), False)
     with pytest.raises(RuntimeError, match="bf16"):
         csrc.grouped_mm_wgrad(a.float(), b.float(), offs)
     with pytest.raises(RuntimeError, match="multiples of 8"):
@@ -277,14 +313,18 @@ def test_gpu_packed_experts_take_cutlass():
                                    (4099, 264, 520, 6, (2,), 3), (4099, 72, 48, 2, (), 3), (4099, 72, 48, 3, (1,), 3)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_main_grad(backend, dtype, shape, monkeypatch):
-    """Every backend's weight gradient accumulates into main_grad on the GPU: inside the Triton kernel,
-    or (groups of over FUSED_WGRAD_MAX_ROWS rows, the last two shapes) inside the cutlass backend's
-    kernel, else as the backend's dw plus an add; an empty group's slice untouched."""
+@pytest.mark.parametrize("add,layout", [(True, "plain"), (False, "transposed"), (True, "gap"), (False, "plain")])
+def test_gpu_main_grad(backend, dtype, shape, add, layout, monkeypatch):
+    """Every backend's weight gradient accumulates into (add) or is written to main_grad on the GPU:
+    inside the cutlass backend's kernel (fp32, each group contiguous: every layout here, the
+    transposed one through dy^T x), else added inside the Triton kernel (groups of at most
+    FUSED_WGRAD_MAX_ROWS rows), else as the backend's dw plus an add or a copy; an empty group's
+    slice untouched where added, zero where written."""
     R, K, N, G, zero_groups, tail = shape
     skip_unless_runs(backend, dtype)
     check_main_grad(R, K, N, G, dtype, "cuda", use_backend(backend, monkeypatch), zero_groups, tail,
-                    1e-2 if dtype == torch.bfloat16 else 1e-5, transposed_w=backend == "triton")
+                    1e-2 if dtype == torch.bfloat16 else 1e-5, transposed_w=backend == "triton", add=add,
+                    placeholder=add, layout=layout)
 
 
 def check_counts_past_rows(device, backend, dtype, tol):

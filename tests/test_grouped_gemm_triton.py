@@ -25,8 +25,10 @@ def test_triton_interpreter_counts_past_rows():
 
 
 @pytest.mark.parametrize("zero_groups,tail", [((), 0), ((0, 3), 5)])
-def test_triton_interpreter_main_grad(zero_groups, tail):
-    check_main_grad(70, 24, 40, 5, torch.float32, "cpu", "triton", zero_groups, tail, tol=1e-5)
+@pytest.mark.parametrize("add,layout", [(True, "plain"), (True, "transposed"), (False, "gap")])
+def test_triton_interpreter_main_grad(zero_groups, tail, add, layout):
+    check_main_grad(70, 24, 40, 5, torch.float32, "cpu", "triton", zero_groups, tail, tol=1e-5, add=add,
+                    placeholder=add, layout=layout)
 
 
 def test_triton_interpreter_fp16():

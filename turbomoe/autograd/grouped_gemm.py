@@ -82,8 +82,15 @@ def _aligned16(*tensors: torch.Tensor) -> bool:
 
 
 def _tma_operands(*tensors: torch.Tensor) -> bool:
-    """Contiguous and 16-byte aligned: what turbomoe's CUTLASS weight-gradient kernels read and write."""
+    """Contiguous and 16-byte aligned: what turbomoe's CUTLASS weight-gradient kernels read."""
     return all(t.is_contiguous() for t in tensors) and _aligned16(*tensors)
+
+
+def _tma_groups(d: torch.Tensor) -> bool:
+    """Each d[g] a contiguous [M, N], the groups 16-byte-aligned apart: the fp32 weight-gradient kernel's out."""
+    G, M, N = d.shape
+    return (d.stride()[1:] == (N, 1) and (G == 1 or d.stride(0) * d.element_size() % 16 == 0)
+            and _aligned16(d))
 
 
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -174,15 +181,20 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
 
 
 def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str,
-             offs_G: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             offs_G: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+             accumulate: bool = True) -> torch.Tensor:
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
     takes torch's kernel where groups average fewer than CUTLASS_WGRAD_MIN_ROWS rows.
-    out (a [G, K, N] float buffer, e.g. an fp32 main_grad): out += dw in place, returned; inside the
-    cutlass backend's kernel (a contiguous fp32 out), else inside the Triton kernel (torch's cannot
-    accumulate) where groups average at most FUSED_WGRAD_MAX_ROWS rows, else the backend's dw and an add."""
+    out (a [G, K, N] float buffer, e.g. an fp32 main_grad): out += dw in place (accumulate), or
+    out = dw, returned. The cutlass backend's kernel does either in its epilogue where out is fp32
+    with each out[g] contiguous and 16-byte aligned (no bf16 dw, no second pass); else out += dw runs
+    inside the Triton kernel (torch's cannot accumulate) where groups average at most
+    FUSED_WGRAD_MAX_ROWS rows, and otherwise the backend's dw is added or copied."""
     if out is not None:
-        if backend == "cutlass" and out.dtype == torch.float32 and _tma_operands(x_RK, dy_RN, out):
-            return csrc.grouped_mm_wgrad_add_(x_RK, dy_RN, _offsets(counts_G, x_RK.shape[0], offs_G), out)
+        if backend == "cutlass" and out.dtype == torch.float32 and _tma_operands(x_RK, dy_RN) and _tma_groups(out):
+            return csrc.grouped_mm_wgrad_fp32_(x_RK, dy_RN, _offsets(counts_G, x_RK.shape[0], offs_G), out, accumulate)
+        if not accumulate:
+            return out.copy_(mm_wgrad(x_RK, dy_RN, counts_G, backend, offs_G))
         few_rows = x_RK.shape[0] <= FUSED_WGRAD_MAX_ROWS * counts_G.shape[0]
         if backend == "triton" or (x_RK.is_cuda and few_rows):
             from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
@@ -205,11 +217,13 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
 class GroupedMM(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN=None):
+    def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN=None, main_grad_add=True,
+                main_grad_placeholder=True):
         if backend in ("torch", "cutlass"):
             offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
         ctx.backend, ctx.main_grad = backend, main_grad_GKN  # written in backward, so not saved
+        ctx.main_grad_add, ctx.main_grad_placeholder = main_grad_add, main_grad_placeholder
         return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
     @staticmethod
@@ -220,16 +234,20 @@ class GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = mm_forward(dy_RN, w_GKN.transpose(1, 2), counts_G, ctx.backend, offs_G)
         if ctx.needs_input_grad[1]:
-            if ctx.main_grad is not None:  # Megatron's protocol: the sum is in main_grad; w's gradient, unread, still fires its hooks
-                mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G, out=ctx.main_grad)
-                dw = torch.empty_like(w_GKN)
-            elif w_GKN.stride(1) == 1 and w_GKN.stride(2) != 1:
-                # w is each group's [N, K] block seen transposed (nn.Linear weights stacked): dw made in that
-                # layout, dy^T x, so the gradient reaches the parameters without a transposing copy each.
-                dw = mm_wgrad(dy_RN, x_RK, counts_G, ctx.backend, offs_G).transpose(1, 2)
+            # w (or main_grad) each group's [N, K] block seen transposed (nn.Linear weights stacked): dw
+            # made in that layout, dy^T x, so it reaches the parameters without a transposing copy each.
+            like = w_GKN if ctx.main_grad is None else ctx.main_grad
+            transposed = like.stride(1) == 1 and like.stride(2) != 1
+            a_RK, b_RN = (dy_RN, x_RK) if transposed else (x_RK, dy_RN)
+            if ctx.main_grad is not None:  # the sum in main_grad
+                out = ctx.main_grad.transpose(1, 2) if transposed else ctx.main_grad
+                mm_wgrad(a_RK, b_RN, counts_G, ctx.backend, offs_G, out=out, accumulate=ctx.main_grad_add)
+                # Megatron's protocol: w gets a gradient, unread, so that its hooks still fire
+                dw = torch.empty_like(w_GKN) if ctx.main_grad_placeholder else None
             else:
-                dw = mm_wgrad(x_RK, dy_RN, counts_G, ctx.backend, offs_G)
-        return dx, dw, None, None, None, None
+                dw = mm_wgrad(a_RK, b_RN, counts_G, ctx.backend, offs_G)
+                dw = dw.transpose(1, 2) if transposed else dw
+        return dx, dw, None, None, None, None, None, None
 
 
 class GroupBias(torch.autograd.Function):
@@ -279,15 +297,17 @@ def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: tor
 
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
                backend: Optional[str] = None, offs_G: Optional[torch.Tensor] = None,
-               main_grad_GKN: Optional[torch.Tensor] = None) -> torch.Tensor:
+               main_grad_GKN: Optional[torch.Tensor] = None, main_grad_add: bool = True,
+               main_grad_placeholder: bool = True) -> torch.Tensor:
     """y [R, N] with y[rows_g] = x[rows_g] @ w[g]; differentiable in x and w; see the module doc.
 
     offs_G: row_offsets(counts_G), if the caller already has it (one launch fewer per GEMM).
     main_grad_GKN: gradient-accumulation fusion (Megatron's): the backward adds w's gradient to this
-    [G, K, N] buffer (fp32 in Megatron), inside the weight-gradient GEMM where that is the faster way
-    (mm_wgrad's out), and hands w an uninitialised gradient, as Megatron's linears do, so that w's
+    [G, K, N] buffer (fp32 in Megatron; any strides), inside the weight-gradient GEMM where that is the
+    faster way (mm_wgrad's out), or with main_grad_add=False writes it there. With
+    main_grad_placeholder it hands w an uninitialised gradient, as Megatron's linears do, so that w's
     gradient hooks still run: the caller marks w as Megatron marks it (grad_added_to_main_grad) so
-    that nothing reads that tensor.
+    that nothing reads that tensor; without, w gets no gradient.
     """
     check_grouped_mm_args(x_RK, w_GKN, counts_G)
     if main_grad_GKN is not None:
@@ -306,4 +326,4 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
         if backend in ("torch", "cutlass"):  # the offsets GroupedMM.forward would make, as a traced op
             offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         return custom_ops.grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend)
-    return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN)
+    return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN, main_grad_add, main_grad_placeholder)

@@ -20,9 +20,10 @@
 // i mod #SMs) a long group's tiles land on a run of SMs and the step waits for them. The problems
 // are handed over longest first (LPT order; results do not depend on it: one CTA sums each tile in
 // row order). Empty groups get no problem (CUTLASS leaves a K = 0 problem's accumulators unset, and
-// TMA refuses a zero extent): the same kernel writes their zeros. With an fp32 d the kernel adds to
-// it instead (d read as the epilogue's C: gradient-accumulation fusion into a main_grad; 1.19-1.52x
-// a bf16 dw and an add, 1.23-1.33x the Triton kernel's fused add, H100, 2026-11-25). Tile 128 x 256 x 64 as above, with
+// TMA refuses a zero extent): the same kernel writes their zeros. d may be fp32 (an fp32 gradient
+// buffer written directly), and then the kernel may add to it instead (d read as the epilogue's C:
+// gradient-accumulation fusion into a main_grad; 1.19-1.52x a bf16 dw and an add, 1.23-1.33x the
+// Triton kernel's fused add, H100, 2026-11-25). Tile 128 x 256 x 64 as above, with
 // 2 x 1 clusters (as torch._grouped_mm's kernel, whose bits it matches): against that kernel on the
 // H100 (notes/bench_layer.md, 2026-11-25) 0.99-1.04x as fast with balanced groups of 2048-4096 rows,
 // up to 1.22x with unbalanced ones; 0.96-1.07x at 256-768 rows a group, where the caller keeps torch's.
@@ -89,14 +90,17 @@ struct Gemm {
 // Offsets are clamped to [0, R]: counts that sum past R (a caller's error the host cannot see
 // without a sync) truncate the last groups, as the reference's slicing does, instead of writing
 // out of bounds.
+// Offset g clamped to [0, R] (the inclusive end of group g's rows).
+__device__ __forceinline__ int clamped_offset(const int* __restrict__ offs, int g, int R) { return min(max(offs[g], 0), R); }
+
 template <class Shape3, class StrideA, class StrideB, class StrideD>
 __global__ void prepare_groups(const int* __restrict__ offs, int num_groups, int R, int K, int N, const Elt* x,
                                const Elt* w, int64_t group_stride, Elt* y, Shape3* shapes, const Elt** ptr_x, const Elt** ptr_w, Elt** ptr_y,
                                StrideA* stride_x, StrideB* stride_w, StrideD* stride_y) {
   int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= num_groups) return;
-  const int64_t start = g ? min(max(offs[g - 1], 0), R) : 0;
-  const int rows = max(min(max(offs[g], 0), R) - static_cast<int>(start), 0);
+  const int64_t start = g ? clamped_offset(offs, g - 1, R) : 0;
+  const int rows = max(clamped_offset(offs, g, R) - static_cast<int>(start), 0);
   shapes[g] = {rows, N, K};
   ptr_x[g] = x + start * K;
   ptr_w[g] = w + g * group_stride;
@@ -123,9 +127,10 @@ struct GroupArgs {
 // Allocates the argument arrays and CUTLASS's workspace (one tensor), lets `prepare(args, stream)`
 // launch the kernel that fills them, then runs the grouped GEMM behind it on the same stream: the
 // shapes live on the device only, so nothing syncs with the host. With a source (G's Src not void)
-// d = acc + d: d is read as C through the same pointers and strides.
+// d = acc + beta d: d is read as C through the same pointers and strides, unless beta is 0 (CUTLASS's
+// epilogue then loads no C).
 template <class G, class Prepare>
-void run_grouped(const at::Tensor& like, int num_groups, Prepare prepare) {
+void run_grouped(const at::Tensor& like, int num_groups, Prepare prepare, float beta = 0.0f) {
   c10::cuda::CUDAGuard guard(like.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const size_t per_group[7] = {sizeof(typename G::Shape3), sizeof(void*), sizeof(void*), sizeof(void*),
@@ -158,16 +163,16 @@ void run_grouped(const at::Tensor& like, int num_groups, Prepare prepare) {
   args.problem_shape = {num_groups, ga.shapes, nullptr};  // shapes on the device only: no host sync
   args.mainloop = {ga.ptr_a, ga.stride_a, ga.ptr_b, ga.stride_b};
   using Source = typename G::Epilogue::ElementC;
-  constexpr bool accumulate = !std::is_void_v<Source>;
-  if constexpr (accumulate) {
-    static_assert(std::is_same_v<typename G::StrideC, typename G::StrideD>, "C is read through D's strides");
-    args.epilogue = {{}, const_cast<const Source**>(reinterpret_cast<Source**>(ga.ptr_d)),
-                     reinterpret_cast<typename G::StrideC*>(ga.stride_d), ga.ptr_d, ga.stride_d};
+  if constexpr (!std::is_void_v<Source>) {
+    static_assert(std::is_same_v<Source, typename G::OutT> && std::is_same_v<typename G::StrideC, typename G::StrideD>,
+                  "C is read through D's pointers and strides");
+    args.epilogue = {{}, const_cast<const Source**>(ga.ptr_d), ga.stride_d, ga.ptr_d, ga.stride_d};
   } else {
+    TORCH_CHECK(beta == 0.0f, "turbomoe grouped GEMM: this kernel has no source to scale by beta");
     args.epilogue = {{}, nullptr, nullptr, ga.ptr_d, ga.stride_d};
   }
   args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = accumulate ? 1.0f : 0.0f;
+  args.epilogue.thread.beta = beta;
   typename G::Device gemm;
   TORCH_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, "turbomoe grouped GEMM: CUTLASS cannot run ",
               "these shapes");
@@ -196,20 +201,18 @@ constexpr int kWgradPrepareThreads = 256;
 // Grid (G, Z). Block (g, 0) finds group g's rank in the longest-first order (ties by index: a fixed
 // order) and writes its problem there; a group with no rows becomes an empty problem (M = 0: no
 // tiles) placed last, and (when d is written, not added to) the Z blocks of group g write its zeros.
+// d[g] starts d_group_stride elements after d[g - 1], each a contiguous [M, N].
 template <class Shape3, class StrideA, class StrideB, class StrideD, class T>
 __global__ void prepare_wgrad_groups(const int* __restrict__ offs, int num_groups, int R, int M, int N, const Elt* a,
-                                     const Elt* b, T* d, bool zero_empty, Shape3* shapes, const Elt** ptr_a,
+                                     const Elt* b, T* d, int64_t d_group_stride, bool zero_empty, Shape3* shapes, const Elt** ptr_a,
                                      const Elt** ptr_b, T** ptr_d, StrideA* stride_a, StrideB* stride_b,
                                      StrideD* stride_d) {
   const int g = blockIdx.x;
-  auto rows_of = [&](int h) {
-    const int lo = h ? min(max(offs[h - 1], 0), R) : 0;
-    return max(min(max(offs[h], 0), R) - lo, 0);
-  };
+  auto rows_of = [&](int h) { return max(clamped_offset(offs, h, R) - (h ? clamped_offset(offs, h - 1, R) : 0), 0); };
   const int rows = rows_of(g);
   const int64_t MN = static_cast<int64_t>(M) * N;
   if (rows == 0 && zero_empty) {  // zeros, 16 bytes a store (M N elements fill whole 16-byte words)
-    uint4* out = reinterpret_cast<uint4*>(d + g * MN);
+    uint4* out = reinterpret_cast<uint4*>(d + g * d_group_stride);
     const int64_t words = MN * sizeof(T) / 16;
     for (int64_t i = blockIdx.y * blockDim.x + threadIdx.x; i < words; i += gridDim.y * blockDim.x) out[i] = uint4{0, 0, 0, 0};
   }
@@ -226,33 +229,35 @@ __global__ void prepare_wgrad_groups(const int* __restrict__ offs, int num_group
   __syncthreads();
   if (threadIdx.x != 0) return;
   const int i = before;
-  const int64_t start = g ? min(max(offs[g - 1], 0), R) : 0;
+  const int64_t start = g ? clamped_offset(offs, g - 1, R) : 0;
   shapes[i] = {rows ? M : 0, N, max(rows, 1)};
   ptr_a[i] = a + start * M;
   ptr_b[i] = b + start * N;
-  ptr_d[i] = d + g * MN;
+  ptr_d[i] = d + g * d_group_stride;
   stride_a[i] = cutlass::make_cute_packed_stride(StrideA{}, {M, max(rows, 1), 1});
   stride_b[i] = cutlass::make_cute_packed_stride(StrideB{}, {N, max(rows, 1), 1});
   stride_d[i] = cutlass::make_cute_packed_stride(StrideD{}, {M, N, 1});
 }
 
-// d [G, M, N] (contiguous; allocated by the caller) = a[rows_g]^T @ b[rows_g] from a [R, M], b [R, N]
-// and offs [G], d bf16; or, d fp32, d += a[rows_g]^T @ b[rows_g] (empty groups untouched: Megatron's
-// gradient-accumulation fusion into an fp32 main_grad). Shapes checked by the caller.
+// d [G, M, N] (each d[g] a contiguous [M, N], 16-byte aligned; allocated by the caller) =
+// a[rows_g]^T @ b[rows_g] from a [R, M], b [R, N] and offs [G], d bf16 or fp32 (an fp32 main_grad
+// written in place: no bf16 gradient and no cast after); or, d fp32 and accumulate, d +=
+// a[rows_g]^T @ b[rows_g] (empty groups untouched: Megatron's gradient-accumulation fusion).
+// Shapes checked by the caller.
 template <class Out>
-void grouped_mm_wgrad_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d) {
-  constexpr bool accumulate = std::is_same_v<Out, float>;
+void grouped_mm_wgrad_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d,
+                           bool accumulate) {
   using G = Gemm<cutlass::layout::ColumnMajor, Row, cute::Shape<cute::_128, cute::_256, cute::_64>,
-                 cute::Shape<cute::_2, cute::_1, cute::_1>, Out, std::conditional_t<accumulate, float, void>>;
+                 cute::Shape<cute::_2, cute::_1, cute::_1>, Out, std::conditional_t<std::is_same_v<Out, float>, float, void>>;
   const int num_groups = static_cast<int>(offs.size(0));
   const int M = static_cast<int>(a.size(1)), N = static_cast<int>(b.size(1));
   run_grouped<G>(a, num_groups, [&](GroupArgs<G>& ga, cudaStream_t stream) {
     const dim3 grid(num_groups, accumulate ? 1 : 16);
     prepare_wgrad_groups<<<grid, kWgradPrepareThreads, 0, stream>>>(
         offs.data_ptr<int>(), num_groups, static_cast<int>(a.size(0)), M, N, reinterpret_cast<const Elt*>(a.data_ptr()),
-        reinterpret_cast<const Elt*>(b.data_ptr()), reinterpret_cast<Out*>(d.data_ptr()), !accumulate, ga.shapes,
-        ga.ptr_a, ga.ptr_b, ga.ptr_d, ga.stride_a, ga.stride_b, ga.stride_d);
-  });
+        reinterpret_cast<const Elt*>(b.data_ptr()), reinterpret_cast<Out*>(d.data_ptr()), d.stride(0), !accumulate,
+        ga.shapes, ga.ptr_a, ga.ptr_b, ga.ptr_d, ga.stride_a, ga.stride_b, ga.stride_d);
+  }, accumulate ? 1.0f : 0.0f);
 }
 
 }  // namespace gmm

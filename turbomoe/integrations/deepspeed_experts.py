@@ -91,7 +91,8 @@ def _stack(blocks: List[List[torch.Tensor]], dtype: Optional[torch.dtype]) -> to
 
 def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups, dtype: Optional[torch.dtype]) -> torch.Tensor:
     """Expert e's Linear on expert e's rows of x [.., K] -> [.., N], one grouped GEMM."""
-    y = groups.matmul(x, _stack([[lin.weight] for lin in linears], dtype))
+    blocks = [[lin.weight] for lin in linears]
+    y = groups.matmul(x, _stack(blocks, dtype), blocks)
     if linears[0].bias is None:
         return y
     return groups.add_bias(y, _stack([[lin.bias] for lin in linears], dtype))
@@ -114,7 +115,8 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
         x = x.to(dtype)
     if kind == "swiglu":
         # [gate | up] per expert: one GEMM for both, then turbomoe's fused SwiGLU.
-        h = groups.matmul(x, _stack([[e.w1.weight, e.w3.weight] for e in experts], dtype))
+        blocks = [[e.w1.weight, e.w3.weight] for e in experts]
+        h = groups.matmul(x, _stack(blocks, dtype), blocks)
 
         def act(h):  # not view(.., -1): rows may be 0
             return swiglu(h.reshape(-1, h.shape[-1]), row_scale_R).view(*h.shape[:-1], h.shape[-1] // 2)

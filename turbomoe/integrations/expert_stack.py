@@ -4,9 +4,11 @@ The local experts' parameters stay in their own modules (per-expert state dict a
 files); `pack_expert_params` moves them into one flat buffer in module order (as ZeRO packs them),
 so that `stack_expert_tensors` sees expert e's weight as block e of an [E, N, K] view, not a copy
 made every step. `EqualGroups` runs a GEMM per expert on the capacity buffer [E, C, K] (batched),
-`RowGroups` on expert-contiguous rows [R, K] with the counts on the device (grouped).
+`RowGroups` on expert-contiguous rows [R, K] with the counts on the device (grouped);
+`weight_grad_buffers` sends its weight gradients straight into given (fp32) buffers.
 """
-from typing import Dict, List, Optional
+import contextlib
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -20,12 +22,15 @@ class _AliasStack(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shape, stride, block_rows, *tensors):
-        ctx.block_rows = block_rows
+        ctx.block_rows, ctx.num_tensors = block_rows, len(tensors)
+        ctx.set_materialize_grads(False)  # no gradient (sent to weight_grad_buffers): no zeros made and split
         first = tensors[0]
         return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, stride)
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:
+            return (None, ) * (3 + ctx.num_tensors)
         rows = ctx.block_rows
         if len(set(rows)) == 1:  # blocks of equal rows ([w1; w3], or one tensor): one unbind, not E splits
             pieces = grad.reshape(-1, rows[0], *grad.shape[2:]).unbind(0)
@@ -93,6 +98,50 @@ def stack_expert_tensors(blocks: List[List[torch.Tensor]]) -> torch.Tensor:
     return _AliasStack.apply(shape, (stride, ) + inner, block_rows, *[t for block in blocks for t in block])
 
 
+# (buffers by parameter, add) while weight_grad_buffers is active; None otherwise (the usual case).
+_GRAD_BUFFERS: Optional[Tuple[Dict[torch.Tensor, torch.Tensor], bool]] = None
+
+
+@contextlib.contextmanager
+def weight_grad_buffers(buffers: Dict[nn.Parameter, torch.Tensor], add: bool) -> Iterator[None]:
+    """Within, RowGroups' grouped GEMMs over stacked expert weights whose parameters all have a buffer
+    here (a float tensor of the parameter's numel; the buffers of one stack at one stride, as an
+    optimizer's flat fp32 gradients lie) write their weight gradient there from the forwards run now,
+    or with add add it, inside the weight-gradient GEMM (turbomoe's CUTLASS kernel for fp32 buffers:
+    no 16-bit gradient and no cast or add after it), and those parameters get no gradient.
+    A CUDA graph's capture uses it (models/cuda_graph.py); not reentrant."""
+    global _GRAD_BUFFERS
+    if _GRAD_BUFFERS is not None:
+        raise RuntimeError("weight_grad_buffers is already active")
+    _GRAD_BUFFERS = (buffers, add)
+    try:
+        yield
+    finally:
+        _GRAD_BUFFERS = None
+
+
+def stacked_grad_buffer(blocks: List[List[torch.Tensor]]) -> Optional[Tuple[torch.Tensor, bool]]:
+    """(the buffers of blocks' tensors seen as one [E, rows, *rest] tensor, add) where
+    weight_grad_buffers holds a buffer for each and they can be so seen; else None."""
+    if _GRAD_BUFFERS is None:
+        return None
+    buffers, add = _GRAD_BUFFERS
+    views = []
+    for block in blocks:
+        views.append([])
+        for t in block:
+            buf = buffers.get(t)
+            if buf is None:
+                return None
+            views[-1].append(buf.view(t.shape))
+    stride = _alias_stride(views)
+    if stride is None:
+        return None
+    first = views[0][0]
+    shape = (len(views), sum(t.shape[0] for t in views[0])) + tuple(first.shape[1:])
+    return first.as_strided(shape, (stride, ) + torch.empty(shape[1:], device="meta").stride(), first.storage_offset()), add
+
+
 def pack_expert_params(experts: nn.ModuleList) -> None:
     """Move the local experts' parameters into one flat buffer, in module order (as ZeRO does), so
     that `stack_expert_tensors` can alias them. Names, values and the state dict do not change."""
@@ -132,7 +181,8 @@ class _BatchedLinear(torch.autograd.Function):
 class EqualGroups:
     """Expert e owns x[e] of x [E, C, K] (the capacity buffer): batched GEMMs."""
 
-    def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor, blocks=None) -> torch.Tensor:
+        """blocks: unused (the parameters get their gradients through autograd)."""
         return _BatchedLinear.apply(x_ECK, w_ENK)
 
     def add_bias(self, y_ECN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
@@ -148,8 +198,15 @@ class RowGroups:
         self.counts_E = counts_E
         self.num_rows = num_rows
 
-    def matmul(self, x_RK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
-        return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E)
+    def matmul(self, x_RK: torch.Tensor, w_ENK: torch.Tensor,
+               blocks: Optional[List[List[torch.Tensor]]] = None) -> torch.Tensor:
+        """blocks: the per-expert tensors that w_ENK stacks, for weight_grad_buffers."""
+        sink = None if blocks is None else stacked_grad_buffer(blocks)
+        if sink is None:
+            return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E)
+        buf_ENK, add = sink
+        return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E, main_grad_GKN=buf_ENK.transpose(1, 2),
+                          main_grad_add=add, main_grad_placeholder=False)
 
     def add_bias(self, y_RN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
         # Rows past sum(counts) (unrouted tokens) get no bias gradient from add_group_bias.

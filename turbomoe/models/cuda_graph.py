@@ -20,7 +20,10 @@ Gradients, two ways:
   than the whole replay). DeepSpeed's BF16_Optimizer's fp32 gradients are such buffers. With
   `accumulate=False` it writes the gradient there instead (one micro-batch a step: no read of the
   old sum, and nothing need clear the buffers between steps); an eager training forward, whose
-  backward would add to what the last replay left, is then an error.
+  backward would add to what the last replay left, is then an error. The grouped experts' weight
+  gradients (the drop-in's experts stacked over packed parameters, whose buffers lie at one stride)
+  are written or added by the weight-gradient GEMM itself (`expert_stack.weight_grad_buffers`); the
+  other parameters' after the backward, in one add per run of buffers at one stride.
 - any other parameter gets its gradient from the graph's own buffer, handed to .grad without a
   copy. So that a kept .grad (zeroed rather than set to None, or accumulated over micro-batches)
   is not overwritten by the next replay, the forward moves it out of the graph's buffer first (a
@@ -31,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..integrations.expert_stack import weight_grad_buffers
 from .qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -73,15 +77,15 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
     pool = torch.cuda.graph_pool_handle()
     fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(fwd, pool=pool):
+        with torch.cuda.graph(fwd, pool=pool), weight_grad_buffers(grad_buffers, accumulate):
             static_out = run()
         flat = [o for o in static_out if o is not None]
         with_grad = [o for o in flat if o.requires_grad]
         grad_outs = [torch.empty_like(o) for o in with_grad]
         with torch.cuda.graph(bwd, pool=pool):
             grads = torch.autograd.grad(with_grad, params, grad_outs, allow_unused=True)
-            # The expert weights' gradients are views of one stacked gradient per layer and their
-            # fp32 buffers lie at a fixed stride too: one add per run instead of one per expert.
+            # Gradients already in their buffers (the grouped experts') are None here. Others that lie at
+            # one stride, as do their buffers (experts not grouped): one add per run, not one per tensor.
             for dst, src in coalesce_adds([(grad_buffers[p].view(-1), g.reshape(-1))
                                            for p, g in zip(params, grads) if g is not None and p in grad_buffers]):
                 dst.add_(src) if accumulate else dst.copy_(src)

@@ -1,0 +1,105 @@
+"""Stacked expert weights (turbomoe.integrations.expert_stack): weight gradients sent straight into
+an optimizer's flat buffers (weight_grad_buffers), against autograd's own gradients."""
+import pytest
+import torch
+from torch import nn
+
+from turbomoe.integrations.deepspeed_experts import SwiGLUExpert, grouped_mlp
+from turbomoe.integrations.expert_stack import EqualGroups, RowGroups, pack_expert_params, weight_grad_buffers
+
+E, M, F = 4, 16, 24
+
+
+def experts_and_rows(seed, counts=(9, 0, 20, 8)):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    experts = nn.ModuleList([SwiGLUExpert(M, F) for _ in range(E)])
+    pack_expert_params(experts)
+    x = torch.randn(sum(counts) + 3, M, generator=gen)  # 3 rows past the groups: no expert's
+    return experts, x, torch.tensor(counts, dtype=torch.int32)
+
+
+def flat_buffers(params, fill):
+    """One flat buffer in parameter order (as DeepSpeed's BF16_Optimizer keeps fp32 gradients) and
+    each parameter's slice of it."""
+    flat = fill(sum(p.numel() for p in params))
+    views, offset = {}, 0
+    for p in params:
+        views[p] = flat[offset:offset + p.numel()]
+        offset += p.numel()
+    return flat, views
+
+
+def run(experts, x, counts, groups=None):
+    x = x.clone().requires_grad_()
+    y = grouped_mlp("swiglu", experts, x, groups or RowGroups(counts, x.shape[0]))
+    (y[:int(counts.sum())] * torch.linspace(-1, 1, y.shape[1])).sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_weight_grad_buffers_match_autograd(add):
+    """Written (one micro-batch a step) or added (accumulation): the buffers hold autograd's gradients
+    (plus what they held), the parameters get none, the input gradient is unchanged; an expert with
+    no rows gets zeros written, or its slice kept."""
+    experts, x, counts = experts_and_rows(3)
+    params = list(experts.parameters())
+    dx_want = run(experts, x, counts)
+    want = torch.cat([p.grad.reshape(-1) for p in params])
+    for p in params:
+        p.grad = None
+    start = torch.randn(want.numel(), generator=torch.Generator().manual_seed(4))
+    flat, views = flat_buffers(params, lambda n: start.clone())
+    with weight_grad_buffers(views, add):
+        dx = run(experts, x, counts)
+    assert all(p.grad is None for p in params)
+    torch.testing.assert_close(dx, dx_want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat, want + start if add else want, rtol=1e-5, atol=1e-5)
+    for p in (experts[1].w1.weight, experts[1].w3.weight, experts[1].w2.weight):  # expert 1 has no rows
+        o = views[p].storage_offset()
+        assert torch.equal(views[p], start[o:o + p.numel()] if add else torch.zeros(p.numel()))
+    # the context is gone: autograd's gradients again, the buffers untouched
+    before = flat.clone()
+    run(experts, x, counts)
+    assert all(p.grad is not None for p in params) and torch.equal(flat, before)
+
+
+def test_weight_grad_buffers_need_every_parameter_at_one_stride():
+    """A parameter of each stack without a buffer, or buffers not lying at one stride, or the capacity layout
+    (batched GEMMs): the gradients go through autograd as usual and no buffer changes."""
+    experts, x, counts = experts_and_rows(5)
+    params = list(experts.parameters())
+    run(experts, x, counts)
+    want = [p.grad.clone() for p in params]
+    cases = []
+    flat, views = flat_buffers(params, torch.zeros)
+    del views[experts[2].w3.weight], views[experts[0].w2.weight]  # one of each stack's
+    cases.append((flat, views, None))
+    flat, views = flat_buffers(params[::-1], torch.zeros)  # experts in reverse order: no common stride
+    cases.append((flat, views, None))
+    flat, views = flat_buffers(params, torch.zeros)
+    cases.append((flat, views, EqualGroups()))
+    for flat, views, groups in cases:
+        for p in params:
+            p.grad = None
+        with weight_grad_buffers(views, False):
+            if groups is None:
+                run(experts, x, counts)
+            else:
+                x_ECM = torch.randn(E, 5, M, generator=torch.Generator().manual_seed(1), requires_grad=True)
+                grouped_mlp("swiglu", experts, x_ECM, groups).sum().backward()
+        assert torch.equal(flat, torch.zeros_like(flat))
+        if groups is None:
+            for p, g in zip(params, want):
+                torch.testing.assert_close(p.grad, g)
+        else:
+            assert all(p.grad is not None for p in params)
+
+
+def test_weight_grad_buffers_not_reentrant():
+    with weight_grad_buffers({}, True):
+        with pytest.raises(RuntimeError, match="already active"):
+            with weight_grad_buffers({}, True):
+                pass
+    with weight_grad_buffers({}, True):  # left cleanly
+        pass

@@ -1,9 +1,0 @@
-// The grouped weight-gradient GEMM added into an fp32 buffer, d[g] += a[rows_g]^T @ b[rows_g]: see
-// grouped_gemm.cuh.
-#include "grouped_gemm.cuh"
-
-namespace turbomoe {
-void grouped_mm_tn_add(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d) {
-  gmm::grouped_mm_wgrad_into<float>(a, b, offs, d);
-}
-}  // namespace turbomoe
