@@ -6,7 +6,8 @@ the loss curves of recipes/pretrain.py through the deepspeed launcher, same conf
 
 Each run writes its log under OUT/<impl>; the script prints a markdown table (tokens/s and MFU over
 the steady steps, as the run's summary reports them, and the ratio to the last impl) and the train
-loss every tenth of the run, and writes OUT/bench_recipe.json.
+loss every tenth of the run, and writes OUT/bench_recipe.json and, with matplotlib, its plot
+OUT/bench_recipe.png (scripts/plot_recipe.py).
 """
 import argparse
 import json
@@ -75,6 +76,12 @@ def main():
     print("train loss at step " + ", ".join(map(str, marks)))
     for r in results:
         print(f"  {r['impl']:9s} " + " ".join(f"{r['train_loss'][m]:.3f}" for m in marks))
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from plot_recipe import main as plot
+        plot(os.path.join(out_dir, "bench_recipe.json"), os.path.join(out_dir, "bench_recipe.png"))
+    except ImportError as e:
+        print(f"no plot ({e}): pip install matplotlib, then scripts/plot_recipe.py")
 
 
 if __name__ == "__main__":
