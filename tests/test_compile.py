@@ -56,10 +56,11 @@ def test_compiled_dense_blocks_match_eager_without_graph_breaks(seq):
     eager, compiled = pair(cfg, backend="aot_eager", fullgraph=True)
     assert_equal_in_float64(eager, compiled, cfg, seq)
     # One graph per block kind (the attention half, the dense MLP, the final norm), whatever the
-    # depth: four layers add no recompiles.
+    # depth, and one more for the first layer's attention half (no residual to add before its
+    # norm): four layers add no recompiles.
     kinds = {(type(m).__name__, method) for m, method in dense_blocks(compiled)}
     assert len(kinds) == 3
-    assert counters["stats"]["unique_graphs"] <= len(kinds), dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] <= len(kinds) + 1, dict(counters["stats"])
     assert set(compiled.state_dict()) == set(eager.state_dict())  # names unchanged: checkpoints load either way
 
 
@@ -75,7 +76,7 @@ def test_compiled_moe_blocks_match_eager_without_graph_breaks(seq):
     assert_equal_in_float64(eager, compiled, cfg, seq)
     assert len(list(moe_blocks(compiled))) == 3  # layer 1 is dense
     kinds = {(type(m).__name__, method) for m, method in dense_blocks(compiled)}
-    assert counters["stats"]["unique_graphs"] <= len(kinds) + 1, dict(counters["stats"])  # + one MoE graph
+    assert counters["stats"]["unique_graphs"] <= len(kinds) + 2, dict(counters["stats"])  # + the first layer's, + one MoE graph
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """torch.compile of the model's blocks in place: the dense blocks (each layer's attention half:
-input norm, q/k/v projections, per-head q/k RMSNorm, rotary, scaled_dot_product_attention, o_proj,
-the residual add and the norm after it; the dense SwiGLU MLPs; the final norm) and, as an option,
+the layer before's MLP output added to the residual stream, input norm, q/k/v projections, per-head
+q/k RMSNorm, rotary, scaled_dot_product_attention, o_proj, the residual add and the norm after it;
+the dense SwiGLU MLPs; the final norm, with the last MLP output's add) and, as an option,
 the MoE blocks (turbomoe's DeepSpeed layer at ep_size 1, one graph each through turbomoe's custom
 ops: notes/compile.md), whose eager step is mostly host time at small shapes.
 
@@ -8,8 +9,8 @@ Compiled in place (nn.Module.compile, or a layer's attention_half method replace
 self), so parameter names, state dicts and DeepSpeed's hooks stay as they are. Measured on an H100
 at small-1gpu's shapes (notes/recipe_profile.md): inductor fuses the attention input path (norms,
 rotary, casts) to 0.37x of eager and RMSNorm to 0.70x, ahead of liger-kernel's ops (0.59x, 0.77x),
-so compile is the choice; compiling the attention half whole also fuses the residual add into the
-norm after it (forward) and the residual's gradient into the norms' (backward).
+so compile is the choice; compiling the attention half whole also fuses the residual adds into the
+norms after them (forward) and the residual's gradient into the norms' (backward).
 """
 import torch
 

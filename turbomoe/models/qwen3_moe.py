@@ -33,7 +33,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """norm(x), or norm(x + residual) (the sum as the layers' residual adds round it)."""
+        if residual is not None:
+            x = x + residual
         # fp32 statistics, as Qwen3's RMSNorm, whatever the activation dtype.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -186,19 +189,25 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.mlp = build_moe(cfg, moe_args) if self.is_moe else SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def attention_half(self, x_BTH, cos_TD, sin_TD):
-        """x + attention(norm(x)), and the MLP's normed input from it. One function, so that a
-        compile (models.compile) fuses the residual add into the norm after it, and in backward
-        the residual's gradient into the norms' gradients."""
+    def attention_half(self, x_BTH, cos_TD, sin_TD, residual_BTH=None):
+        """x' + attention(norm(x')) with x' = x + residual (the layer before's MLP output, if any),
+        and the MLP's normed input from it. One function, so that a compile (models.compile) fuses
+        both residual adds into the norms after them (the first one was an eager add of two
+        activations each way before: 46 us a layer at small-1gpu's shapes on an H100), and in
+        backward the residual's gradient into the norms' gradients."""
+        if residual_BTH is not None:
+            x_BTH = x_BTH + residual_BTH
         x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos_TD, sin_TD)
         return x_BTH, self.post_attention_layernorm(x_BTH)
 
-    def forward(self, x_BTH, cos_TD, sin_TD):
-        x_BTH, h = self.attention_half(x_BTH, cos_TD, sin_TD)
+    def forward(self, x_BTH, cos_TD, sin_TD, residual_BTH=None):
+        """-> (x', the MLP's output, aux, counts): the layer's output is x' + the MLP's output, which
+        the next layer (or the final norm) adds as its residual_BTH."""
+        x_BTH, h = self.attention_half(x_BTH, cos_TD, sin_TD, residual_BTH)
         if not self.is_moe:
-            return x_BTH + self.mlp(h), None, None
+            return x_BTH, self.mlp(h), None, None
         out, aux, counts_E = self.mlp(h)
-        return x_BTH + out, aux, counts_E
+        return x_BTH, out, aux, counts_E
 
 
 class Qwen3MoeModel(nn.Module):
@@ -271,13 +280,13 @@ class Qwen3MoeForCausalLM(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings {self.config.max_position_embeddings}")
         x = self.model.embed_tokens(input_ids_BT)
         cos, sin = rotary_cos_sin(T, self.config.head_dim, self.config.rope_theta, x.device)
-        auxes, counts = [], []
+        auxes, counts, out = [], [], None
         for layer in self.model.layers:
-            x, aux, counts_E = layer(x, cos, sin)
+            x, out, aux, counts_E = layer(x, cos, sin, out)
             if aux is not None:
                 auxes.append(aux)
                 counts.append(counts_E)
-        logits = self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x, out))
         loss = None
         if labels_BT is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels_BT.flatten(), ignore_index=-100)
