@@ -5,7 +5,9 @@
         (issue #19's activation-memory comparison at the fine-grained shapes)
 
 Every implementation runs the same step: forward of x [S, M], backward of a random grad_out
-(+ the aux loss where there is one), parameter grads reset to None between steps. Times are
+(+ the aux loss where there is one), parameter grads reset to None between steps (with --accumulate
+kept, so that they accumulate as over micro-batches; "turbomoe fused-accum" then adds the experts'
+inside their weight-gradient GEMMs). Times are
 CUDA-event medians after warm-up, rotating over three input sets, queued (the table) and synced
 (scripts/timing.py says how). Peak memory is the peak of allocated memory during one step minus
 what was allocated before it (parameters, inputs); the step makes the parameters' gradients (reset
@@ -149,9 +151,10 @@ def build(name, cfg):
         return DenseSwiGLU(M, F_), S * k
     if name.startswith("turbomoe"):
         # variants: "turbomoe triton-gmm", "turbomoe torch-gmm", "turbomoe fp32-router", "turbomoe recompute",
-        # "turbomoe weighted-gather" (and "turbomoe recompute weighted-gather")
+        # "turbomoe weighted-gather" (and "turbomoe recompute weighted-gather"), "turbomoe fused-accum"
         gmm = next((b for b in ("triton", "torch") if f"{b}-gmm" in name), None)
-        layer = MoELayer(M, F_, E, k, gmm_backend=gmm, recompute="recompute" in name)
+        layer = MoELayer(M, F_, E, k, gmm_backend=gmm, recompute="recompute" in name,
+                         fused_grad_accumulation="fused-accum" in name)
         if "fp32-router" in name:
             layer.router.router_dtype = torch.float32
         if "weighted-gather" in name:  # the scores in the gather, y kept for their gradient (before 2026-11-24)
@@ -187,9 +190,10 @@ def run_step(mod, x, gy):
     layer_backward(*layer_forward(mod, x), gy)
 
 
-def train_step(mod, x, gy):
-    """One training step of mod on input x (requires grad) and output gradient gy, grads reset first."""
-    tensors = list(mod.parameters()) + [x]
+def train_step(mod, x, gy, accumulate=False):
+    """One training step of mod on input x (requires grad) and output gradient gy, grads reset first
+    (with accumulate, x's only: the parameters' gradients accumulate, as over micro-batches)."""
+    tensors = [x] if accumulate else list(mod.parameters()) + [x]
 
     def step():
         reset_grads(tensors)
@@ -197,14 +201,14 @@ def train_step(mod, x, gy):
     return step
 
 
-def time_impl(name, cfg, iters, warmup=3):
+def time_impl(name, cfg, iters, warmup=3, accumulate=False):
     mod, rows = build(name, cfg)
     mod = mod.to(DEV, DTYPE).train()
     M = cfg[1]
     sets = [(torch.randn(rows, M, device=DEV, dtype=DTYPE).requires_grad_(),
              torch.randn(rows, M, device=DEV, dtype=DTYPE)) for _ in range(3)]
 
-    steps, counter = [train_step(mod, x, gy) for x, gy in sets], itertools.count()
+    steps, counter = [train_step(mod, x, gy, accumulate) for x, gy in sets], itertools.count()
 
     def step():
         steps[next(counter) % len(steps)]()
@@ -350,6 +354,8 @@ def main():
                     "gradient accumulated into fp32 main_grad buffers (fused in the GEMM, or an add after it)")
     ap.add_argument("--profile", default="", help="comma-separated impls to profile (kernels, CUDA graph)")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--accumulate", action="store_true", help="parameter gradients kept between steps (accumulating, "
+                    "as over micro-batches), not reset to None")
     args = ap.parse_args()
     require_gpu("bench_layer.py")
     torch.manual_seed(0)
@@ -359,13 +365,14 @@ def main():
 
     def save():  # after every config: a run cut short keeps what it measured
         with open(os.path.join(args.out, "bench_layer.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, accumulate=args.accumulate,
+                           results=results), f, indent=1)
     for ci in [int(c) for c in args.configs.split(",")]:
         cfg = CONFIGS[ci]
         row = dict(cfg=cfg, impls={})
         for name in impls:
             try:
-                ms, synced, peak, act, held = time_impl(name, cfg, args.iters)
+                ms, synced, peak, act, held = time_impl(name, cfg, args.iters, accumulate=args.accumulate)
                 row["impls"][name] = dict(ms=ms, synced_ms=synced, peak_gib=peak, activation_gib=act, held_gib=held)
             except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
                 row["impls"][name] = dict(error=f"{type(e).__name__}: {e}"[:300])

@@ -249,35 +249,37 @@ def test_gpu_cutlass_wgrad_kernel(counts, M, N):
         assert torch.equal(d, torch._grouped_mm(a[:R].t(), b[:R], offs=offs))
         short = offs.clamp(max=R - 1)  # offsets past R' = R - 1 rows: the last rows' groups truncated
         assert torch.equal(csrc.grouped_mm_wgrad(a[:R - 1], b[:R - 1], offs), csrc.grouped_mm_wgrad(a[:R - 1], b[:R - 1], short))
-    # into fp32: d = (or +=) a_g^T b_g; written, empty groups exactly zero and the bits those of the
-    # fp32 sums torch rounds to bf16; added, empty groups' slices untouched (bitwise). The groups
-    # contiguous, or 8 elements further apart (as an optimizer's flat buffer holds packed experts).
+    # into fp32 or bf16 buffers: d = (or +=) a_g^T b_g; written, empty groups exactly zero and (fp32)
+    # the bits of the fp32 sums the bf16 kernel rounds; added, empty groups' slices untouched
+    # (bitwise). The groups contiguous, or 8 elements further apart (as an optimizer's flat buffer
+    # holds packed experts).
     G = len(counts)
-    for gap in (0, 8):
-        for add in (True, False):
-            d0 = torch.randn(G, M * N + gap, device="cuda")[:, :M * N].view(G, M, N)
-            d1 = csrc.grouped_mm_wgrad_fp32_(a, b, offs, d0.clone(), add)
-            start = 0
-            for g, c in enumerate(counts):
-                if c == 0:
-                    assert torch.equal(d1[g], d0[g] if add else torch.zeros_like(d0[g]))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for gap in (0, 8):
+            for add in (True, False):
+                d0 = torch.randn(G, M * N + gap, device="cuda").to(dtype)[:, :M * N].view(G, M, N)
+                d1 = csrc.grouped_mm_wgrad_into_(a, b, offs, d0.clone(), add)
+                start = 0
+                for g, c in enumerate(counts):
+                    if c == 0:
+                        assert torch.equal(d1[g], d0[g] if add else torch.zeros_like(d0[g]))
+                    else:
+                        want = a[start:start + c].double().t() @ b[start:start + c].double() + (d0[g].double() if add else 0)
+                        assert rel_err(d1[g], want) < tol
+                    start += c
+                out = torch.full((G, M * N + gap), 7.0, device="cuda", dtype=dtype)
+                d2 = csrc.grouped_mm_wgrad_into_(a, b, offs, out[:, :M * N].view(G, M, N), add)
+                assert torch.equal(out[:, M * N:], torch.full_like(out[:, M * N:], 7.0)), "wrote between the groups"
+                if add:
+                    assert torch.equal(d1, csrc.grouped_mm_wgrad_into_(a, b, offs, d0.clone(), add))
                 else:
-                    want = a[start:start + c].double().t() @ b[start:start + c].double() + (d0[g].double() if add else 0)
-                    assert rel_err(d1[g], want) < 1e-5
-                start += c
-            out = torch.full((G, M * N + gap), 7.0, device="cuda")
-            d2 = csrc.grouped_mm_wgrad_fp32_(a, b, offs, out[:, :M * N].view(G, M, N), add)
-            assert torch.equal(out[:, M * N:], torch.full_like(out[:, M * N:], 7.0)), "wrote between the groups"
-            if add:
-                assert torch.equal(d1, csrc.grouped_mm_wgrad_fp32_(a, b, offs, d0.clone(), add))
-            else:
-                assert torch.equal(d1, d2) and torch.equal(d1.bfloat16(), d)
-    with pytest.raises(RuntimeError, match="fp32"):
-        csrc.grouped_mm_wgrad_fp32_(a, b, offs, d0.bfloat16(), True)
+                    assert torch.equal(d1, d2) and torch.equal(d1.bfloat16(), d)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        csrc.grouped_mm_wgrad_into_(a, b, offs, d0.half(), True)
     with pytest.raises(RuntimeError, match=r"\[G, M, N\]"):
-        csrc.grouped_mm_wgrad_fp32_(a, b, offs, d0[:, :, :N - 8].contiguous(), True)
+        csrc.grouped_mm_wgrad_into_(a, b, offs, d0[:, :, :N - 8].contiguous(), True)
     with pytest.raises(RuntimeError, match="contiguous"):
-        csrc.grouped_mm_wgrad_fp32_(a, b, offs, torch.zeros(G, N, M, device="cuda").transpose(1, 2), False)
+        csrc.grouped_mm_wgrad_into_(a, b, offs, torch.zeros(G, N, M, device="cuda").transpose(1, 2), False)
     with pytest.raises(RuntimeError, match="bf16"):
         csrc.grouped_mm_wgrad(a.float(), b.float(), offs)
     with pytest.raises(RuntimeError, match="multiples of 8"):
@@ -395,3 +397,51 @@ def test_gpu_cuda_graph_new_counts(backend, monkeypatch):
         wr = w.detach().double().cpu().requires_grad_()
         per_group(xr, wr, counts.cpu()).backward(dy.double().cpu())
         assert rel_err(x.grad, xr.grad) < 1e-2 and rel_err(w.grad, wr.grad) < 1e-2
+
+
+def check_grad_into_w(R, K, N, G, dtype, device, backend, zero_groups=(), tol=1e-12):
+    """grad_into_w: three micro-batches; the first hands w its gradient through autograd, the next
+    two add into that same .grad tensor inside the GEMM, equal to the sum autograd makes (a hook on
+    w sees no gradient then; its post-accumulate-grad hooks run every time); autograd.grad and
+    backward(inputs=[x]) leave .grad alone."""
+    gen = torch.Generator().manual_seed(R + 3 * K + N + G)
+    counts = random_counts(R, G, gen, zero_groups).to(device)
+    w = torch.randn(G, K, N, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+    w_ref = w.detach().clone().requires_grad_()
+    hooks, after = [], []
+    w.register_hook(lambda g: hooks.append(g is not None))
+    w.register_post_accumulate_grad_hook(lambda p: after.append(p.grad.clone()))
+    batches = [(torch.randn(R, K, generator=gen, dtype=torch.float64).to(device, dtype),
+                torch.randn(R, N, generator=gen, dtype=torch.float64).to(device, dtype)) for _ in range(3)]
+    for i, (x, dy) in enumerate(batches):
+        grouped_mm(x, w, counts, backend=backend, grad_into_w=True).backward(dy)
+        grouped_mm(x, w_ref, counts, backend=backend).backward(dy)
+        if i == 0:
+            first = w.grad
+    assert w.grad is first and hooks == [True, False, False]  # added in place after the first
+    assert rel_err(w.grad, w_ref.grad) < tol and len(after) == 3 and torch.equal(after[-1], w.grad)
+    before = w.grad.clone()
+    x, dy = batches[0]
+    x = x.clone().requires_grad_()
+    (gw,) = torch.autograd.grad(grouped_mm(x, w, counts, backend=backend, grad_into_w=True), [w], dy)
+    (gw_ref,) = torch.autograd.grad(grouped_mm(x, w_ref, counts, backend=backend), [w_ref], dy)
+    assert torch.equal(gw, gw_ref) and torch.equal(w.grad, before)
+    grouped_mm(x, w, counts, backend=backend, grad_into_w=True).backward(dy, inputs=[x])
+    assert torch.equal(w.grad, before)
+
+
+def test_reference_grad_into_w():
+    check_grad_into_w(41, 8, 12, 4, torch.float64, "cpu", "reference", zero_groups=(2,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5)), (4099, 72, 48, 2, ())])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grad_into_w(backend, dtype, shape, monkeypatch):
+    """grad_into_w on every backend: the cutlass backend adds into a bf16 .grad in its own kernel."""
+    R, K, N, G, zero_groups = shape
+    skip_unless_runs(backend, dtype)
+    check_grad_into_w(R, K, N, G, dtype, "cuda", use_backend(backend, monkeypatch), zero_groups,
+                      2e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from test_grouped_gemm import check, check_counts_past_rows, check_main_grad
+from test_grouped_gemm import check, check_counts_past_rows, check_grad_into_w, check_main_grad
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 set before triton kernels are defined")
@@ -29,6 +29,10 @@ def test_triton_interpreter_counts_past_rows():
 def test_triton_interpreter_main_grad(zero_groups, tail, add, layout):
     check_main_grad(70, 24, 40, 5, torch.float32, "cpu", "triton", zero_groups, tail, tol=1e-5, add=add,
                     placeholder=add, layout=layout)
+
+
+def test_triton_interpreter_grad_into_w():
+    check_grad_into_w(70, 24, 40, 5, torch.float32, "cpu", "triton", (1, ), tol=1e-5)
 
 
 def test_triton_interpreter_fp16():

@@ -301,3 +301,34 @@ def test_gpu_cuda_graph_capture_replays_new_routing():
             assert rel(p.grad, pe.grad) < 1e-3, name
         assert torch.equal(layer.expert_load, eager.expert_load)
     assert not torch.equal(loads[0], loads[1])  # the replay really routed anew
+
+
+def check_fused_grad_accumulation(device, dtype, tol, **kw):
+    """fused_grad_accumulation: over three micro-batches every parameter's .grad equals the unfused
+    layer's (the experts' weights added into inside their GEMMs after the first), shared expert too."""
+    torch.manual_seed(5)
+    fused = MoELayer(64, 96, 6, 2, shared_ffn_hidden_size=32, fused_grad_accumulation=True, device=device, dtype=dtype,
+                     backend=None if device == "cpu" else gpu_backend(), **kw)
+    plain = copy.deepcopy(fused)
+    for e in (plain.experts, plain.shared_expert):
+        e.fused_grad_accumulation = False
+    for m in range(3):
+        x = torch.randn(3, 41, 64, device=device, dtype=dtype)
+        for layer in (fused, plain):
+            out, aux = layer(x)
+            (out.float().square().mean() + aux).backward()
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        assert rel(p.grad, q.grad) < tol, name
+
+
+def test_cpu_fused_grad_accumulation():
+    check_fused_grad_accumulation("cpu", torch.float64, 1e-12)
+    with pytest.raises(TypeError, match="fused_grad_accumulation"):
+        MoELayer(8, 8, 2, 1, fused_grad_accumulation=1)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_grad_accumulation(dtype):
+    check_fused_grad_accumulation("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2)

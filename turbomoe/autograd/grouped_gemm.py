@@ -185,14 +185,15 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
              accumulate: bool = True) -> torch.Tensor:
     """dw [G, K, N] = x_g^T @ dy_g per group, no autograd; zero for empty groups. The cutlass backend
     takes torch's kernel where groups average fewer than CUTLASS_WGRAD_MIN_ROWS rows.
-    out (a [G, K, N] float buffer, e.g. an fp32 main_grad): out += dw in place (accumulate), or
-    out = dw, returned. The cutlass backend's kernel does either in its epilogue where out is fp32
-    with each out[g] contiguous and 16-byte aligned (no bf16 dw, no second pass); else out += dw runs
-    inside the Triton kernel (torch's cannot accumulate) where groups average at most
+    out (a [G, K, N] float buffer, e.g. an fp32 main_grad or a bf16 .grad): out += dw in place
+    (accumulate), or out = dw, returned. The cutlass backend's kernel does either in its epilogue where
+    out is fp32 or bf16 with each out[g] contiguous and 16-byte aligned (no second pass); else out += dw
+    runs inside the Triton kernel (torch's cannot accumulate) where groups average at most
     FUSED_WGRAD_MAX_ROWS rows, and otherwise the backend's dw is added or copied."""
     if out is not None:
-        if backend == "cutlass" and out.dtype == torch.float32 and _tma_operands(x_RK, dy_RN) and _tma_groups(out):
-            return csrc.grouped_mm_wgrad_fp32_(x_RK, dy_RN, _offsets(counts_G, x_RK.shape[0], offs_G), out, accumulate)
+        if (backend == "cutlass" and out.dtype in (torch.float32, torch.bfloat16) and _tma_operands(x_RK, dy_RN)
+                and _tma_groups(out)):
+            return csrc.grouped_mm_wgrad_into_(x_RK, dy_RN, _offsets(counts_G, x_RK.shape[0], offs_G), out, accumulate)
         if not accumulate:
             return out.copy_(mm_wgrad(x_RK, dy_RN, counts_G, backend, offs_G))
         few_rows = x_RK.shape[0] <= FUSED_WGRAD_MAX_ROWS * counts_G.shape[0]
@@ -214,17 +215,41 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
     return _reference_wgrad(x_RK, dy_RN, counts_G)
 
 
+def _accumulates_into_grad(w: torch.Tensor) -> bool:
+    """Whether the running backward will accumulate into leaf w's .grad (backward(), not
+    autograd.grad or backward(inputs=...) without w). torch raises for a leaf asked about inside
+    autograd.grad: that backward does not touch .grad."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node)
+    except RuntimeError:
+        return False
+
+
 class GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN=None, main_grad_add=True,
-                main_grad_placeholder=True):
+                main_grad_placeholder=True, grad_into_w=False):
         if backend in ("torch", "cutlass"):
             offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
         ctx.backend, ctx.main_grad = backend, main_grad_GKN  # written in backward, so not saved
         ctx.main_grad_add, ctx.main_grad_placeholder = main_grad_add, main_grad_placeholder
+        ctx.grad_into_w = grad_into_w
         return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
+
+    @staticmethod
+    def _sink(ctx, w_GKN):
+        """(buffer, add, placeholder) that w's gradient goes to inside the GEMM, or None: the main_grad,
+        else with grad_into_w the .grad a leaf w already holds, in w's layout (read when the backward
+        runs, so a .grad cleared or replaced after the forward is honoured)."""
+        if ctx.main_grad is not None:
+            return ctx.main_grad, ctx.main_grad_add, ctx.main_grad_placeholder
+        if ctx.grad_into_w and w_GKN.is_leaf and _accumulates_into_grad(w_GKN):
+            g = w_GKN.grad
+            if g is not None and g.is_floating_point() and g.shape == w_GKN.shape and g.stride() == w_GKN.stride():
+                return g, True, False
+        return None
 
     @staticmethod
     def backward(ctx, dy_RN):
@@ -236,18 +261,20 @@ class GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # w (or main_grad) each group's [N, K] block seen transposed (nn.Linear weights stacked): dw
             # made in that layout, dy^T x, so it reaches the parameters without a transposing copy each.
-            like = w_GKN if ctx.main_grad is None else ctx.main_grad
+            sink = GroupedMM._sink(ctx, w_GKN)
+            like = w_GKN if sink is None else sink[0]
             transposed = like.stride(1) == 1 and like.stride(2) != 1
             a_RK, b_RN = (dy_RN, x_RK) if transposed else (x_RK, dy_RN)
-            if ctx.main_grad is not None:  # the sum in main_grad
-                out = ctx.main_grad.transpose(1, 2) if transposed else ctx.main_grad
-                mm_wgrad(a_RK, b_RN, counts_G, ctx.backend, offs_G, out=out, accumulate=ctx.main_grad_add)
+            if sink is not None:  # the sum in the buffer
+                buf, add, placeholder = sink
+                mm_wgrad(a_RK, b_RN, counts_G, ctx.backend, offs_G, out=buf.transpose(1, 2) if transposed else buf,
+                         accumulate=add)
                 # Megatron's protocol: w gets a gradient, unread, so that its hooks still fire
-                dw = torch.empty_like(w_GKN) if ctx.main_grad_placeholder else None
+                dw = torch.empty_like(w_GKN) if placeholder else None
             else:
                 dw = mm_wgrad(a_RK, b_RN, counts_G, ctx.backend, offs_G)
                 dw = dw.transpose(1, 2) if transposed else dw
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 class GroupBias(torch.autograd.Function):
@@ -298,7 +325,7 @@ def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: tor
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
                backend: Optional[str] = None, offs_G: Optional[torch.Tensor] = None,
                main_grad_GKN: Optional[torch.Tensor] = None, main_grad_add: bool = True,
-               main_grad_placeholder: bool = True) -> torch.Tensor:
+               main_grad_placeholder: bool = True, grad_into_w: bool = False) -> torch.Tensor:
     """y [R, N] with y[rows_g] = x[rows_g] @ w[g]; differentiable in x and w; see the module doc.
 
     offs_G: row_offsets(counts_G), if the caller already has it (one launch fewer per GEMM).
@@ -308,6 +335,13 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     main_grad_placeholder it hands w an uninitialised gradient, as Megatron's linears do, so that w's
     gradient hooks still run: the caller marks w as Megatron marks it (grad_added_to_main_grad) so
     that nothing reads that tensor; without, w gets no gradient.
+    grad_into_w: where w is a leaf that already holds a .grad of its layout when a backward that
+    accumulates into it runs (micro-batches accumulating; not autograd.grad), w's gradient is added
+    into that .grad inside the weight-gradient GEMM (no separate gradient and no add after it:
+    autograd's AccumulateGrad reads and writes .grad and reads the new gradient), and autograd gets
+    none for w: a hook on w itself (Tensor.register_hook) sees None and cannot change the gradient;
+    hooks that run after accumulation (register_post_accumulate_grad_hook) run as usual and read the
+    sum in .grad. Without a .grad (the first micro-batch) w's gradient goes through autograd as usual.
     """
     check_grouped_mm_args(x_RK, w_GKN, counts_G)
     if main_grad_GKN is not None:
@@ -326,4 +360,5 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
         if backend in ("torch", "cutlass"):  # the offsets GroupedMM.forward would make, as a traced op
             offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         return custom_ops.grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend)
-    return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN, main_grad_add, main_grad_placeholder)
+    return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN, main_grad_add, main_grad_placeholder,
+                           grad_into_w)

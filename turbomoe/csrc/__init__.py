@@ -28,7 +28,7 @@ from ..reference import Slots, as_contiguous, aux_loss_coefficient, compute_dtyp
 MAX_EXPERTS = 1024  # mirrors common.cuh, whose kernels check it too; read here without building them
 _SOURCES = ("bindings.cpp", "gating.cu", "slots.cu", "rows.cu", "sampling.cu", "shuffling.cu")
 _GMM_SOURCES = ("grouped_gemm_bindings.cpp", "grouped_gemm_nn.cu", "grouped_gemm_nt.cu", "grouped_gemm_tn.cu",
-                "grouped_gemm_tn_fp32.cu")
+                "grouped_gemm_tn_fp32_into.cu", "grouped_gemm_tn_bf16_into.cu")
 _POLICIES = {"position": 0, "rts": 1, "probs": 2}
 
 
@@ -109,12 +109,12 @@ def grouped_mm_wgrad(a_RM: torch.Tensor, b_RN: torch.Tensor, offs_G: torch.Tenso
     return gmm_extension().grouped_mm_wgrad(a_RM, b_RN, offs_G)
 
 
-def grouped_mm_wgrad_fp32_(a_RM: torch.Tensor, b_RN: torch.Tensor, offs_G: torch.Tensor, d_GMN: torch.Tensor,
+def grouped_mm_wgrad_into_(a_RM: torch.Tensor, b_RN: torch.Tensor, offs_G: torch.Tensor, d_GMN: torch.Tensor,
                            accumulate: bool) -> torch.Tensor:
-    """d [G, M, N] fp32, each d[g] a contiguous [M, N] (the groups any 16-byte-aligned distance apart):
-    d[g] = a[rows_g]^T @ b[rows_g] in place (zero for empty groups), or with accumulate d[g] += it
-    (empty groups untouched); d returned."""
-    return gmm_extension().grouped_mm_wgrad_fp32_(a_RM, b_RN, offs_G, d_GMN, accumulate)
+    """d [G, M, N] fp32 or bf16, each d[g] a contiguous [M, N] (the groups any 16-byte-aligned distance
+    apart): d[g] = a[rows_g]^T @ b[rows_g] in place (zero for empty groups), or with accumulate d[g] +=
+    it (empty groups untouched); d returned."""
+    return gmm_extension().grouped_mm_wgrad_into_(a_RM, b_RN, offs_G, d_GMN, accumulate)
 
 
 def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: bool, bias_E=None):

@@ -241,14 +241,15 @@ __global__ void prepare_wgrad_groups(const int* __restrict__ offs, int num_group
 
 // d [G, M, N] (each d[g] a contiguous [M, N], 16-byte aligned; allocated by the caller) =
 // a[rows_g]^T @ b[rows_g] from a [R, M], b [R, N] and offs [G], d bf16 or fp32 (an fp32 main_grad
-// written in place: no bf16 gradient and no cast after); or, d fp32 and accumulate, d +=
-// a[rows_g]^T @ b[rows_g] (empty groups untouched: Megatron's gradient-accumulation fusion).
+// written in place: no bf16 gradient and no cast after); or, with a source (kSource) and accumulate,
+// d += a[rows_g]^T @ b[rows_g] (empty groups untouched: Megatron's gradient-accumulation fusion into an
+// fp32 main_grad, or into a bf16 .grad). Without kSource the epilogue keeps no shared memory for C.
 // Shapes checked by the caller.
-template <class Out>
+template <class Out, bool kSource>
 void grouped_mm_wgrad_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d,
                            bool accumulate) {
   using G = Gemm<cutlass::layout::ColumnMajor, Row, cute::Shape<cute::_128, cute::_256, cute::_64>,
-                 cute::Shape<cute::_2, cute::_1, cute::_1>, Out, std::conditional_t<std::is_same_v<Out, float>, float, void>>;
+                 cute::Shape<cute::_2, cute::_1, cute::_1>, Out, std::conditional_t<kSource, Out, void>>;
   const int num_groups = static_cast<int>(offs.size(0));
   const int M = static_cast<int>(a.size(1)), N = static_cast<int>(b.size(1));
   run_grouped<G>(a, num_groups, [&](GroupArgs<G>& ga, cudaStream_t stream) {

@@ -7,7 +7,8 @@ namespace turbomoe {
 void grouped_mm_nn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y);
 void grouped_mm_nt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::Tensor& y);
 void grouped_mm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d);
-void grouped_mm_tn_fp32(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d, bool accumulate);
+void grouped_mm_tn_fp32_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d, bool accumulate);
+void grouped_mm_tn_bf16_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d, bool accumulate);
 
 // y [R, N] with y[rows_g] = x[rows_g] @ w[g]; rows past offs[G-1] unspecified.
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
@@ -62,22 +63,24 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& a, const at::Tensor& b, const at::
   return d;
 }
 
-// d[g] = (accumulate: +=) a[rows_g]^T @ b[rows_g] in place, d an fp32 [G, M, N] whose groups are
-// contiguous [M, N] blocks any 16-byte-aligned distance apart (a main_grad, or an optimizer's flat
-// fp32 gradients seen per expert); written, empty groups get zeros, added, they are untouched. Returns d.
-at::Tensor grouped_mm_wgrad_fp32_(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor d,
+// d[g] = (accumulate: +=) a[rows_g]^T @ b[rows_g] in place, d an fp32 or bf16 [G, M, N] whose groups
+// are contiguous [M, N] blocks any 16-byte-aligned distance apart (a main_grad, an optimizer's flat fp32
+// gradients seen per expert, or a parameter's .grad); written, empty groups get zeros, added, they are
+// untouched. Returns d.
+at::Tensor grouped_mm_wgrad_into_(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor d,
                                   bool accumulate) {
   check_wgrad_args(a, b, offs);
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.device() == a.device(),
-              "grouped_mm_wgrad_fp32_: d must be an fp32 tensor on a's device");
+  const bool fp32 = d.scalar_type() == at::kFloat;
+  TORCH_CHECK((fp32 || d.scalar_type() == at::kBFloat16) && d.device() == a.device(),
+              "grouped_mm_wgrad_into_: d must be an fp32 or bf16 tensor on a's device");
   TORCH_CHECK(d.dim() == 3 && d.size(0) == offs.size(0) && d.size(1) == a.size(1) && d.size(2) == b.size(1),
-              "grouped_mm_wgrad_fp32_: d must be [G, M, N]");
+              "grouped_mm_wgrad_into_: d must be [G, M, N]");
   if (d.numel() == 0) return d;
-  TORCH_CHECK(d.stride(2) == 1 && d.stride(1) == d.size(2) && (d.size(0) == 1 || d.stride(0) % 4 == 0) &&
+  TORCH_CHECK(d.stride(2) == 1 && d.stride(1) == d.size(2) && (d.size(0) == 1 || d.stride(0) * d.element_size() % 16 == 0) &&
                   reinterpret_cast<uintptr_t>(d.data_ptr()) % 16 == 0,
-              "grouped_mm_wgrad_fp32_: each d[g] must be a contiguous [M, N], 16-byte aligned");
+              "grouped_mm_wgrad_into_: each d[g] must be a contiguous [M, N], 16-byte aligned");
   if (a.size(0) == 0) return accumulate ? d : d.zero_();
-  grouped_mm_tn_fp32(a, b, offs, d, accumulate);
+  (fp32 ? grouped_mm_tn_fp32_into : grouped_mm_tn_bf16_into)(a, b, offs, d, accumulate);
   return d;
 }
 }  // namespace turbomoe
@@ -85,6 +88,6 @@ at::Tensor grouped_mm_wgrad_fp32_(const at::Tensor& a, const at::Tensor& b, cons
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_mm", &turbomoe::grouped_mm, "y[rows_g] = x[rows_g] @ w[g] over expert-contiguous rows (CUTLASS, sm90)");
   m.def("grouped_mm_wgrad", &turbomoe::grouped_mm_wgrad, "d[g] = a[rows_g]^T @ b[rows_g] over expert-contiguous rows (CUTLASS, sm90)");
-  m.def("grouped_mm_wgrad_fp32_", &turbomoe::grouped_mm_wgrad_fp32_,
-        "d[g] = (or +=) a[rows_g]^T @ b[rows_g] in place, d fp32 (CUTLASS, sm90)");
+  m.def("grouped_mm_wgrad_into_", &turbomoe::grouped_mm_wgrad_into_,
+        "d[g] = (or +=) a[rows_g]^T @ b[rows_g] in place, d fp32 or bf16 (CUTLASS, sm90)");
 }

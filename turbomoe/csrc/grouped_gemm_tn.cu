@@ -3,6 +3,6 @@
 
 namespace turbomoe {
 void grouped_mm_tn(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d) {
-  gmm::grouped_mm_wgrad_into<cutlass::bfloat16_t>(a, b, offs, d, false);
+  gmm::grouped_mm_wgrad_into<cutlass::bfloat16_t, false>(a, b, offs, d, false);
 }
 }  // namespace turbomoe

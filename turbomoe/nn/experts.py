@@ -30,11 +30,18 @@ class GroupedExperts(nn.Module):
     is remade from the first GEMM's output in backward instead of kept. A row scale s [R] (swiglu,
     no b2) weighs each row inside the activation, y_r = (s_r a_r) W2 = s_r (a_r W2), and takes its
     gradient there (from the activation's output gradient and h), with no use of y.
+    fused_grad_accumulation: w1's and w2's gradients of a backward after the first (their .grad
+    kept, micro-batches accumulating) are added into .grad inside the weight-gradient GEMMs
+    (grouped_mm's grad_into_w: a hook on the weight itself then sees no gradient; post-accumulate
+    hooks run and read the sum).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
-                 bias: bool = False, gmm_backend: Optional[str] = None, device=None, dtype=None):
+                 bias: bool = False, gmm_backend: Optional[str] = None, device=None, dtype=None,
+                 fused_grad_accumulation: bool = False):
         super().__init__()
+        ops.check_bool("fused_grad_accumulation", fused_grad_accumulation)
+        self.fused_grad_accumulation = fused_grad_accumulation
         for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                             ("ffn_hidden_size", ffn_hidden_size)):
             ops.check_int(name, value, 1)
@@ -68,13 +75,14 @@ class GroupedExperts(nn.Module):
                              "with the second GEMM)")
         offs_E = row_offsets(counts_E)  # once for all four GEMM launches
         groups_R = row_groups(offs_E, x_RM.shape[0]) if b1 is not None else None
-        h = grouped_mm(x_RM, w1, counts_E, self.gmm_backend, offs_E)
+        fused = self.fused_grad_accumulation
+        h = grouped_mm(x_RM, w1, counts_E, self.gmm_backend, offs_E, grad_into_w=fused)
         if groups_R is not None:
             h = add_group_bias(h, b1, groups_R)
         a = self._act(h, row_scale_R)
         if remake is not None:
             remake.add(a, lambda: self._act(h, row_scale_R))  # h is kept by the activation's own backward
-        y = grouped_mm(a, w2, counts_E, self.gmm_backend, offs_E)
+        y = grouped_mm(a, w2, counts_E, self.gmm_backend, offs_E, grad_into_w=fused)
         if groups_R is not None:
             y = add_group_bias(y, b2, groups_R)
         return y

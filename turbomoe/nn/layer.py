@@ -31,6 +31,8 @@ class MoELayer(nn.Module):
     recompute=True keeps less for backward: the expert rows and the activation are remade from what
     the router and the activation keep anyway (turbomoe.nn.recompute; eager, and not inside another
     saved-tensor policy such as activation checkpointing, which recomputes the whole layer already).
+    fused_grad_accumulation=True: over micro-batches, the experts' weight gradients are added into
+    their .grad inside the weight-gradient GEMMs (see GroupedExperts for what hooks then see).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, k: int, *,
@@ -38,7 +40,8 @@ class MoELayer(nn.Module):
                  bias: bool = False, capacity_factor: Optional[float] = None, min_capacity: int = 0,
                  drop_policy: str = "position", aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
                  expert_bias: bool = False, shared_ffn_hidden_size: int = 0, backend: Optional[str] = None,
-                 gmm_backend: Optional[str] = None, seed: int = 0, recompute: bool = False, device=None, dtype=None):
+                 gmm_backend: Optional[str] = None, seed: int = 0, recompute: bool = False,
+                 fused_grad_accumulation: bool = False, device=None, dtype=None):
         super().__init__()
         # The sizes, k and renormalize are checked by the router and the experts.
         ops.check_int("min_capacity", min_capacity, 0)
@@ -56,8 +59,10 @@ class MoELayer(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.router = TopKRouter(hidden_size, num_experts, k, score_func, renormalize, aux_loss_coef,
                                  z_loss_coef, expert_bias, backend=backend, **kw)
-        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation, bias, gmm_backend, **kw)
-        self.shared_expert = (GroupedExperts(1, hidden_size, shared_ffn_hidden_size, activation, bias, gmm_backend, **kw)
+        kw_experts = dict(kw, fused_grad_accumulation=fused_grad_accumulation)
+        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation, bias, gmm_backend, **kw_experts)
+        self.shared_expert = (GroupedExperts(1, hidden_size, shared_ffn_hidden_size, activation, bias, gmm_backend,
+                                             **kw_experts)
                               if shared_ffn_hidden_size else None)
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int32, device=device),
                              persistent=False)

@@ -3,7 +3,7 @@
 #include "grouped_gemm.cuh"
 
 namespace turbomoe {
-void grouped_mm_tn_fp32(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d, bool accumulate) {
-  gmm::grouped_mm_wgrad_into<float>(a, b, offs, d, accumulate);
+void grouped_mm_tn_fp32_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, at::Tensor& d, bool accumulate) {
+  gmm::grouped_mm_wgrad_into<float, true>(a, b, offs, d, accumulate);
 }
 }  // namespace turbomoe
