@@ -81,21 +81,29 @@ def _alias_stride_cached(blocks: List[List[torch.Tensor]]) -> Optional[int]:
     return _ALIAS_STRIDES[key]
 
 
+def _stacked_shape(blocks: List[List[torch.Tensor]]) -> tuple:
+    """[E, rows, *rest]: the shape of blocks seen as one tensor."""
+    return (len(blocks), sum(t.shape[0] for t in blocks[0])) + tuple(blocks[0][0].shape[1:])
+
+
+def _stacked_layout(blocks: List[List[torch.Tensor]], stride: int):
+    """(shape, strides) of blocks seen as one [E, rows, *rest] tensor, expert blocks stride apart."""
+    shape = _stacked_shape(blocks)
+    return shape, (stride, ) + torch.empty(shape[1:], device="meta").stride()
+
+
 def stack_expert_tensors(blocks: List[List[torch.Tensor]]) -> torch.Tensor:
     """[E, rows, *rest]: expert e's tensors concatenated along dim 0, stacked over experts.
 
     Aliases the parameters' storage when it can (no copy) eagerly; otherwise, and under torch.compile,
     copies them (torch.stack).
     """
-    block_rows = [t.shape[0] for t in blocks[0]]
-    first = blocks[0][0]
-    shape = (len(blocks), sum(block_rows)) + tuple(first.shape[1:])
     # While compiling, a copy: the alias check reads storage addresses, which the compiler cannot trace.
     stride = None if torch.compiler.is_compiling() else _alias_stride_cached(blocks)
     if stride is None:  # the tensors of a block have equal rows ([w1; w3]), so stacking them all works
-        return torch.stack([t for block in blocks for t in block]).view(shape)
-    inner = torch.empty(shape[1:], device="meta").stride()
-    return _AliasStack.apply(shape, (stride, ) + inner, block_rows, *[t for block in blocks for t in block])
+        return torch.stack([t for block in blocks for t in block]).view(_stacked_shape(blocks))
+    shape, strides = _stacked_layout(blocks, stride)
+    return _AliasStack.apply(shape, strides, [t.shape[0] for t in blocks[0]], *[t for block in blocks for t in block])
 
 
 # (buffers by parameter, add) while weight_grad_buffers is active; None otherwise (the usual case).
@@ -138,8 +146,7 @@ def stacked_grad_buffer(blocks: List[List[torch.Tensor]]) -> Optional[Tuple[torc
     if stride is None:
         return None
     first = views[0][0]
-    shape = (len(views), sum(t.shape[0] for t in views[0])) + tuple(first.shape[1:])
-    return first.as_strided(shape, (stride, ) + torch.empty(shape[1:], device="meta").stride(), first.storage_offset()), add
+    return first.as_strided(*_stacked_layout(views, stride), first.storage_offset()), add
 
 
 def pack_expert_params(experts: nn.ModuleList) -> None:
