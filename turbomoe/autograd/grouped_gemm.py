@@ -87,7 +87,8 @@ def _tma_operands(*tensors: torch.Tensor) -> bool:
 
 
 def _tma_groups(d: torch.Tensor) -> bool:
-    """Each d[g] a contiguous [M, N], the groups 16-byte-aligned apart: the fp32 weight-gradient kernel's out."""
+    """Each d[g] a contiguous [M, N], the groups 16-byte-aligned apart: what turbomoe's CUTLASS
+    weight-gradient kernels write into in place (grouped_mm_wgrad_into_)."""
     G, M, N = d.shape
     return (d.stride()[1:] == (N, 1) and (G == 1 or d.stride(0) * d.element_size() % 16 == 0)
             and _aligned16(d))

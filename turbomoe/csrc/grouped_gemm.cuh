@@ -20,10 +20,10 @@
 // i mod #SMs) a long group's tiles land on a run of SMs and the step waits for them. The problems
 // are handed over longest first (LPT order; results do not depend on it: one CTA sums each tile in
 // row order). Empty groups get no problem (CUTLASS leaves a K = 0 problem's accumulators unset, and
-// TMA refuses a zero extent): the same kernel writes their zeros. d may be fp32 (an fp32 gradient
-// buffer written directly), and then the kernel may add to it instead (d read as the epilogue's C:
-// gradient-accumulation fusion into a main_grad; 1.19-1.52x a bf16 dw and an add, 1.23-1.33x the
-// Triton kernel's fused add, H100, 2026-11-25). Tile 128 x 256 x 64 as above, with
+// TMA refuses a zero extent): the same kernel writes their zeros. d may also be fp32 (an fp32 gradient
+// buffer written directly), and the instantiations with a source may add to d instead (d read as the
+// epilogue's C: gradient-accumulation fusion into an fp32 main_grad, 1.19-1.52x a bf16 dw and an add,
+// 1.23-1.33x the Triton kernel's fused add, H100, 2026-11-25; or into a bf16 .grad). Tile 128 x 256 x 64 as above, with
 // 2 x 1 clusters (as torch._grouped_mm's kernel, whose bits it matches): against that kernel on the
 // H100 (notes/bench_layer.md, 2026-11-25) 0.99-1.04x as fast with balanced groups of 2048-4096 rows,
 // up to 1.22x with unbalanced ones; 0.96-1.07x at 256-768 rows a group, where the caller keeps torch's.
@@ -61,7 +61,7 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 
 // Tile and Cluster are template parameters, not member aliases: a builder type that does not depend
 // on the template's parameters is instantiated early, and nvcc's host pass then fails on CUTLASS.
-// Out: d's element type; Src: void (d = acc) or float (d = acc + d, d read as C: an fp32 main_grad).
+// Out: d's element type; Src: void (d = acc) or Out (d = acc + beta d, d read as C unless beta is 0).
 template <class LayoutA, class LayoutB, class Tile = cute::Shape<cute::_128, cute::_256, cute::_64>,
           class Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>, class Out = Elt, class Src = void>
 struct Gemm {
@@ -85,14 +85,13 @@ struct Gemm {
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 };
 
-// One thread per group: its shape (rows, N, K), operand pointers and packed strides. Templated on
-// the stride types themselves, not on Gemm: nvcc's host stub cannot spell Gemm's nested aliases.
-// Offsets are clamped to [0, R]: counts that sum past R (a caller's error the host cannot see
-// without a sync) truncate the last groups, as the reference's slicing does, instead of writing
-// out of bounds.
-// Offset g clamped to [0, R] (the inclusive end of group g's rows).
+// Offset g clamped to [0, R] (the inclusive end of group g's rows): counts that sum past R (a
+// caller's error the host cannot see without a sync) truncate the last groups, as the reference's
+// slicing does, instead of writing out of bounds.
 __device__ __forceinline__ int clamped_offset(const int* __restrict__ offs, int g, int R) { return min(max(offs[g], 0), R); }
 
+// One thread per group: its shape (rows, N, K), operand pointers and packed strides. Templated on
+// the stride types themselves, not on Gemm: nvcc's host stub cannot spell Gemm's nested aliases.
 template <class Shape3, class StrideA, class StrideB, class StrideD>
 __global__ void prepare_groups(const int* __restrict__ offs, int num_groups, int R, int K, int N, const Elt* x,
                                const Elt* w, int64_t group_stride, Elt* y, Shape3* shapes, const Elt** ptr_x, const Elt** ptr_w, Elt** ptr_y,
