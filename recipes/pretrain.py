@@ -35,7 +35,7 @@ from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
 from turbomoe.kernels.adamw import adamw_step  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
 from turbomoe.models.compile import compile_dense_blocks, compile_moe_blocks  # noqa: E402
-from turbomoe.models.cuda_graph import graph_training_forward  # noqa: E402
+from turbomoe.models.cuda_graph import coalesce_adds, graph_training_forward  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -174,6 +174,7 @@ def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
     norms_over_flat_gradients(engine)
     reduce_flat_gradients(engine)
     step_without_host_sync(engine)
+    accumulate_with_coalesced_adds(engine)
     actual = groups._get_expert_parallel_rank(f"ep_size_{moe.ep_size}")
     if actual != ep_rank:
         raise RuntimeError(f"rank {rank}: DeepSpeed placed this rank at expert-parallel rank {actual}, "
@@ -247,6 +248,40 @@ def reduce_flat_gradients(engine):
                 reduce(flat, groups._get_expert_data_parallel_group(name), dp_world_size)
 
     engine.buffered_allreduce_fallback = buffered_allreduce_fallback
+
+
+def accumulate_with_coalesced_adds(engine):
+    """BF16_Optimizer's accumulation of each micro-batch's bf16 gradients into its fp32 gradients in
+    one add per run of gradients that lie at one stride (the experts' are views of one stacked
+    gradient per layer and weight, their fp32 buffers follow the parameter order; the cast rides in
+    the add), and the bf16 gradients set to None before each backward, so that autograd hands its
+    gradient over instead of adding it into a zeroed one. DeepSpeed's zeroes every bf16 gradient,
+    lets autograd add into it and then casts and adds each parameter's apart: four kernels and a
+    Python call a parameter and micro-batch, which held the host of an eager step (1b-4gpu at
+    ep_size 2: 915 parameters, notes/recipe_profile.md). The same fp32 sums, bit for bit. Not with
+    DeepSpeed's immediate_grad_update (its hooks add each gradient as it comes) or AutoEP folding."""
+    opt = engine.optimizer
+    if (not isinstance(opt, BF16_Optimizer) or opt.immediate_grad_update
+            or getattr(opt, "autoep_folding_tp_group", None) is not None):
+        return
+    params = [(lp, hp, i, j) for i, (lps, hps) in enumerate(zip(opt.bf16_groups, opt.fp32_groups_gradients))
+              for j, (lp, hp) in enumerate(zip(lps, hps))]
+
+    @torch.no_grad()
+    def update_hp_grads(clear_lp_grads=False):
+        pairs = []
+        for lp, hp, i, j in params:
+            if lp.grad is not None:
+                pairs.append((hp.view(-1), lp.grad.reshape(-1)))
+                lp._hp_grad = hp
+                opt.fp32_groups_has_gradients[i][j] = True
+        for dst, src in coalesce_adds(pairs):
+            dst.add_(src)
+        if clear_lp_grads:
+            opt.clear_lp_grads()
+
+    opt.update_hp_grads = update_hp_grads
+    opt.backward_prologue = lambda: opt.clear_lp_grads(set_to_none=True)
 
 
 def step_without_host_sync(engine):

@@ -11,7 +11,10 @@ engine and step function), timed three ways on one GPU.
              and the total per phase (record_function ranges)
   host       with --host-profile: cProfile of the host's Python over queued steps, by function
 
-Runs as one process (no launcher needed: it sets the single-rank environment itself).
+Runs as one process (no launcher needed: it sets the single-rank environment itself), or under the
+deepspeed launcher as the recipe does, one rank a GPU (`deepspeed --num_gpus 2 scripts/profile_recipe.py
+--config recipes/configs/1b-4gpu.yaml --set moe.ep_size=2`): every rank steps, rank 0 prints and traces
+(MFU over all ranks' GPUs).
 """
 import argparse
 import contextlib
@@ -38,6 +41,7 @@ from turbomoe.models.compile import compile_dense_blocks  # noqa: E402
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="steps of the queued and phases timings")
@@ -57,28 +61,31 @@ def main():
     cfg, _, samples = pretrain.prepare(args)
     if not torch.cuda.is_available():
         sys.exit("profile_recipe.py needs a GPU")
-    torch.cuda.set_device(0)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    say = print if rank == 0 else (lambda *args, **kwargs: None)
     t = cfg.train
-    engine, model = pretrain.build_engine(cfg, 0, pretrain.deepspeed_config(cfg, 1, t.precision != "fp32"))
-    device = torch.device("cuda", 0)
+    engine, model = pretrain.build_engine(cfg, rank, pretrain.deepspeed_config(cfg, world, t.precision != "fp32"))
+    device = torch.device("cuda", local_rank)
     if a.then_compile and t.cuda_graph:
         sys.exit("--then-compile would compile blocks the captured graphs do not run: drop train.cuda_graph")
     t0 = time.perf_counter()
     pretrain.capture_step(cfg, engine, model, pretrain.to_device(
-        samples.train_batch(0, 0, t.grad_accum, 0, 1, t.micro_batch_size), device))
+        samples.train_batch(0, 0, t.grad_accum, rank, world, t.micro_batch_size), device))
     if t.cuda_graph:
-        print(f"train.cuda_graph: captured in {time.perf_counter() - t0:.1f} s")
-    tokens = t.micro_batch_size * t.grad_accum * cfg.data.seq_len
+        say(f"train.cuda_graph: captured in {time.perf_counter() - t0:.1f} s")
+    tokens = t.micro_batch_size * t.grad_accum * cfg.data.seq_len * world  # a step, all ranks
     flops = tokens * cfg.model.flops_per_token(cfg.data.seq_len)
-    peak = pretrain.peak_flops(t.peak_tflops, on_gpu=True)  # this profile runs on one GPU
+    peak = world * pretrain.peak_flops(t.peak_tflops, on_gpu=True)  # all ranks' GPUs
     pending = pretrain.PendingStats(len(cfg.model.moe_layers()), cfg.model.num_experts)
     step_no = [0]
 
     def batches():
         s = step_no[0]
         step_no[0] += 1
-        return [pretrain.to_device(samples.train_batch(s, m, t.grad_accum, 0, 1, t.micro_batch_size), device)
+        return [pretrain.to_device(samples.train_batch(s, m, t.grad_accum, rank, world, t.micro_batch_size), device)
                 for m in range(t.grad_accum)]
 
     def step(phase=lambda name: contextlib.nullcontext()):
@@ -87,9 +94,9 @@ def main():
         pending.add(step_no[0], lr, stats, engine.get_global_grad_norm())
         if len(pending.steps) == cfg.log.every:
             with phase("log read"):
-                pending.read(t.grad_accum, 1)
+                pending.read(t.grad_accum, world)
 
-    valid = pretrain.to_device(samples.valid_batches(0, 1, t.micro_batch_size, 1)[0], device)
+    valid = pretrain.to_device(samples.valid_batches(rank, world, t.micro_batch_size, 1)[0], device)
 
     def fixed_loss():
         """The loss of one validation batch at the current weights (eager vs compiled)."""
@@ -99,7 +106,7 @@ def main():
     def measure(label):
         for _ in range(a.warmup):
             step()
-        pending.read(t.grad_accum, 1)
+        pending.read(t.grad_accum, world)
         torch.cuda.synchronize()
 
         # queued: as the recipe runs
@@ -109,10 +116,10 @@ def main():
         for _ in range(a.steps):
             step()
         end.record()
+        host_ms = 1e3 * (time.perf_counter() - t0) / a.steps  # before the wait: the host's issue of the steps
         end.synchronize()
-        host_ms = 1e3 * (time.perf_counter() - t0) / a.steps
         queued_ms = start.elapsed_time(end) / a.steps
-        pending.read(t.grad_accum, 1)
+        pending.read(t.grad_accum, world)
 
         # phases: each waited for
         times = {}
@@ -127,7 +134,7 @@ def main():
 
         for _ in range(a.steps):
             step(timed)
-        pending.read(t.grad_accum, 1)
+        pending.read(t.grad_accum, world)
 
         # profiler
         from torch.profiler import ProfilerActivity, profile, record_function
@@ -136,7 +143,7 @@ def main():
                 with record_function("train step"):
                     step(record_function)
             torch.cuda.synchronize()
-        if a.trace:
+        if a.trace and rank == 0:
             prof.export_chrome_trace(a.trace.replace(".json", f"-{label.replace(' ', '_')}.json"))
 
         host_profile = None
@@ -153,32 +160,32 @@ def main():
             buf = io.StringIO()
             pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(a.top)
             host_profile = buf.getvalue()
-            pending.read(t.grad_accum, 1)
+            pending.read(t.grad_accum, world)
 
         avg = prof.key_averages()
-        print(f"\n## {cfg.name} [{label}]: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        say(f"\n## {cfg.name} [{label}]: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-        print(f"optimizer {type(engine.optimizer).__name__} over {type(engine.basic_optimizer).__name__}, "
+        say(f"optimizer {type(engine.optimizer).__name__} over {type(engine.basic_optimizer).__name__}, "
               f"moe_impl {model.moe_impl}, zero {t.zero_stage}, fused_adamw {t.fused_adamw}, "
               f"compile {t.compile}, cuda_graph {t.cuda_graph}, "
               f"backends {os.environ.get('TURBOMOE_BACKEND', 'default')}/{os.environ.get('TURBOMOE_GMM_BACKEND', 'default')}")
         mfu = f", MFU {100 * flops / (queued_ms / 1e3) / peak:.1f}%" if peak else ""
-        print(f"queued: {queued_ms:.1f} ms/step (host issue {host_ms:.1f} ms/step), "
+        say(f"queued: {queued_ms:.1f} ms/step (host issue {host_ms:.1f} ms/step: issuing them, waits inside a step included), "
               f"{tokens / queued_ms * 1e3:,.0f} tokens/s{mfu}")
-        print("phases (each waited for, median ms over %d steps): " % a.steps
+        say("phases (each waited for, median ms over %d steps): " % a.steps
               + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items())
               + f"; sum {sum(statistics.median(v) for v in times.values()):.1f}")
-        print("profiler, per phase (ms per step: CPU total, CUDA total):")
+        say("profiler, per phase (ms per step: CPU total, CUDA total):")
         for e in avg:
             if e.key in ("train step", "forward", "backward", "step", "log read"):
                 n = a.profile_steps
-                print(f"  {e.key:12s} cpu {e.cpu_time_total / 1e3 / n:8.1f}  cuda {e.device_time_total / 1e3 / n:8.1f}")
-        print(f"top {a.top} ops by self CUDA time (over {a.profile_steps} steps):")
-        print(avg.table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
-        print(f"top {a.top} ops by self CPU time:")
-        print(avg.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+                say(f"  {e.key:12s} cpu {e.cpu_time_total / 1e3 / n:8.1f}  cuda {e.device_time_total / 1e3 / n:8.1f}")
+        say(f"top {a.top} ops by self CUDA time (over {a.profile_steps} steps):")
+        say(avg.table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
+        say(f"top {a.top} ops by self CPU time:")
+        say(avg.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
         if host_profile:
-            print(f"host Python over {a.steps} queued steps (cProfile, by own time):\n{host_profile}")
+            say(f"host Python over {a.steps} queued steps (cProfile, by own time):\n{host_profile}")
 
     label = a.label or " ".join(a.set) or "as configured"
     measure(label)
@@ -189,7 +196,7 @@ def main():
         compiled_loss = fixed_loss()  # same weights: compiles the no-grad graphs
         step()  # compiles the training graphs, forward and backward
         torch.cuda.synchronize()
-        print(f"\ncompile_dense_blocks: first no-grad forward + first step {time.perf_counter() - t0:.1f} s; "
+        say(f"\ncompile_dense_blocks: first no-grad forward + first step {time.perf_counter() - t0:.1f} s; "
               f"loss of a validation batch at the same weights: eager {eager_loss:.6f}, compiled {compiled_loss:.6f}")
         measure(label + " + compile")
 

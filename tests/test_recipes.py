@@ -242,6 +242,9 @@ def check_step_without_host_sync(r, one_pass=False):
     assert r["first_step_param_diff"] <= 1e-6 * r["max_param"], r
     assert r["max_param_diff"] <= 1e-2 * r["max_param"], r
     assert r["nan_step_kept_weights"] == [True, True] and r["grads_cleared"] == [True, True], r
+    assert r["accumulated_equal"] and r["accumulated_nonzero"], r  # the fp32 sums over micro-batches, bit for bit
+    gradients, adds = r["adds"]  # the experts' gradients of a layer and weight in one add
+    assert adds < gradients - 10, r
     assert not math.isfinite(ds_norm[-1]) and not math.isfinite(own_norm[-1]), r
 
 
@@ -251,8 +254,9 @@ STEP_SCRIPT = os.path.join(os.path.dirname(__file__), "recipe_step_script.py")
 @pytest.mark.parametrize("device,comm", [("cpu", []), ("cpu", ["bf16"]), pytest.param("cuda", [], marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
 def test_step_without_host_sync_matches_deepspeeds(tmp_path, device, comm):
-    """pretrain.step_without_host_sync and reduce_flat_gradients against DeepSpeed's BF16_Optimizer.step
-    and all-reduce on the same engine and batches, clipping active: the same losses and norms (the
+    """pretrain.step_without_host_sync, reduce_flat_gradients and accumulate_with_coalesced_adds against
+    DeepSpeed's BF16_Optimizer.step, all-reduce and accumulation on the same engine and batches (two
+    micro-batches a step: the fp32 gradient sums equal bit for bit), clipping active: the same losses and norms (the
     norm summed on the device in fp32, DeepSpeed's on the host in float64; clipping as a division
     inside the AdamW kernel, DeepSpeed's as a multiplication; on a GPU the one-pass AdamW that also
     writes the bf16 weights and clears the gradients), the same weights after one step to rounding;
