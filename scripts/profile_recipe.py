@@ -1,5 +1,5 @@
 """Where the time of a recipe's training step goes: the step of recipes/pretrain.py (same config,
-engine and step function), timed three ways on one GPU.
+engine and step function), timed three ways on one GPU (or one rank a GPU, below).
 
     python scripts/profile_recipe.py --config recipes/configs/small-1gpu.yaml [--set train.zero_stage=0 ...]
 
