@@ -12,14 +12,16 @@ source scripts/gpu_env.sh
 gpu_setup
 CONFIG=${CONFIG:-recipes/configs/small-1gpu.yaml}
 NGPUS=${NGPUS:-1}
+BUILD_PID=
 if [ "${BUILD:-gmm}" = none ]; then
   export TURBOMOE_BACKEND=triton TURBOMOE_GMM_BACKEND=torch
-  [ "${FUSIONS:-1}" = 1 ] && python3 scripts/bench_fusions.py 2>&1 | grep -v "^\[\|Warning" | tee "$OUT/bench_fusions.log" | tail -12
 else
   # The CUDA backend and the CUTLASS grouped GEMM build (CPU) while the fusion benchmark runs (GPU).
   gpu_build "${BUILD:-gmm}" > "$OUT/build.log" 2>&1 &
   BUILD_PID=$!
-  [ "${FUSIONS:-1}" = 1 ] && python3 scripts/bench_fusions.py 2>&1 | grep -v "^\[\|Warning" | tee "$OUT/bench_fusions.log" | tail -12
+fi
+[ "${FUSIONS:-1}" = 1 ] && python3 scripts/bench_fusions.py 2>&1 | grep -v "^\[\|Warning" | tee "$OUT/bench_fusions.log" | tail -12
+if [ -n "$BUILD_PID" ]; then
   wait $BUILD_PID
   tail -3 "$OUT/build.log"
 fi

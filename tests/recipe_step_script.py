@@ -27,6 +27,7 @@ import pretrain  # noqa: E402
 from turbomoe.models.cuda_graph import coalesce_adds  # noqa: E402
 
 STEPS = 4
+MICRO = 2  # micro-batches a step: the fp32 gradients accumulate over them
 ADDS = []  # (gradients, adds) of each coalesced accumulation
 
 
@@ -37,7 +38,6 @@ def counted_coalesce_adds(pairs):
 
 
 pretrain.coalesce_adds = counted_coalesce_adds  # what accumulate_with_coalesced_adds calls
-MICRO = 2  # micro-batches a step: the fp32 gradients accumulate over them
 
 
 def run(cfg, samples, device, own_step: bool, rank: int, world: int):
