@@ -68,7 +68,7 @@ class TrainSection:
     fused_adamw: bool = True  # torch's single-kernel AdamW (fused=True) over DeepSpeed's flat groups
     compile: bool = False  # torch.compile the model's dense blocks (attention, norms, dense MLPs)
     compile_moe: bool = False  # torch.compile the MoE layers too (moe_impl turbomoe, ep_size 1, no recompute)
-    cuda_graph: bool = False  # replay the model's forward and backward from CUDA graphs (GPU, bf16, ZeRO 1, moe_impl turbomoe, ep_size 1)
+    cuda_graph: bool = False  # replay the model's forward and backward from CUDA graphs (GPU, bf16, ZeRO 1, moe_impl turbomoe, ep_size 1 or a capacity)
 
 
 @dataclass
@@ -324,13 +324,15 @@ def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
     _require(not t.compile_moe or (m.moe_impl == "turbomoe" and moe.ep_size == 1 and not moe.recompute),
              f"train.compile_moe needs model.moe_impl: turbomoe, moe.ep_size: 1 and moe.recompute: false, got "
              f"{m.moe_impl!r}, {moe.ep_size}, {moe.recompute}")
-    # Capture forbids host syncs (stock DeepSpeed's MoE, the all-to-all's counts); recompute's hooks, compiled
-    # MoE layers and optimizers other than BF16_Optimizer (bf16, ZeRO 1) under capture are not verified.
-    _require(not t.cuda_graph or (m.moe_impl == "turbomoe" and moe.ep_size == 1 and not moe.recompute
-                                  and not t.compile_moe and t.zero_stage == 1 and t.precision != "fp32"),
-             f"train.cuda_graph needs model.moe_impl: turbomoe, moe.ep_size: 1, moe.recompute: false, "
-             f"train.compile_moe: false, train.zero_stage: 1 and bf16, got {m.moe_impl!r}, {moe.ep_size}, "
-             f"{moe.recompute}, {t.compile_moe}, {t.zero_stage}, {t.precision}")
+    # Capture forbids host syncs (stock DeepSpeed's MoE, the dropless all-to-all's buffer size); recompute's
+    # hooks, compiled MoE layers and optimizers other than BF16_Optimizer (bf16, ZeRO 1) under capture are
+    # not verified.
+    _require(not t.cuda_graph or (m.moe_impl == "turbomoe" and (moe.ep_size == 1 or moe.capacity_factor is not None)
+                                  and not moe.recompute and not t.compile_moe and t.zero_stage == 1
+                                  and t.precision != "fp32"),
+             f"train.cuda_graph needs model.moe_impl: turbomoe, moe.ep_size: 1 or a moe.capacity_factor, "
+             f"moe.recompute: false, train.compile_moe: false, train.zero_stage: 1 and bf16, got {m.moe_impl!r}, "
+             f"{moe.ep_size}, {moe.capacity_factor}, {moe.recompute}, {t.compile_moe}, {t.zero_stage}, {t.precision}")
     _require(d.source == "stdlib" or d.paths, f"data.source {d.source!r} needs data.paths")
     _require(d.seq_len <= m.max_position_embeddings,
              f"data.seq_len {d.seq_len} must be in [1, model.max_position_embeddings = {m.max_position_embeddings}]")

@@ -1,11 +1,15 @@
-"""The recipe's step with train.cuda_graph against the eager step, in one process on one GPU
-(tests/test_cuda_graph.py runs it): two engines built by recipes/pretrain.py from the same seed
-(bf16, BF16_Optimizer, dropless, gradient accumulation GRAD_ACCUM), the same batches; prints per-step
-losses, gradient norms, the largest parameter difference, and the recipe's gradient norm over flat
-buffers against DeepSpeed's per-parameter one, as JSON on the last line.
+"""The recipe's step with train.cuda_graph against the eager step (tests/test_cuda_graph.py runs it):
+two engines built by recipes/pretrain.py from the same seed (bf16, BF16_Optimizer, gradient
+accumulation GRAD_ACCUM), the same batches; rank 0 prints its per-step losses, the gradient norms, its
+largest parameter difference, and the recipe's gradient norm over flat buffers against DeepSpeed's
+per-parameter one, as JSON on the last line.
 
-    python tests/recipe_graph_script.py DIR [GRAD_ACCUM]   (default 2: the backward graph adds into the
-                                                           fp32 gradients; 1: it writes them)"""
+    python tests/recipe_graph_script.py DIR [GRAD_ACCUM]   one process on one GPU, dropless (GRAD_ACCUM
+                                                           default 2: the backward graph adds into the
+                                                           fp32 gradients; 1: it writes them)
+    deepspeed --num_gpus 2 tests/recipe_graph_script.py DIR GRAD_ACCUM 2
+                                                           a rank a GPU, expert parallelism (ep_size 2) at
+                                                           capacity factor 1.25: the all-to-all captured"""
 import json
 import os
 import sys
@@ -26,11 +30,12 @@ STEPS = 4
 
 def run(cfg, samples, graph: bool):
     cfg.train.cuda_graph = graph
-    engine, model = pretrain.build_engine(cfg, 0, pretrain.deepspeed_config(cfg, 1, True))
-    t, device = cfg.train, torch.device("cuda", 0)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    engine, model = pretrain.build_engine(cfg, rank, pretrain.deepspeed_config(cfg, world, True))
+    t, device = cfg.train, torch.device("cuda", torch.cuda.current_device())
     losses, norms = [], []
     for step in range(STEPS):
-        batches = [pretrain.to_device(samples.train_batch(step, m, t.grad_accum, 0, 1, t.micro_batch_size), device)
+        batches = [pretrain.to_device(samples.train_batch(step, m, t.grad_accum, rank, world, t.micro_batch_size), device)
                    for m in range(t.grad_accum)]
         if step == 0:
             pretrain.capture_step(cfg, engine, model, batches[0])
@@ -40,7 +45,7 @@ def run(cfg, samples, graph: bool):
     params = [p.detach().float().clone() for p in model.parameters()]
     sync_free = None
     if graph:  # the recipe's step as it runs on a GPU: no host sync from forward to optimizer step
-        batches = [pretrain.to_device(samples.train_batch(STEPS, m, t.grad_accum, 0, 1, t.micro_batch_size), device)
+        batches = [pretrain.to_device(samples.train_batch(STEPS, m, t.grad_accum, rank, world, t.micro_batch_size), device)
                    for m in range(t.grad_accum)]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -54,7 +59,7 @@ def run(cfg, samples, graph: bool):
             torch.cuda.set_sync_debug_mode("default")
     # The recipe's norm over the optimizer's flat gradient buffers against DeepSpeed's own, per parameter,
     # on the gradients of one more backward.
-    b = pretrain.to_device(samples.train_batch(STEPS, 0, 1, 0, 1, t.micro_batch_size), device)
+    b = pretrain.to_device(samples.train_batch(STEPS, 0, 1, rank, world, t.micro_batch_size), device)
     engine.backward(engine(b[:, :-1], b[:, 1:]).loss)
     opt = engine.optimizer
     flat, own = opt.get_grads_for_norm(), BF16_Optimizer.get_grads_for_norm(opt)
@@ -64,15 +69,20 @@ def run(cfg, samples, graph: bool):
 
 
 def main():
-    args = pretrain.parse_args(["--config", os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml"),
-                                "--set", "moe.ep_size=1", "--set", "train.precision=bf16", "--set", f"train.grad_accum={sys.argv[2] if len(sys.argv) > 2 else 2}",
-                                "--set", "log.wandb=false", "--set", "checkpoint.every=0",
-                                "--set", f"log.dir={sys.argv[1]}"])
+    grad_accum = sys.argv[2] if len(sys.argv) > 2 else "2"
+    ep = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    moe = ["moe.ep_size=1"] if ep == 1 else [f"moe.ep_size={ep}", "moe.capacity_factor=1.25"]
+    sets = moe + ["train.precision=bf16", f"train.grad_accum={grad_accum}", "log.wandb=false", "checkpoint.every=0",
+                  f"log.dir={sys.argv[1]}"]
+    args = pretrain.parse_args(["--config", os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml")]
+                               + [a for kv in sets for a in ("--set", kv)])
     cfg, _, samples = pretrain.prepare(args)
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="nccl")
     eager = run(cfg, samples, False)
     graphed = run(cfg, samples, True)
+    if int(os.environ["RANK"]) != 0:
+        return
     print(json.dumps({"optimizer": [eager[3], graphed[3]], "eager_loss": eager[0], "graph_loss": graphed[0],
                       "eager_norm": eager[1], "graph_norm": graphed[1], "flat_vs_own_norm": [eager[4], graphed[4]],
                       "graph_step_sync_free": graphed[5],

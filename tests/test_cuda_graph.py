@@ -12,6 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
+from tests.launching import deepspeed_launch, launcher_env  # noqa: E402
 from tests.test_grouped_gemm import rel_err  # noqa: E402
 from tests.test_models import build, tiny  # noqa: E402
 from turbomoe.models.cuda_graph import coalesce_adds, graph_training_forward  # noqa: E402
@@ -231,7 +232,7 @@ def test_bad_uses_raise():
             graph_training_forward(model, x[:, :-1], x[:, 1:])
         with pytest.raises(ValueError, match="differ in shape"):
             graph_training_forward(model.cuda(), x[:, :-1], x[:, 2:])
-        with pytest.raises(ValueError, match="moe_impl 'turbomoe', ep_size 1 and no recompute"):
+        with pytest.raises(ValueError, match="moe_impl 'turbomoe', ep_size 1 or a capacity factor, and no recompute"):
             graph_training_forward(build(cfg, recompute=True).cuda(), x[:, :-1], x[:, 1:])
         with pytest.raises(ValueError, match="model.train"):
             graph_training_forward(model.eval(), x[:, :-1], x[:, 1:])
@@ -248,18 +249,25 @@ def test_bad_uses_raise():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_recipe_step_with_graphs_matches_eager(tmp_path, grad_accum):
+@pytest.mark.parametrize("grad_accum,ep", [(1, 1), (2, 1), pytest.param(
+    2, 2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert parallelism over NCCL needs 2 GPUs"))])
+def test_recipe_step_with_graphs_matches_eager(tmp_path, grad_accum, ep):
     """The recipe's engine (bf16, DeepSpeed's BF16_Optimizer, whose fp32 gradients the backward graph
     adds into, or at one micro-batch a step writes, left uncleared by the step; its norm taken over
     flat buffers) trains as the eager step does, and the graphed step syncs with the host nowhere:
     losses, gradient norms and parameters after 4 steps of 1 or 2 micro-batches agree within bf16
-    noise (flash attention's backward sums with atomics: not bitwise)."""
-    env = dict(os.environ, MASTER_PORT=str(29700 + os.getpid() % 200))
-    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "recipe_graph_script.py"),
-                           str(tmp_path), str(grad_accum)], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    noise (flash attention's backward sums with atomics: not bitwise). ep 2: two ranks under the
+    deepspeed launcher, capacity factor 1.25, the all-to-all in the graphs."""
+    script = os.path.join(os.path.dirname(__file__), "recipe_graph_script.py")
+    if ep == 1:
+        env = dict(os.environ, MASTER_PORT=str(29700 + os.getpid() % 200))
+        proc = subprocess.run([sys.executable, script, str(tmp_path), str(grad_accum)], capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        proc = deepspeed_launch(script, tmp_path, grad_accum, ep, env=launcher_env(cpu=False), nproc=ep,
+                                launcher_args=["--no_local_rank"], timeout=600)
+    r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])  # the launcher logs after it
     assert r["optimizer"] == ["BF16_Optimizer", "BF16_Optimizer"], r
     assert r["eager_loss"][0] == r["graph_loss"][0], r  # the first step's forward: same weights, same kernels
     for key in ("loss", "norm"):

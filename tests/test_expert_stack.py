@@ -103,3 +103,22 @@ def test_weight_grad_buffers_not_reentrant():
                 pass
     with weight_grad_buffers({}, True):  # left cleanly
         pass
+
+
+@pytest.mark.parametrize("lead", [(), (1, ), (2, ), (3, ), (2, 2)])
+@pytest.mark.parametrize("C", [0, 1, 7])
+def test_equal_groups_run_each_leading_block_in_place(lead, C):
+    """x [.., E, C, K] (blocks of rows from each expert-parallel rank, as the all-to-all leaves them):
+    expert e's weight on every block's x[.., e], forward and both gradients as the float64 einsum,
+    fresh data each case; dw sums the blocks."""
+    g = torch.Generator().manual_seed(hash((lead, C)) % 2**31)
+    E, K, N = 3, 5, 4
+    x = torch.randn(*lead, E, C, K, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(E, N, K, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(*lead, E, C, N, generator=g, dtype=torch.float64)
+    y = EqualGroups().matmul(x, w)
+    ref = torch.einsum("...eck,enk->...ecn", x, w)
+    assert y.shape == ref.shape
+    got, want = torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)
+    for a, b in zip((y, ) + got, (ref, ) + want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -89,7 +89,7 @@ def test_config_errors(tmp_path):
     ("train.compile_moe=maybe", "train.compile_moe must be true or false"),
     ("train.compile_moe=true", "train.compile_moe needs model.moe_impl: turbomoe, moe.ep_size: 1"),  # tiny-cpu: ep 2
     ("train.cuda_graph=maybe", "train.cuda_graph must be true or false"),
-    ("train.cuda_graph=true", "train.cuda_graph needs model.moe_impl: turbomoe, moe.ep_size: 1"),
+    ("train.cuda_graph=true", "train.cuda_graph needs model.moe_impl: turbomoe, moe.ep_size: 1 or a moe.capacity_factor"),  # tiny-cpu: ep 2, dropless
     # Rules between keys that used to fail only once the process group was up (in build_moe, the first forward).
     ("model.norm_topk_prob=false", "moe_impl 'deepspeed' with num_experts_per_tok 2 always uses norm_topk_prob true"),
     ("model.num_experts_per_tok=1", "moe_impl 'deepspeed' with num_experts_per_tok 1 always uses norm_topk_prob false"),
@@ -185,6 +185,7 @@ def test_cuda_graph_needs_bf16_zero1_and_a_gpu():
         with pytest.raises(ConfigError, match="train.zero_stage: 1 and bf16"):
             load_config(TINY, ["moe.ep_size=1", "train.cuda_graph=true", other])
     graphed = load_config(TINY, ["moe.ep_size=1", "train.cuda_graph=true"])
+    load_config(TINY, ["moe.capacity_factor=1.25", "train.cuda_graph=true"])  # ep_size 2: fixed-size all-to-all
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="train.cuda_graph needs a GPU"):
             pretrain.train(graphed, None, None, None)

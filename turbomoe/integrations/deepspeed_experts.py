@@ -3,8 +3,8 @@
 Stock `deepspeed.moe.experts.Experts` runs its local experts one after another. When every local
 expert is a plain MLP of one shape -- `nn.Sequential(Linear, activation, Linear)`, `SwiGLUExpert`
 or Megatron's `ParallelMLP` (megatron_mlp.py) -- and nothing hooks into them, `grouped_mlp` runs
-all of them at once: the capacity buffer [E_local, C, M] goes through batched matmuls (a grouped GEMM for equal-size groups) on the
-per-expert weights seen as one [E_local, N, K] tensor. The parameters stay in their per-expert
+all of them at once: the capacity buffer [.., E_local, C, M] goes through batched matmuls (a grouped
+GEMM for equal-size groups) on the per-expert weights seen as one [E_local, N, K] tensor. The parameters stay in their per-expert
 modules, so the state dict (deepspeed_moe.experts.deepspeed_experts.{i}...) and DeepSpeed's
 per-expert checkpoint files do not change; they are packed into one buffer (as ZeRO packs them),
 so that the stacked weight is a view, not a copy made every step. The dropless layer on one rank
@@ -102,7 +102,7 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
                 remake: Optional[Remake] = None, row_scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Expert e's MLP on expert e's rows of x, all local experts at once: [.., M] -> [.., M].
 
-    groups: EqualGroups for x [E_local, C, M], RowGroups for expert-contiguous x [R, M]. remake: the
+    groups: EqualGroups for x [.., E_local, C, M], RowGroups for expert-contiguous x [R, M]. remake: the
     activation is remade from the first GEMM's output in backward instead of kept (swiglu and mlp kinds).
     row_scale_R: each row of x [R, M] weighed inside the activation (see scales_rows).
     """
@@ -155,11 +155,9 @@ def fast_path_applies(experts_module: nn.Module, kind: Optional[str], x: torch.T
 def run_experts(experts_module: nn.Module, kind: Optional[str], x_GECM: torch.Tensor) -> torch.Tensor:
     """x [ep, E_local, C, M] (rows from each ep rank, for each local expert) -> same shape.
 
-    The grouped path where it applies, else the stock module (experts one by one).
+    The grouped path where it applies (on the rows where the all-to-all left them), else the stock
+    module (experts one by one).
     """
     if not fast_path_applies(experts_module, kind, x_GECM):
         return experts_module(x_GECM)
-    G, E, C, M = x_GECM.shape
-    x_ECM = x_GECM.transpose(0, 1).reshape(E, G * C, M)
-    y_ECM = grouped_mlp(kind, experts_module.deepspeed_experts, x_ECM, EqualGroups())
-    return y_ECM.reshape(E, G, C, y_ECM.shape[-1]).transpose(0, 1)  # not -1: C may be 0
+    return grouped_mlp(kind, experts_module.deepspeed_experts, x_GECM, EqualGroups())

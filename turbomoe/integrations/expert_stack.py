@@ -3,7 +3,7 @@
 The local experts' parameters stay in their own modules (per-expert state dict and checkpoint
 files); `pack_expert_params` moves them into one flat buffer in module order (as ZeRO packs them),
 so that `stack_expert_tensors` sees expert e's weight as block e of an [E, N, K] view, not a copy
-made every step. `EqualGroups` runs a GEMM per expert on the capacity buffer [E, C, K] (batched),
+made every step. `EqualGroups` runs a GEMM per expert on the capacity buffer [.., E, C, K] (batched),
 `RowGroups` on expert-contiguous rows [R, K] with the counts on the device (grouped);
 `weight_grad_buffers` sends its weight gradients straight into given (fp32) buffers.
 """
@@ -166,27 +166,49 @@ def pack_expert_params(experts: nn.ModuleList) -> None:
 
 
 class _BatchedLinear(torch.autograd.Function):
-    """y [E, C, N] = x [E, C, K] @ w [E, N, K]^T, one batched GEMM each way.
+    """y [.., E, C, N] = x [.., E, C, K] @ w [E, N, K]^T: a batched GEMM each way per leading block
+    of x. The blocks are the rows from each expert-parallel rank ([G, E, C, K], as the all-to-all
+    leaves them): run where they lie, not copied into [E, G * C, K] and back.
 
     Its backward computes dw in w's own [E, N, K] layout: autograd's bmm would return it transposed,
-    and every expert parameter's gradient would then be copied to make it contiguous.
+    and every expert parameter's gradient would then be copied to make it contiguous. The blocks'
+    products are summed in the GEMM's epilogue (baddbmm): rounded once a block, as micro-batches are.
     """
 
     @staticmethod
-    def forward(ctx, x_ECK, w_ENK):
-        ctx.save_for_backward(x_ECK, w_ENK)
-        return torch.bmm(x_ECK, w_ENK.transpose(1, 2))
+    def forward(ctx, x, w_ENK):
+        ctx.save_for_backward(x, w_ENK)
+        x_BECK = _blocks(x)
+        y_BECN = x.new_empty(x_BECK.shape[:-1] + w_ENK.shape[1:2])
+        for x_ECK, y_ECN in zip(x_BECK, y_BECN):
+            torch.bmm(x_ECK, w_ENK.transpose(1, 2), out=y_ECN)
+        return y_BECN.view(x.shape[:-1] + w_ENK.shape[1:2])
 
     @staticmethod
-    def backward(ctx, dy_ECN):
-        x_ECK, w_ENK = ctx.saved_tensors
-        dx = torch.bmm(dy_ECN, w_ENK) if ctx.needs_input_grad[0] else None
-        dw = torch.bmm(dy_ECN.transpose(1, 2), x_ECK) if ctx.needs_input_grad[1] else None
+    def backward(ctx, dy):
+        x, w_ENK = ctx.saved_tensors
+        x_BECK, dy_BECN = _blocks(x), _blocks(dy)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx_BECK = torch.empty_like(x_BECK)
+            for dy_ECN, dx_ECK in zip(dy_BECN, dx_BECK):
+                torch.bmm(dy_ECN, w_ENK, out=dx_ECK)
+            dx = dx_BECK.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(dy_BECN[0].transpose(1, 2), x_BECK[0])
+            for dy_ECN, x_ECK in zip(dy_BECN[1:], x_BECK[1:]):
+                dw.baddbmm_(dy_ECN.transpose(1, 2), x_ECK)
         return dx, dw
 
 
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """[.., E, C, K] -> [B, E, C, K] (a view where it can be; not -1: C may be 0)."""
+    return t.reshape(t.shape[:-3].numel(), *t.shape[-3:])
+
+
 class EqualGroups:
-    """Expert e owns x[e] of x [E, C, K] (the capacity buffer): batched GEMMs."""
+    """Expert e owns x[.., e, :, :] of x [.., E, C, K] (the capacity buffer, with a leading dim of
+    source ranks after the all-to-all): batched GEMMs."""
 
     def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor, blocks=None) -> torch.Tensor:
         """blocks: unused (the parameters get their gradients through autograd)."""

@@ -143,7 +143,7 @@ class _ReduceFromGroup(torch.autograd.Function):
 def grouped_parallel_mlp(experts: List[nn.Module], x: torch.Tensor, groups) -> torch.Tensor:
     """Expert e's ParallelMLP output (stock keeps out[0]) on expert e's rows of x [.., M] -> [.., M].
 
-    groups: EqualGroups for x [E_local, C, M], RowGroups for expert-contiguous x [R, M].
+    groups: EqualGroups for x [.., E_local, C, M], RowGroups for expert-contiguous x [R, M].
     The experts must share one `parallel_mlp_signature`.
     """
     _, act_key, col, row = parallel_mlp_signature(experts[0])

@@ -3,7 +3,9 @@
 At small-1gpu's shapes the eager step is host-bound: the GPU waits for Python, autograd and ~13k
 kernel launches a step (notes/recipe_profile.md). turbomoe's layer does no host sync at ep_size 1
 (dropless or capacity) and keeps its counts on the device, so the model's whole forward and backward
-can be captured once and replayed: one launch each instead of thousands.
+can be captured once and replayed: one launch each instead of thousands. With expert parallelism
+(ep_size > 1) and a capacity the all-to-all exchanges fixed-size buffers with no host read: NCCL's
+collectives are captured with the rest (dropless all-to-all sizes its buffers on the host: eager).
 
 `graph_training_forward(model, input_ids_BT, labels_BT)` captures them (as torch.cuda's
 make_graphed_callables does: warm-up on a side stream, then forward, then backward into one memory
@@ -193,11 +195,14 @@ def _check(model, input_ids_BT, labels_BT):
         raise ValueError(f"input_ids {tuple(input_ids_BT.shape)} and labels {tuple(labels_BT.shape)} differ in shape")
     if any(p.device != input_ids_BT.device for p in model.parameters()):
         raise ValueError(f"the model's parameters must be on the inputs' device {input_ids_BT.device}")
-    if model.moe_impl != "turbomoe" or model.moe_args.ep_size != 1 or model.moe_args.recompute:
-        # Stock DeepSpeed MoE and the all-to-all path read counts on the host, which capture forbids;
-        # recompute's saved-tensor hooks are not verified under capture.
-        raise ValueError(f"CUDA graphs need moe_impl 'turbomoe', ep_size 1 and no recompute, got "
-                         f"{model.moe_impl!r}, {model.moe_args.ep_size}, {model.moe_args.recompute}")
+    args = model.moe_args
+    if model.moe_impl != "turbomoe" or (args.ep_size != 1 and args.capacity_factor is None) or args.recompute:
+        # Stock DeepSpeed MoE and the dropless all-to-all read counts on the host, which capture forbids
+        # (with a capacity the all-to-all's buffers have a fixed size); recompute's saved-tensor hooks are
+        # not verified under capture.
+        raise ValueError(f"CUDA graphs need moe_impl 'turbomoe', ep_size 1 or a capacity factor, and no recompute, "
+                         f"got {model.moe_impl!r}, ep_size {args.ep_size}, capacity_factor {args.capacity_factor}, "
+                         f"recompute {args.recompute}")
     if getattr(model, "cuda_graphed", False):
         raise ValueError("this model is already captured")
     if not model.training:
