@@ -4,11 +4,12 @@ Stock `deepspeed.moe.experts.Experts` runs its local experts one after another. 
 expert is a plain MLP of one shape -- `nn.Sequential(Linear, activation, Linear)`, `SwiGLUExpert`
 or Megatron's `ParallelMLP` (megatron_mlp.py) -- and nothing hooks into them, `grouped_mlp` runs
 all of them at once: the capacity buffer [.., E_local, C, M] goes through batched matmuls (a grouped
-GEMM for equal-size groups) on the per-expert weights seen as one [E_local, N, K] tensor. The parameters stay in their per-expert
-modules, so the state dict (deepspeed_moe.experts.deepspeed_experts.{i}...) and DeepSpeed's
-per-expert checkpoint files do not change; they are packed into one buffer (as ZeRO packs them),
-so that the stacked weight is a view, not a copy made every step. The dropless layer on one rank
-hands expert-contiguous rows [R, M] instead: grouped GEMMs over counts on the device (RowGroups).
+GEMM for equal-size groups) on the per-expert weights seen as one [E_local, N, K] tensor. The
+parameters stay in their per-expert modules, so the state dict
+(deepspeed_moe.experts.deepspeed_experts.{i}...) and DeepSpeed's per-expert checkpoint files do not
+change; they are packed into one buffer (as ZeRO packs them), so that the stacked weight is a view,
+not a copy made every step. The dropless layer on one rank hands expert-contiguous rows [R, M]
+instead: grouped GEMMs over counts on the device (RowGroups).
 """
 import weakref
 from typing import Callable, List, Optional, Tuple

@@ -190,7 +190,7 @@ class _BatchedLinear(torch.autograd.Function):
         x_BECK, dy_BECN = _blocks(x), _blocks(dy)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx_BECK = torch.empty_like(x_BECK)
+            dx_BECK = x_BECK.new_empty(x_BECK.shape)  # contiguous, whatever x's strides: viewed as x below
             for dy_ECN, dx_ECK in zip(dy_BECN, dx_BECK):
                 torch.bmm(dy_ECN, w_ENK, out=dx_ECK)
             dx = dx_BECK.view(x.shape)
