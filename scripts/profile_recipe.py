@@ -164,17 +164,17 @@ def main():
 
         avg = prof.key_averages()
         say(f"\n## {cfg.name} [{label}]: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         say(f"optimizer {type(engine.optimizer).__name__} over {type(engine.basic_optimizer).__name__}, "
-              f"moe_impl {model.moe_impl}, zero {t.zero_stage}, fused_adamw {t.fused_adamw}, "
-              f"compile {t.compile}, cuda_graph {t.cuda_graph}, "
-              f"backends {os.environ.get('TURBOMOE_BACKEND', 'default')}/{os.environ.get('TURBOMOE_GMM_BACKEND', 'default')}")
+            f"moe_impl {model.moe_impl}, zero {t.zero_stage}, fused_adamw {t.fused_adamw}, "
+            f"compile {t.compile}, cuda_graph {t.cuda_graph}, "
+            f"backends {os.environ.get('TURBOMOE_BACKEND', 'default')}/{os.environ.get('TURBOMOE_GMM_BACKEND', 'default')}")
         mfu = f", MFU {100 * flops / (queued_ms / 1e3) / peak:.1f}%" if peak else ""
         say(f"queued: {queued_ms:.1f} ms/step (host issue {host_ms:.1f} ms/step: issuing them, waits inside a step included), "
-              f"{tokens / queued_ms * 1e3:,.0f} tokens/s{mfu}")
+            f"{tokens / queued_ms * 1e3:,.0f} tokens/s{mfu}")
         say("phases (each waited for, median ms over %d steps): " % a.steps
-              + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items())
-              + f"; sum {sum(statistics.median(v) for v in times.values()):.1f}")
+            + ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items())
+            + f"; sum {sum(statistics.median(v) for v in times.values()):.1f}")
         say("profiler, per phase (ms per step: CPU total, CUDA total):")
         for e in avg:
             if e.key in ("train step", "forward", "backward", "step", "log read"):
@@ -197,7 +197,7 @@ def main():
         step()  # compiles the training graphs, forward and backward
         torch.cuda.synchronize()
         say(f"\ncompile_dense_blocks: first no-grad forward + first step {time.perf_counter() - t0:.1f} s; "
-              f"loss of a validation batch at the same weights: eager {eager_loss:.6f}, compiled {compiled_loss:.6f}")
+            f"loss of a validation batch at the same weights: eager {eager_loss:.6f}, compiled {compiled_loss:.6f}")
         measure(label + " + compile")
 
 

@@ -1,9 +1,10 @@
 """The recipe's optimizer step without a host sync (pretrain.step_without_host_sync; on a GPU its
-one-pass AdamW, pretrain.adamw_with_copies), its in-place gradient all-reduce (pretrain.reduce_flat_gradients)
-and its coalesced gradient accumulation (pretrain.accumulate_with_coalesced_adds) against DeepSpeed's own
-BF16_Optimizer step, reduction and accumulation, in one process (tests/test_recipes.py runs it): two
-engines built by recipes/pretrain.py from the same seed (bf16, fused AdamW, a small clip so that
-clipping acts, two micro-batches a step), the same batches; then a step whose gradient holds a NaN. Writes JSON to DIR/step_rank{RANK}.json.
+one-pass AdamW, pretrain.adamw_with_copies), its in-place gradient all-reduce
+(pretrain.reduce_flat_gradients) and its coalesced gradient accumulation
+(pretrain.accumulate_with_coalesced_adds) against DeepSpeed's own BF16_Optimizer step, reduction and
+accumulation, in one process (tests/test_recipes.py runs it): two engines built by recipes/pretrain.py
+from the same seed (bf16, fused AdamW, a small clip so that clipping acts, two micro-batches a step),
+the same batches; then a step whose gradient holds a NaN. Writes JSON to DIR/step_rank{RANK}.json.
 
     python tests/recipe_step_script.py DIR [EP_SIZE [COMM_DTYPE]]   (one process; or each rank of a launcher run)
 

@@ -257,10 +257,10 @@ STEP_SCRIPT = os.path.join(os.path.dirname(__file__), "recipe_step_script.py")
 def test_step_without_host_sync_matches_deepspeeds(tmp_path, device, comm):
     """pretrain.step_without_host_sync, reduce_flat_gradients and accumulate_with_coalesced_adds against
     DeepSpeed's BF16_Optimizer.step, all-reduce and accumulation on the same engine and batches (two
-    micro-batches a step: the fp32 gradient sums equal bit for bit), clipping active: the same losses and norms (the
-    norm summed on the device in fp32, DeepSpeed's on the host in float64; clipping as a division
-    inside the AdamW kernel, DeepSpeed's as a multiplication; on a GPU the one-pass AdamW that also
-    writes the bf16 weights and clears the gradients), the same weights after one step to rounding;
+    micro-batches a step: the fp32 gradient sums equal bit for bit), clipping active: the same losses
+    and norms (the norm summed on the device in fp32, DeepSpeed's on the host in float64; clipping as a
+    division inside the AdamW kernel, DeepSpeed's as a multiplication; on a GPU the one-pass AdamW that
+    also writes the bf16 weights and clears the gradients), the same weights after one step to rounding;
     a NaN gradient skips the update (fp32 weights and Adam's moments unchanged) and clears the
     gradients, as DeepSpeed's does. With bf16 communication both round the gradients to bf16."""
     env = dict(os.environ, MASTER_PORT=str(free_port()), DS_ACCELERATOR=device)
