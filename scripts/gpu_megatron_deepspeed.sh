@@ -9,7 +9,8 @@
 #                                                  # layer timing, tensor parallel 2 with expert parallel 2
 #   bash scripts/gpu_megatron_deepspeed.sh expert_tp  # two GPUs: tensor parallel 2 with expert tensor
 #                                                  # parallelism alone
-# MBS: micro-batch size (default 8; also the global batch: one data-parallel rank). LAYER=0: no layer timing.
+# MBS: micro-batch size (default 8; also the global batch: one data-parallel rank). LAYER=0: no layer timing;
+# LAYER_EXPERTS: the expert counts it times (default "16 32").
 # NLAYERS, HIDDEN, HEADS, SEQ, EXPERTS: the GPT's layers, hidden size, heads, sequence length and experts
 # (defaults 4, 1024, 16, 512, 16; ffn 4 x hidden; experts every other layer, Megatron-DeepSpeed's default).
 #
@@ -105,7 +106,7 @@ train() {  # train NAME GPUS stock|turbo EXTRA_ARGS...: pretrain_gpt.py through 
 
 layer() {  # the MoE layer alone (one process: Megatron's initialize without the launcher), on GPU $1
   (cd "$PEER" && CUDA_VISIBLE_DEVICES=$1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29610 \
-     timeout "${LAYER_TIMEOUT:-150}" python3 "$ROOT/scripts/megatron_deepspeed.py" layer --experts 16 32 --tokens 8192 \
+     timeout "${LAYER_TIMEOUT:-150}" python3 "$ROOT/scripts/megatron_deepspeed.py" layer --experts ${LAYER_EXPERTS:-16 32} --tokens 8192 \
      --json "$OUT/layer.json" $GPT $MOE --moe-expert-parallel-size 1) > "$OUT/layer.log" 2>&1
   echo "== layer: exit $?"; date -u
 }

@@ -15,7 +15,7 @@ pytest.importorskip("deepspeed")
 from tests.launching import deepspeed_launch, launcher_env  # noqa: E402
 from tests.test_grouped_gemm import rel_err  # noqa: E402
 from tests.test_models import build, tiny  # noqa: E402
-from turbomoe.models.cuda_graph import coalesce_adds, graph_training_forward  # noqa: E402
+from turbomoe.models.cuda_graph import _scratch_like, coalesce_adds, graph_training_forward  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -141,6 +141,43 @@ def test_grad_buffers_take_the_gradients(dtype, layout, accumulate, monkeypatch)
             graphed(b[:, :-1], b[:, 1:])
         with torch.no_grad():
             graphed(b[:, :-1], b[:, 1:])  # evaluation still runs eager
+
+
+def test_warm_up_buffers_keep_the_layout():
+    """The capture's warm-up sends weight gradients to zeroed buffers laid out as the real ones, so
+    that it runs (and compiles) the kernels the capture will: views of one flat buffer stay views of
+    one new buffer at the same offsets and strides (the grouped experts' buffers are found the same
+    way), separate buffers stay separate, and the real buffers are neither read nor written."""
+    from turbomoe.integrations.deepspeed_experts import SwiGLUExpert
+    from turbomoe.integrations.expert_stack import pack_expert_params, stacked_grad_buffer, weight_grad_buffers
+    experts = torch.nn.ModuleList([SwiGLUExpert(8, 12) for _ in range(3)])
+    pack_expert_params(experts)
+    params = list(experts.parameters())
+    flat = torch.randn(sum(p.numel() for p in params) + 5)
+    real, offset = {}, 5
+    for p in params:
+        real[p] = flat[offset:offset + p.numel()]
+        offset += p.numel()
+    apart = torch.nn.Parameter(torch.randn(4, 3))
+    real[apart] = torch.randn(12)
+    before = {p: b.clone() for p, b in real.items()}
+    mirror = _scratch_like(real)
+    assert mirror.keys() == real.keys()
+    for p, b in real.items():
+        m = mirror[p]
+        assert (m.shape, m.stride(), m.storage_offset(), m.dtype) == (b.shape, b.stride(), b.storage_offset(), b.dtype)
+        assert m.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() and not m.any()
+    assert len({mirror[p].untyped_storage().data_ptr() for p in params}) == 1
+    assert mirror[apart].untyped_storage().data_ptr() != mirror[params[0]].untyped_storage().data_ptr()
+    blocks = [[e.w1.weight, e.w3.weight] for e in experts]
+    with weight_grad_buffers(real, True):
+        want, _ = stacked_grad_buffer(blocks)
+    with weight_grad_buffers(mirror, True):
+        got, _ = stacked_grad_buffer(blocks)
+        got.add_(1)
+    assert (got.shape, got.stride(), got.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
+    assert all(torch.equal(b, before[p]) for p, b in real.items())
+    assert _scratch_like({}) == {}
 
 
 def test_coalesce_adds_merges_strided_runs():

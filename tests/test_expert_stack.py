@@ -37,6 +37,21 @@ def run(experts, x, counts, groups=None):
     return x.grad
 
 
+def with_and_without_buffers(params, run_fn, add, seed):
+    """run_fn() -> the input gradient, through autograd and then within weight_grad_buffers over a
+    flat buffer that starts random: (dx autograd, dx, autograd's flat gradients, start, flat, views)."""
+    dx_want = run_fn()
+    want = torch.cat([p.grad.reshape(-1) for p in params])
+    for p in params:
+        p.grad = None
+    start = torch.randn(want.numel(), generator=torch.Generator().manual_seed(seed))
+    flat, views = flat_buffers(params, lambda n: start.clone())
+    with weight_grad_buffers(views, add):
+        dx = run_fn()
+    assert all(p.grad is None for p in params)
+    return dx_want, dx, want, start, flat, views
+
+
 @pytest.mark.parametrize("add", [False, True])
 def test_weight_grad_buffers_match_autograd(add):
     """Written (one micro-batch a step) or added (accumulation): the buffers hold autograd's gradients
@@ -44,15 +59,7 @@ def test_weight_grad_buffers_match_autograd(add):
     no rows gets zeros written, or its slice kept."""
     experts, x, counts = experts_and_rows(3)
     params = list(experts.parameters())
-    dx_want = run(experts, x, counts)
-    want = torch.cat([p.grad.reshape(-1) for p in params])
-    for p in params:
-        p.grad = None
-    start = torch.randn(want.numel(), generator=torch.Generator().manual_seed(4))
-    flat, views = flat_buffers(params, lambda n: start.clone())
-    with weight_grad_buffers(views, add):
-        dx = run(experts, x, counts)
-    assert all(p.grad is None for p in params)
+    dx_want, dx, want, start, flat, views = with_and_without_buffers(params, lambda: run(experts, x, counts), add, 4)
     torch.testing.assert_close(dx, dx_want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(flat, want + start if add else want, rtol=1e-5, atol=1e-5)
     for p in (experts[1].w1.weight, experts[1].w3.weight, experts[1].w2.weight):  # expert 1 has no rows
@@ -64,9 +71,28 @@ def test_weight_grad_buffers_match_autograd(add):
     assert all(p.grad is not None for p in params) and torch.equal(flat, before)
 
 
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("lead", [(), (2, )])
+def test_weight_grad_buffers_take_the_capacity_experts_gradients(add, lead):
+    """The capacity layout [.., E, C, M] (batched GEMMs; a leading dim of source ranks as the
+    all-to-all leaves it): the buffers hold autograd's gradients (plus what they held), bit for bit
+    (the same products, rounded as autograd's, then added), and the parameters get none."""
+    experts, _, _ = experts_and_rows(7)
+    x = torch.randn(*lead, E, 5, M, generator=torch.Generator().manual_seed(8))
+    w_out = torch.randn(*lead, E, 5, M, generator=torch.Generator().manual_seed(9))
+
+    def run_capacity():
+        x_ = x.clone().requires_grad_()
+        (grouped_mlp("swiglu", experts, x_, EqualGroups()) * w_out).sum().backward()
+        return x_.grad
+    dx_want, dx, want, start, flat, _ = with_and_without_buffers(list(experts.parameters()), run_capacity, add, 10)
+    assert torch.equal(dx, dx_want)
+    assert torch.equal(flat, start + want if add else want)
+
+
 def test_weight_grad_buffers_need_every_parameter_at_one_stride():
-    """A parameter of each stack without a buffer, or buffers not lying at one stride, or the capacity layout
-    (batched GEMMs): the gradients go through autograd as usual and no buffer changes."""
+    """A parameter of each stack without a buffer, or buffers not lying at one stride: the gradients
+    go through autograd as usual and no buffer changes."""
     experts, x, counts = experts_and_rows(5)
     params = list(experts.parameters())
     run(experts, x, counts)
@@ -74,26 +100,26 @@ def test_weight_grad_buffers_need_every_parameter_at_one_stride():
     cases = []
     flat, views = flat_buffers(params, torch.zeros)
     del views[experts[2].w3.weight], views[experts[0].w2.weight]  # one of each stack's
-    cases.append((flat, views, None))
+    cases.append((flat, views))
     flat, views = flat_buffers(params[::-1], torch.zeros)  # experts in reverse order: no common stride
-    cases.append((flat, views, None))
-    flat, views = flat_buffers(params, torch.zeros)
-    cases.append((flat, views, EqualGroups()))
-    for flat, views, groups in cases:
-        for p in params:
-            p.grad = None
-        with weight_grad_buffers(views, False):
-            if groups is None:
-                run(experts, x, counts)
-            else:
-                x_ECM = torch.randn(E, 5, M, generator=torch.Generator().manual_seed(1), requires_grad=True)
-                grouped_mlp("swiglu", experts, x_ECM, groups).sum().backward()
-        assert torch.equal(flat, torch.zeros_like(flat))
-        if groups is None:
-            for p, g in zip(params, want):
+    cases.append((flat, views))
+    x_ECM = torch.randn(E, 5, M, generator=torch.Generator().manual_seed(1))
+    for p in params:
+        p.grad = None
+    grouped_mlp("swiglu", experts, x_ECM.requires_grad_(), EqualGroups()).sum().backward()
+    want_capacity = [p.grad.clone() for p in params]
+    for flat, views in cases:
+        for groups, grads in ((None, want), (EqualGroups(), want_capacity)):
+            for p in params:
+                p.grad = None
+            with weight_grad_buffers(views, False):
+                if groups is None:
+                    run(experts, x, counts)
+                else:
+                    grouped_mlp("swiglu", experts, x_ECM, groups).sum().backward()
+            assert torch.equal(flat, torch.zeros_like(flat))
+            for p, g in zip(params, grads):
                 torch.testing.assert_close(p.grad, g)
-        else:
-            assert all(p.grad is not None for p in params)
 
 
 def test_weight_grad_buffers_not_reentrant():

@@ -5,7 +5,7 @@ files); `pack_expert_params` moves them into one flat buffer in module order (as
 so that `stack_expert_tensors` sees expert e's weight as block e of an [E, N, K] view, not a copy
 made every step. `EqualGroups` runs a GEMM per expert on the capacity buffer [.., E, C, K] (batched),
 `RowGroups` on expert-contiguous rows [R, K] with the counts on the device (grouped);
-`weight_grad_buffers` sends its weight gradients straight into given (fp32) buffers.
+`weight_grad_buffers` sends their weight gradients straight into given (fp32) buffers.
 """
 import contextlib
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -112,12 +112,14 @@ _GRAD_BUFFERS: Optional[Tuple[Dict[torch.Tensor, torch.Tensor], bool]] = None
 
 @contextlib.contextmanager
 def weight_grad_buffers(buffers: Dict[nn.Parameter, torch.Tensor], add: bool) -> Iterator[None]:
-    """Within, RowGroups' grouped GEMMs over stacked expert weights whose parameters all have a buffer
-    here (a float tensor of the parameter's numel; the buffers of one stack at one stride, as an
-    optimizer's flat fp32 gradients lie) write their weight gradient there from the forwards run now,
-    or with add add it, inside the weight-gradient GEMM (turbomoe's CUTLASS kernel for fp32 buffers:
-    no 16-bit gradient and no cast or add after it), and those parameters get no gradient.
-    A CUDA graph's capture uses it (models/cuda_graph.py); not reentrant."""
+    """Within, the GEMMs over stacked expert weights whose parameters all have a buffer here (a float
+    tensor of the parameter's numel; the buffers of one stack at one stride, as an optimizer's flat
+    fp32 gradients lie) write their weight gradient there from the forwards run now, or with add add
+    it, and those parameters get no gradient. RowGroups' do it inside the weight-gradient GEMM
+    (turbomoe's CUTLASS kernel for fp32 buffers: no 16-bit gradient and no cast or add after it);
+    EqualGroups' on CUDA on a side stream, so that what the backward does next overlaps them: call
+    join_weight_grads() after the backward. A CUDA graph's capture uses it (models/cuda_graph.py);
+    not reentrant."""
     global _GRAD_BUFFERS
     if _GRAD_BUFFERS is not None:
         raise RuntimeError("weight_grad_buffers is already active")
@@ -165,6 +167,49 @@ def pack_expert_params(experts: nn.ModuleList) -> None:
             offset += p.numel()
 
 
+# The side stream of each device that EqualGroups' weight gradients run on when they have a buffer, and
+# what the one still queued there reads (its x and dy): released once the backward's stream has waited.
+_ASIDE: Dict[torch.device, torch.cuda.Stream] = {}
+_PENDING: List[Tuple[torch.device, tuple]] = []
+
+
+def weight_grad_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of device (made on the first call: call it before a CUDA graph's capture,
+    which forbids making one)."""
+    side = _ASIDE.get(device)
+    if side is None:
+        side = _ASIDE[device] = torch.cuda.Stream(device)
+    return side
+
+
+def join_weight_grads() -> None:
+    """The current stream waits for the weight gradients queued on the side stream (after a backward
+    within weight_grad_buffers; a CUDA graph's capture must end joined)."""
+    for device, _ in _PENDING:
+        torch.cuda.current_stream(device).wait_stream(_ASIDE[device])
+    _PENDING.clear()
+
+
+def _weight_grad_aside(dy_BECN: torch.Tensor, x_BECK: torch.Tensor, sink: Tuple[torch.Tensor, bool]) -> None:
+    """dw = sum over blocks dy^T x, added into (or written to) the sink's buffer. On CUDA on the side
+    stream, after the caller queued dx: the all-to-all that takes dx back to the ranks (and the layer's
+    backward before the next such GEMM, which joins it) runs beside it, not after it."""
+    buf_ENK, add = sink
+
+    def dw():
+        g_ENK = _batched_dw(dy_BECN, x_BECK)
+        buf_ENK.add_(g_ENK) if add else buf_ENK.copy_(g_ENK)
+    if not dy_BECN.is_cuda:
+        return dw()
+    join_weight_grads()  # the one before (queued after this dx: the two overlap)
+    device = dy_BECN.device
+    side = weight_grad_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        dw()
+    _PENDING.append((device, (dy_BECN, x_BECK)))  # freed only after the join: the side stream reads them
+
+
 class _BatchedLinear(torch.autograd.Function):
     """y [.., E, C, N] = x [.., E, C, K] @ w [E, N, K]^T: a batched GEMM each way per leading block
     of x. The blocks are the rows from each expert-parallel rank ([G, E, C, K], as the all-to-all
@@ -173,11 +218,13 @@ class _BatchedLinear(torch.autograd.Function):
     Its backward computes dw in w's own [E, N, K] layout: autograd's bmm would return it transposed,
     and every expert parameter's gradient would then be copied to make it contiguous. The blocks'
     products are summed in the GEMM's epilogue (baddbmm): rounded once a block, as micro-batches are.
+    With a sink (weight_grad_buffers), dw goes there instead, on the side stream.
     """
 
     @staticmethod
-    def forward(ctx, x, w_ENK):
+    def forward(ctx, x, w_ENK, sink):
         ctx.save_for_backward(x, w_ENK)
+        ctx.sink = sink
         x_BECK = _blocks(x)
         y_BECN = x.new_empty(x_BECK.shape[:-1] + w_ENK.shape[1:2])
         for x_ECK, y_ECN in zip(x_BECK, y_BECN):
@@ -194,11 +241,19 @@ class _BatchedLinear(torch.autograd.Function):
             for dy_ECN, dx_ECK in zip(dy_BECN, dx_BECK):
                 torch.bmm(dy_ECN, w_ENK, out=dx_ECK)
             dx = dx_BECK.view(x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = torch.bmm(dy_BECN[0].transpose(1, 2), x_BECK[0])
-            for dy_ECN, x_ECK in zip(dy_BECN[1:], x_BECK[1:]):
-                dw.baddbmm_(dy_ECN.transpose(1, 2), x_ECK)
-        return dx, dw
+        if ctx.sink is not None:
+            _weight_grad_aside(dy_BECN, x_BECK, ctx.sink)
+        elif ctx.needs_input_grad[1]:
+            dw = _batched_dw(dy_BECN, x_BECK)
+        return dx, dw, None
+
+
+def _batched_dw(dy_BECN: torch.Tensor, x_BECK: torch.Tensor) -> torch.Tensor:
+    """dw [E, N, K] = sum over blocks b of dy[b]^T x[b], the sum in the GEMM's epilogue."""
+    dw_ENK = torch.bmm(dy_BECN[0].transpose(1, 2), x_BECK[0])
+    for dy_ECN, x_ECK in zip(dy_BECN[1:], x_BECK[1:]):
+        dw_ENK.baddbmm_(dy_ECN.transpose(1, 2), x_ECK)
+    return dw_ENK
 
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:
@@ -210,9 +265,10 @@ class EqualGroups:
     """Expert e owns x[.., e, :, :] of x [.., E, C, K] (the capacity buffer, with a leading dim of
     source ranks after the all-to-all): batched GEMMs."""
 
-    def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor, blocks=None) -> torch.Tensor:
-        """blocks: unused (the parameters get their gradients through autograd)."""
-        return _BatchedLinear.apply(x_ECK, w_ENK)
+    def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor,
+               blocks: Optional[List[List[torch.Tensor]]] = None) -> torch.Tensor:
+        """blocks: the per-expert tensors that w_ENK stacks, for weight_grad_buffers."""
+        return _BatchedLinear.apply(x_ECK, w_ENK, None if blocks is None else stacked_grad_buffer(blocks))
 
     def add_bias(self, y_ECN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
         # A separate add: baddbmm with a broadcast bias takes a slow path on the CPU.

@@ -18,13 +18,14 @@ untouched: the graphs read the parameters where they are, so capture after anyth
 Gradients, two ways:
 - `grad_buffers={param: buffer}` (a main-grad buffer of the parameter's numel, fp32 say): the
   backward graph adds the parameter's gradient into it and autograd sees none (.grad stays None;
-  no AccumulateGrad, no per-parameter hooks: with hundreds of parameters those cost more host time
-  than the whole replay). DeepSpeed's BF16_Optimizer's fp32 gradients are such buffers. With
+  no AccumulateGrad node, no per-parameter hooks: with hundreds of parameters those cost more host
+  time than the whole replay). DeepSpeed's BF16_Optimizer's fp32 gradients are such buffers. With
   `accumulate=False` it writes the gradient there instead (one micro-batch a step: no read of the
   old sum, and nothing need clear the buffers between steps); an eager training forward, whose
   backward would add to what the last replay left, is then an error. The grouped experts' weight
   gradients (the drop-in's experts stacked over packed parameters, whose buffers lie at one stride)
-  are written or added by the weight-gradient GEMM itself (`expert_stack.weight_grad_buffers`); the
+  are written or added by the weight-gradient GEMM itself (`expert_stack.weight_grad_buffers`; the
+  capacity experts' on a side stream beside the all-to-all, joined before the capture ends); the
   other parameters' after the backward, in one add per run of buffers at one stride.
 - any other parameter gets its gradient from the graph's own buffer, handed to .grad without a
   copy. So that a kept .grad (zeroed rather than set to None, or accumulated over micro-batches)
@@ -36,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..integrations.expert_stack import weight_grad_buffers
+from ..integrations.expert_stack import join_weight_grads, weight_grad_buffers, weight_grad_stream
 from .qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -66,12 +67,18 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
     run = lambda: type(model).forward(model, *inputs)  # noqa: E731 (around DeepSpeed's module hooks)
 
     torch.cuda.synchronize()
+    weight_grad_stream(input_ids_BT.device)  # made outside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # lazy initialisation (autotuning, compiles) outside the capture
+    # Lazy initialisation (autotuning, compiles) outside the capture, which forbids loading a kernel:
+    # with the weight gradients sent to buffers of the same layout, so that the kernels that write or
+    # add them (the Triton weight-gradient GEMM's fused add, say) are compiled too, and the real
+    # buffers stay untouched.
+    with torch.cuda.stream(side), weight_grad_buffers(_scratch_like(grad_buffers), accumulate):
         for _ in range(warmup):
             outs = [o for o in run() if o is not None and o.requires_grad]
             torch.autograd.grad(outs, params, [torch.empty_like(o) for o in outs], allow_unused=True)
+            join_weight_grads()
             del outs
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
@@ -86,6 +93,7 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
         grad_outs = [torch.empty_like(o) for o in with_grad]
         with torch.cuda.graph(bwd, pool=pool):
             grads = torch.autograd.grad(with_grad, params, grad_outs, allow_unused=True)
+            join_weight_grads()  # the capacity experts' weight gradients, queued on a side stream
             # Gradients already in their buffers (the grouped experts') are None here. Others that lie at
             # one stride, as do their buffers (experts not grouped): one add per run, not one per tensor.
             for dst, src in coalesce_adds([(grad_buffers[p].view(-1), g.reshape(-1))
@@ -95,9 +103,14 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
         raise RuntimeError(f"capturing the model's forward and backward failed: {e}. Something in the step syncs "
                            f"with the host, or an autograd graph made before over the parameters is still alive "
                            f"(an optimizer that flattened them with gradients on: build it under torch.no_grad())") from e
-    # What the backward hands autograd: the graph's buffer for parameters without a grad buffer.
-    param_grads = [None if s else g for s, g in zip(sunk, grads)]
-    kept: List[tuple] = [(p, g.data_ptr()) for p, g in zip(params, param_grads) if g is not None]
+    # What the backward hands autograd: the graph's buffer for parameters without a grad buffer. The
+    # replay takes only those parameters as inputs: one AccumulateGrad node each a backward, and none
+    # for the rest (a node each, though it gets no gradient: 915 a micro-batch at 1b-4gpu). With none,
+    # a leaf of its own keeps the outputs differentiable, so that the backward runs.
+    live = [(p, g) for s, p, g in zip(sunk, params, grads) if not s and g is not None]
+    param_grads = [g for _, g in live]
+    replay_inputs = [p for p, _ in live] or [torch.zeros((), device=input_ids_BT.device, requires_grad=True)]
+    kept: List[tuple] = [(p, g.data_ptr()) for p, g in live]
 
     class Replay(torch.autograd.Function):
         @staticmethod
@@ -119,7 +132,7 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
                         grad_outs[i].copy_(g)
                     i += 1
             bwd.replay()
-            return tuple(None if g is None else g.detach() for g in param_grads)
+            return tuple(g.detach() for g in param_grads) or (None, )
 
     def forward_(input_ids_BT, labels_BT=None):
         if labels_BT is None or not model.training or not torch.is_grad_enabled() or _key(input_ids_BT, labels_BT) != key:
@@ -135,12 +148,25 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
         inputs[1].copy_(labels_BT)
         if before_replay is not None:
             before_replay()
-        out = iter(Replay.apply(*params))
+        out = iter(Replay.apply(*replay_inputs))
         return type(static_out)(*(None if o is None else next(out) for o in static_out))
 
     model.cuda_graphed = True
     model.forward = forward_  # an instance attribute: nn.Module.__call__ (and DeepSpeed's hooks around it) calls it
     return model
+
+
+def _scratch_like(buffers: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
+    """Zeroed buffers laid out as buffers (same shapes, strides and offsets) in storages of their own,
+    one for each storage of buffers: views of one flat buffer stay views of one."""
+    storages: Dict[int, torch.Tensor] = {}
+    out = {}
+    for p, buf in buffers.items():
+        key = buf.untyped_storage().data_ptr()
+        if key not in storages:
+            storages[key] = buf.new_zeros(buf.untyped_storage().nbytes() // buf.element_size())
+        out[p] = storages[key].as_strided(buf.shape, buf.stride(), buf.storage_offset())
+    return out
 
 
 def coalesce_adds(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
