@@ -173,15 +173,6 @@ _ASIDE: Dict[torch.device, torch.cuda.Stream] = {}
 _PENDING: List[Tuple[torch.device, tuple]] = []
 
 
-def weight_grad_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of device (made on the first call: call it before a CUDA graph's capture,
-    which forbids making one)."""
-    side = _ASIDE.get(device)
-    if side is None:
-        side = _ASIDE[device] = torch.cuda.Stream(device)
-    return side
-
-
 def join_weight_grads() -> None:
     """The current stream waits for the weight gradients queued on the side stream (after a backward
     within weight_grad_buffers; a CUDA graph's capture must end joined)."""
@@ -203,7 +194,9 @@ def _weight_grad_aside(dy_BECN: torch.Tensor, x_BECK: torch.Tensor, sink: Tuple[
         return dw()
     join_weight_grads()  # the one before (queued after this dx: the two overlap)
     device = dy_BECN.device
-    side = weight_grad_stream(device)
+    side = _ASIDE.get(device)
+    if side is None:
+        side = _ASIDE[device] = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         dw()

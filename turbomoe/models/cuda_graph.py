@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..integrations.expert_stack import join_weight_grads, weight_grad_buffers, weight_grad_stream
+from ..integrations.expert_stack import join_weight_grads, weight_grad_buffers
 from .qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -67,7 +67,6 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
     run = lambda: type(model).forward(model, *inputs)  # noqa: E731 (around DeepSpeed's module hooks)
 
     torch.cuda.synchronize()
-    weight_grad_stream(input_ids_BT.device)  # made outside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     # Lazy initialisation (autotuning, compiles) outside the capture, which forbids loading a kernel:
