@@ -107,6 +107,25 @@ def test_split_matches_fp64(S, M, E, w_dtype):
     assert grads_split(g, x, w_terms, w_dtype, True, False)[1] is None
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_no_host_sync(w_dtype):
+    """Forward and backward of the split (bf16 tokens, a bf16 or fp32 weight) never wait for the GPU
+    (the fp32 weight's backward once indexed its terms with a Python list: a copy to the device and a
+    sync)."""
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8, 64, device="cuda", dtype=w_dtype, requires_grad=True)
+    g = torch.randn(300, 8, device="cuda")
+    fp32_logits(x, w).backward(g)  # warm-up: cuBLAS handles and workspaces
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fp32_logits(x, w).backward(g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_autocast_leaves_them_fp32(device, dtype):

@@ -72,9 +72,9 @@ def grads_split(g_SE: torch.Tensor, x_SM: torch.Tensor, w_terms: torch.Tensor, w
     if need_x:
         if w_terms.dim() == 2:
             a, b = g_STE.view(S, TERMS * E), w_terms.repeat(TERMS, 1)
-        else:
-            a = g_STE[:, _G_TERMS, :].reshape(S, len(_G_TERMS) * E)
-            b = w_terms[:, _W_TERMS, :].transpose(0, 1).reshape(len(_W_TERMS) * E, w_terms.shape[-1])
+        else:  # the pairs' terms side by side along K; slices, not a list index (a host-to-device copy and a sync)
+            a = torch.cat([g_STE[:, i] for i in _G_TERMS], dim=1)  # [S, 6 E]
+            b = torch.cat([w_terms[:, j] for j in _W_TERMS])  # [6 E, M]
         gx = _mm(a, b, x_SM.dtype)
     if need_w:
         gw = _mm(g_STE.view(S, TERMS * E).t(), x_SM, torch.float32).view(TERMS, E, x_SM.shape[1]).sum(0).to(w_dtype)

@@ -79,7 +79,8 @@ class TurboMOELayer(MOELayer):
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
         with _timed(self, MOE_TIMER, "time_moe"):
             M = hidden_states.shape[-1]
-            x_SM = hidden_states.reshape(-1, M)
+            # Views only where the shape changes: each is an autograd node, host time in every backward.
+            x_SM = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, M)
             E = self.gate.wg.weight.shape[0]
             # Grouped experts on one rank, no tensor parallelism: nothing to exchange. Dropless, they
             # take expert-contiguous rows and grouped GEMMs over counts on the device (no capacity,
@@ -108,12 +109,12 @@ class TurboMOELayer(MOELayer):
                 y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM.view(E, s.capacity, M),
                                    EqualGroups(), None, row_scale_R).reshape(E * s.capacity, M)
             else:
-                y_RM = self._exchange_and_run_experts(buf_RM.view(E, s.capacity, M)).reshape(E * s.capacity, M)
+                y_RM = self._exchange_and_run_experts(buf_RM, s.capacity)
             if row_scale_R is not None:
                 out_SM = ops.gather_tokens(y_RM, s, None)
             else:
                 out_SM = ops.gather_tokens(y_RM, s, scores_SK, renormalize=self.norm_topk_prob)
-        return out_SM.reshape(hidden_states.shape)
+        return out_SM if hidden_states.dim() == 2 else out_SM.reshape(hidden_states.shape)
 
     def _route_and_assign(self, x_SM: torch.Tensor, used_token: Optional[torch.Tensor], rows_layout: bool):
         """Sets l_aux and exp_counts; returns the slots and the routes' scores [S, k]."""
@@ -139,31 +140,33 @@ class TurboMOELayer(MOELayer):
             s = s._replace(slots=s.slots.view(gate.k, -1).t().contiguous())
         return s, routes.scores
 
-    def _exchange_and_run_experts(self, buf_ECM: torch.Tensor) -> torch.Tensor:
-        """[E, C, M] on every rank -> each rank's experts on their rows from all ranks -> [E, C, M].
+    def _exchange_and_run_experts(self, buf_RM: torch.Tensor, C: int) -> torch.Tensor:
+        """The buffer [E * C, M] on every rank -> each rank's experts on their rows from all ranks ->
+        [E * C, M].
 
-        The same all-to-all and tensor-parallel token dropping as stock's MOELayer.forward.
+        The same all-to-all and tensor-parallel token dropping as stock's MOELayer.forward, on the
+        buffer seen once as [ep, E_local, C, M] (the all-to-all splits its first dim among the ranks;
+        the tensor-parallel share is cut along C, dim 2), so no other view is made on the way.
         """
-        E, _, M = buf_ECM.shape
+        M = buf_RM.shape[1]
         tp = bwc_tensor_model_parallel_world_size(groups.mpu)
         expert_tp = groups._get_expert_model_parallel_world_size() > 1
+        x_GECM = buf_RM.view(self.ep_size, self.num_local_experts, C, M)
         if tp > 1:
             # Non-expert tensor parallelism duplicates tokens on tp ranks: exchange a 1/tp share.
-            buf_ECM = drop_tokens(buf_ECM, dim=1)
+            x_GECM = drop_tokens(x_GECM, dim=2)
         with _timed(self, FIRST_ALLTOALL_TIMER, "time_falltoall"):
-            buf_ECM = _AllToAll.apply(self.ep_group, buf_ECM) if self.ep_size > 1 else buf_ECM.contiguous()
+            x_GECM = _AllToAll.apply(self.ep_group, x_GECM) if self.ep_size > 1 else x_GECM.contiguous()
         if tp > 1 and expert_tp:
-            buf_ECM = gather_tokens(buf_ECM, dim=1)
-        C = buf_ECM.shape[1]  # named, not -1: C = 0 (no tokens, min_capacity 0) has no inferable dim
-        x_GECM = buf_ECM.reshape(self.ep_size, self.num_local_experts, C, M)
-        y_ECM = run_experts(self.experts, self.expert_fast_path, x_GECM).reshape(E, C, M)
+            x_GECM = gather_tokens(x_GECM, dim=2)
+        y_GECM = run_experts(self.experts, self.expert_fast_path, x_GECM)
         if tp > 1 and expert_tp:
-            y_ECM = drop_tokens(y_ECM, dim=1)
+            y_GECM = drop_tokens(y_GECM, dim=2)
         with _timed(self, SECOND_ALLTOALL_TIMER, "time_salltoall"):
-            y_ECM = _AllToAll.apply(self.ep_group, y_ECM) if self.ep_size > 1 else y_ECM.contiguous()
+            y_GECM = _AllToAll.apply(self.ep_group, y_GECM) if self.ep_size > 1 else y_GECM.contiguous()
         if tp > 1:
-            y_ECM = gather_tokens(y_ECM, dim=1)
-        return y_ECM
+            y_GECM = gather_tokens(y_GECM, dim=2)
+        return y_GECM.view(-1, M)
 
 
 class MoE(StockMoE):
