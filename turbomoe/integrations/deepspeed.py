@@ -166,7 +166,7 @@ class TurboMOELayer(MOELayer):
             y_GECM = _AllToAll.apply(self.ep_group, y_GECM) if self.ep_size > 1 else y_GECM.contiguous()
         if tp > 1:
             y_GECM = gather_tokens(y_GECM, dim=2)
-        return y_GECM.view(-1, M)
+        return y_GECM.view(self.ep_size * self.num_local_experts * C, M)
 
 
 class MoE(StockMoE):
