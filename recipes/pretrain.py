@@ -6,7 +6,10 @@
 
 Every rank reads its own micro-batches (data parallel over all ranks); experts are sharded over
 groups of moe.ep_size ranks. The batch of a step is a function of (seed, step), and every random
-draw of a step is seeded by it, so --resume continues exactly where a checkpoint left off.
+draw of a step is seeded by it, so --resume continues exactly where a checkpoint left off; on another
+number of ranks or ep_size too (recipes/reshard.py), when a step keeps its samples:
+    deepspeed --num_gpus 2 recipes/pretrain.py --config recipes/configs/1b-4gpu.yaml --resume RUN/checkpoints \
+        --set moe.ep_size=2 --set train.grad_accum=8
 """
 import argparse
 import contextlib
@@ -29,6 +32,7 @@ from deepspeed.runtime.utils import all_gather_dp_groups  # noqa: E402
 from deepspeed.utils import groups  # noqa: E402
 
 import checkpointing  # noqa: E402
+from reshard import load_resharded  # noqa: E402
 from recipe_config import ConfigError, deepspeed_config, load_config, validate  # noqa: E402
 from run_log import RunLog, peak_flops  # noqa: E402
 from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
@@ -100,15 +104,22 @@ def prepare(args):
     return cfg, resume, samples
 
 
-# What an exact resume needs unchanged beside the model: the data stream (its split and order are drawn
-# from train.seed, the batches cut from micro_batch_size, grad_accum and the world size) and what
-# DeepSpeed's optimizer files are (the precision; ZeRO stage 0 against 1 or 2).
-RESUME_FIXED = {"data": None, "train": ("seed", "micro_batch_size", "grad_accum", "precision")}
+# What a resume needs unchanged beside the model: the data stream (its split and order are drawn from
+# train.seed; a step reads samples [step * n, (step + 1) * n) for n = micro_batch_size x grad_accum x
+# ranks, checked below) and what DeepSpeed's optimizer files are (the precision; ZeRO stage 0 against
+# 1 or 2).
+RESUME_FIXED = {"data": None, "train": ("seed", "precision")}
+
+
+def same_layout(meta: dict, world: int, ep_size: int) -> bool:
+    """Whether the checkpoint was written by as many ranks with the same ep_size (DeepSpeed's own load
+    then reads it); otherwise reshard.load_resharded does."""
+    return (meta["world_size"], meta["config"]["moe"]["ep_size"]) == (world, ep_size)
 
 
 def check_resumable(cfg, meta: dict, path: str):
-    """A checkpoint continues only with the model, data stream, optimizer files and parallel layout
-    that wrote it."""
+    """A checkpoint continues only with the model, data stream and optimizer files that wrote it; on
+    another number of ranks or ep_size only from ZeRO 1/2 partitions (reshard.py)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # moe_impl may change: both layers have the same parameters.
     diff = {k: (v, getattr(cfg.model, k)) for k, v in meta["config"]["model"].items()
@@ -122,13 +133,20 @@ def check_resumable(cfg, meta: dict, path: str):
     stages = meta["config"]["train"]["zero_stage"], cfg.train.zero_stage
     if 0 in stages and stages[0] != stages[1]:
         diff["train.zero_stage"] = stages
+    was = meta["config"]["train"]
+    saved_n = was["micro_batch_size"] * was["grad_accum"] * meta["world_size"]
+    n = cfg.train.micro_batch_size * cfg.train.grad_accum * world
+    if saved_n != n:
+        diff["samples a step (micro_batch_size x grad_accum x ranks)"] = (saved_n, n)
     if diff:
-        raise ConfigError(f"--resume {path}: an exact resume needs the checkpoint's data stream and optimizer "
+        raise ConfigError(f"--resume {path}: a resume needs the checkpoint's data stream and optimizer "
                           f"files; these differ (key: (checkpoint, config)): {diff}. Start a new run from its "
                           f"weights instead (python -m turbomoe.export, then model.init_from)")
-    if (meta["world_size"], meta["config"]["moe"]["ep_size"]) != (world, cfg.moe.ep_size):
+    if not same_layout(meta, world, cfg.moe.ep_size) and 0 in stages:
         raise ConfigError(f"--resume {path}: written by {meta['world_size']} ranks with ep_size "
-                          f"{meta['config']['moe']['ep_size']}; this run has {world} ranks and ep_size {cfg.moe.ep_size}")
+                          f"{meta['config']['moe']['ep_size']}, this run has {world} ranks and ep_size "
+                          f"{cfg.moe.ep_size}: resuming on another layout needs ZeRO 1 or 2 (train.zero_stage), "
+                          f"this is stage {stages[0]}")
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -552,7 +570,9 @@ def train(cfg, args, resume, samples):
     engine, model = build_engine(cfg, rank, ds_config, resuming=resume is not None)
 
     start_step = 0
-    if resume is not None:
+    if resume is not None and not same_layout(checkpointing.read_meta(*resume), world, cfg.moe.ep_size):
+        start_step = load_resharded(engine, model, os.path.join(*resume), rank % cfg.moe.ep_size, cfg.moe.ep_size)
+    elif resume is not None:
         with torch.no_grad():  # as deepspeed.initialize above: no autograd graph over the parameters kept
             load_path, client_state = engine.load_checkpoint(resume[0], tag=resume[1])
         if load_path is None:
@@ -636,11 +656,17 @@ def train(cfg, args, resume, samples):
         skip += 1
     steady = intervals[skip:]
     tokens_per_s = tokens_per_step * sum(n for n, _ in steady) / sum(s for _, s in steady) if steady else None
+    peak_memory_gib = None
+    if on_gpu:  # the most any rank's allocator held
+        held = torch.tensor([float(torch.cuda.max_memory_allocated())], device=device)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        peak_memory_gib = held.item() / 2**30
     summary = {"type": "summary", "step": last_step, "steps_run": steps_run, "wall_s": time.perf_counter() - t_start,
                "train_loss": train_loss, "valid_loss_first": valid_losses[0] if valid_losses else None,
                "valid_loss_last": valid_losses[-1] if valid_losses else None, "tokens_per_s": tokens_per_s,
                "mfu": tokens_per_s * flops_per_token / (world * peak) if peak and tokens_per_s else None,
-               "device": torch.cuda.get_device_name() if on_gpu else "cpu", "world_size": world}
+               "peak_memory_gib": peak_memory_gib, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+               "world_size": world}
     log.write(summary)
     log.message("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in summary.items() if k != "type"))

@@ -18,25 +18,4 @@ timeout 330 python3 -m deepspeed.launcher.runner --num_gpus 1 recipes/pretrain.p
 echo "exit status: ${PIPESTATUS[0]}"
 date -u
 ls -la "$RUN/checkpoints"/global_step* 2>/dev/null | head -5
-python3 - "$RUN/log.jsonl" <<'PY'
-import json, sys
-recs = [json.loads(line) for line in open(sys.argv[1])]
-train = [r for r in recs if r["type"] == "train"]
-for r in train[::50] + train[-1:]:
-    print(f"step {r['step']:4d}  loss {r['loss']:.4f}  aux {r['aux_loss']:.3f}  load {r['expert_load']:.2f}  "
-          f"tok/s {r['tokens_per_s']:,.0f}  mfu {100 * (r['mfu'] or 0):.1f}%")
-for r in recs:
-    if r["type"] == "valid":
-        print(f"valid step {r['step']:4d}: {r['valid_loss']:.4f}")
-summary = [r for r in recs if r["type"] == "summary"]
-if not summary:  # cut off before the end: the steps it logged
-    steady = train[len(train) // 10:]
-    tps = sum(r["tokens_per_s"] * r["step_time_s"] for r in steady) / sum(r["step_time_s"] for r in steady)
-    print(f"NO SUMMARY (run cut off after {len(train)} steps): {tps:,.0f} tokens/s, "
-          f"MFU {100 * (steady[-1]['mfu'] or 0):.1f}% (last step), train loss {train[-1]['loss']:.4f}")
-    sys.exit(1)
-s = summary[-1]
-print(f"SUMMARY {s['device']}: {s['steps_run']} steps, {s['tokens_per_s']:,.0f} tokens/s, "
-      f"MFU {100 * (s['mfu'] or 0):.1f}%, train loss {s['train_loss']:.4f}, "
-      f"valid loss {s['valid_loss_first']:.4f} -> {s['valid_loss_last']:.4f}, {s['wall_s']:.0f} s")
-PY
+python3 scripts/summarize_run.py "$RUN/log.jsonl" 50

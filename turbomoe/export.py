@@ -117,36 +117,79 @@ class RunCheckpoint:
             yield name, t
 
     def fp32_masters(self) -> Optional[Dict[str, torch.Tensor]]:
-        """The ZeRO 1/2 fp32 master weights of every parameter, from every rank's partition, or None
-        when the run kept none. A rank's fragments name its experts by local id; experts are
-        partitioned over the ranks holding the same experts, the rest over all ranks, in rank order."""
+        """The ZeRO 1/2 fp32 master weights of every parameter, or None when the run kept none."""
+        states = self.zero_states(("master",))
+        return None if states is None else states["master"]
+
+    def zero_states(self, keys=("master",), names=None) -> Optional[Dict[str, Dict[str, torch.Tensor]]]:
+        """{key: {parameter name: full tensor}} reassembled from every rank's ZeRO 1/2 (or bf16
+        optimizer) partition: key "master" the fp32 weights, any other key the optimizer state of that
+        name (Adam's "exp_avg", "exp_avg_sq"); names (default all) limits which parameters are made.
+        None when the run kept no such partitions (ZeRO stage 0). A rank's fragments name its experts
+        by local id; experts are partitioned over the ranks holding the same experts, the rest over
+        all ranks, in rank order."""
         files = sorted((int(m.group(1)), f) for f in os.listdir(self.tag_dir) if (m := _OPTIM.match(f)))
         if not files:
             return None
         if [r for r, _ in files] != list(range(self.world_size)):
             raise ExportError(f"{self.tag_dir}: optimizer partitions of ranks {[r for r, _ in files]}, expected one "
                               f"for each of the {self.world_size} ranks")
+        wanted = set(self.shapes) if names is None else set(names)
+        if wanted - set(self.shapes):
+            raise ExportError(f"{self.tag_dir}: the run's model has no parameters {sorted(wanted - set(self.shapes))}")
         num_local = self.config.num_experts // self.ep_size
-        pieces: Dict[str, List[torch.Tensor]] = defaultdict(list)
+        pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {key: defaultdict(list) for key in keys}
         for rank, f in files:
             path = os.path.join(self.tag_dir, f)
             state = _load(path).get("optimizer_state_dict", {})
             if "single_partition_of_fp32_groups" not in state or "param_slice_mappings" not in state:
                 return None  # not a ZeRO 1/2 optimizer (no masters kept apart from the module)
-            for flat, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+            for i, (master, mapping) in enumerate(zip(state["single_partition_of_fp32_groups"],
+                                                      state["param_slice_mappings"])):
+                flats = {key: master if key == "master" else _group_state(state, i, path).get(key) for key in keys}
+                for key, flat in flats.items():
+                    if flat is None:
+                        raise ExportError(f"{path}: parameter group {i} has no optimizer state {key!r}")
                 for local_name, frag in mapping.items():
                     name = _EXPERT.sub(lambda m: f"{m.group(1)}.{(rank % self.ep_size) * num_local + int(m.group(2))}.",
                                        local_name)
-                    pieces[name].append(flat.narrow(0, frag.start, frag.numel))
-        masters = {}
+                    if name in wanted:
+                        for key, flat in flats.items():
+                            pieces[key][name].append(flat.narrow(0, frag.start, frag.numel))
+        out = {key: {} for key in keys}
         for name, shape in self.shapes.items():
-            parts = pieces.get(name)
-            numel = sum(p.numel() for p in parts) if parts else 0
-            if numel != torch.Size(shape).numel():
-                raise ExportError(f"{self.tag_dir}: the optimizer partitions hold {numel} elements of {name}'s fp32 "
-                                  f"master, expected {torch.Size(shape).numel()}")
-            masters[name] = torch.cat(parts).view(shape)
-        return masters
+            if name not in wanted:
+                continue
+            for key in keys:
+                parts = pieces[key].get(name)
+                numel = sum(p.numel() for p in parts) if parts else 0
+                if numel != torch.Size(shape).numel():
+                    raise ExportError(f"{self.tag_dir}: the optimizer partitions hold {numel} elements of {name}'s "
+                                      f"{key}, expected {torch.Size(shape).numel()}")
+                out[key][name] = torch.cat(parts).view(shape)
+        return out
+
+    def optimizer_step(self) -> Optional[torch.Tensor]:
+        """The optimizer's step count (Adam's bias correction) as rank 0's first group saved it."""
+        files = [f for f in os.listdir(self.tag_dir) if (m := _OPTIM.match(f)) and int(m.group(1)) == 0]
+        if not files:
+            return None
+        path = os.path.join(self.tag_dir, files[0])
+        state = _load(path).get("optimizer_state_dict", {})
+        if "base_optimizer_state_step" in state:  # ZeRO's elastic format keeps it apart
+            return torch.tensor(float(state["base_optimizer_state_step"]))
+        return _group_state(state, 0, path).get("step")
+
+
+def _group_state(state: dict, i: int, path: str) -> dict:
+    """The base optimizer's state of flat group i: a torch state dict (bf16 optimizer, ZeRO's default)
+    or ZeRO's elastic list of per-group states."""
+    base = state.get("base_optimizer_state")
+    if isinstance(base, dict) and "state" in base:
+        return base["state"].get(i, {})
+    if isinstance(base, (list, tuple)) and i < len(base):
+        return base[i]
+    raise ExportError(f"{path}: no base optimizer state for parameter group {i}")
 
 
 def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", force: bool = False,
