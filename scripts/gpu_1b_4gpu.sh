@@ -9,7 +9,10 @@
 #   scale1/2  the same per-GPU batch on 1 GPU (ep_size 1) and 2 GPUs (ep_size 2), SCALE_STEPS steps
 # Triton gating and torch's grouped GEMM unless TURBOMOE_BACKEND / TURBOMOE_GMM_BACKEND say otherwise
 # (no nvcc build in the call). The standard-library corpus: a timing run, not a training run.
+# Everything printed also goes to $OUT/gpu_1b_4gpu.txt; the checkpoints (~13 GB and hundreds of files
+# a run) are removed at the end unless KEEP_CHECKPOINTS=1.
 source scripts/gpu_env.sh
+exec > >(tee "$OUT/gpu_1b_4gpu.txt") 2>&1
 export TURBOMOE_BACKEND=${TURBOMOE_BACKEND:-triton} TURBOMOE_GMM_BACKEND=${TURBOMOE_GMM_BACKEND:-torch}
 STEPS=${STEPS:-60} STOCK_STEPS=${STOCK_STEPS:-30} SCALE_STEPS=${SCALE_STEPS:-20} RUN_TIMEOUT=${RUN_TIMEOUT:-240}
 gpu_setup
@@ -54,4 +57,5 @@ PY
     *) echo "gpu_1b_4gpu.sh: unknown part $part"; exit 2 ;;
   esac
 done
+[ "${KEEP_CHECKPOINTS:-0}" = 1 ] || rm -rf "$OUT"/*/checkpoints
 date -u
