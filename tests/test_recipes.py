@@ -479,6 +479,25 @@ def test_resume_on_another_layout_continues_the_run(full_run, tmp_path, ranks, e
             assert (have[key][name] - t).norm() <= 0.08 * scale, (key, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_resume_on_another_layout_on_gpus(tmp_path):
+    """On GPUs, bf16 (DeepSpeed's bf16 optimizer, the recipe's fused AdamW without host sync, the
+    one-pass update): a 2-GPU ep_size 2 run's step-4 checkpoint resumed on one GPU with every expert,
+    its forward and backward replayed from CUDA graphs: the loss goes on as the 2-GPU run's (bf16:
+    the summation order moves the last bits) and the learning rate is the same."""
+    bf16 = ["--set", "train.precision=bf16"]
+    launch(tmp_path / "two", *bf16, gpus=2)
+    launch(tmp_path / "one", *bf16, "--resume", str(tmp_path / "two" / "checkpoints" / "global_step4"),
+           "--set", "moe.ep_size=1", "--set", "train.grad_accum=2", "--set", "train.cuda_graph=true", gpus=1)
+    ref = {r["step"]: r for r in records(tmp_path / "two", "train")}
+    got = records(tmp_path / "one", "train")
+    assert [r["step"] for r in got] == [5, 6, 7, 8]
+    for r in got:
+        assert r["lr"] == ref[r["step"]]["lr"]
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=5e-3), r["step"]
+
+
 @pytest.mark.parametrize("name, world, billions", [("tiny-cpu", 2, (0.001, 0.003)), ("small-1gpu", 1, (0.3, 0.4)),
                                                    ("1b-4gpu", 4, (0.95, 1.1))])
 def test_shipped_configs(name, world, billions):
