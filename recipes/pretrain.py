@@ -35,6 +35,7 @@ import checkpointing  # noqa: E402
 from reshard import load_resharded  # noqa: E402
 from recipe_config import ConfigError, deepspeed_config, load_config, validate  # noqa: E402
 from run_log import RunLog, peak_flops  # noqa: E402
+from turbomoe.export import ExportError, RunCheckpoint  # noqa: E402
 from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
 from turbomoe.kernels.adamw import adamw_step  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
@@ -142,11 +143,17 @@ def check_resumable(cfg, meta: dict, path: str):
         raise ConfigError(f"--resume {path}: a resume needs the checkpoint's data stream and optimizer "
                           f"files; these differ (key: (checkpoint, config)): {diff}. Start a new run from its "
                           f"weights instead (python -m turbomoe.export, then model.init_from)")
-    if not same_layout(meta, world, cfg.moe.ep_size) and 0 in stages:
+    if same_layout(meta, world, cfg.moe.ep_size):
+        return
+    if 0 in stages:
         raise ConfigError(f"--resume {path}: written by {meta['world_size']} ranks with ep_size "
                           f"{meta['config']['moe']['ep_size']}, this run has {world} ranks and ep_size "
                           f"{cfg.moe.ep_size}: resuming on another layout needs ZeRO 1 or 2 (train.zero_stage), "
                           f"this is stage {stages[0]}")
+    try:  # every rank reads other ranks' files: all of them there, before any work
+        RunCheckpoint(path).check_files()
+    except ExportError as e:
+        raise ConfigError(f"--resume {path}: {e}") from e
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

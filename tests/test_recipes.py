@@ -142,11 +142,10 @@ def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=r"'samples a step \(micro_batch_size x grad_accum x ranks\)': \(16, 32\)"):
         prepare("--resume", str(tmp_path))
-    assert prepare("--resume", str(tmp_path), "--set", "train.micro_batch_size=4", "--set", "moe.ep_size=4")[1] \
-        == (str(tmp_path), "global_step4")
+    # ... every old rank's files there (this tag has only its marker; test_resume_on_another_layout_needs_every_file)
+    with pytest.raises(ConfigError, match="mp_rank_00_model_states.pt is missing"):
+        prepare("--resume", str(tmp_path), "--set", "train.micro_batch_size=4", "--set", "moe.ep_size=4")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert prepare("--resume", str(tmp_path), "--set", "train.grad_accum=2", "--set", "moe.ep_size=1")[1] \
-        == (str(tmp_path), "global_step4")
     meta["config"]["train"]["zero_stage"] = 0
     (tmp_path / "global_step4" / checkpointing.COMPLETE).write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="written by 2 ranks with ep_size 2, this run has 1 ranks and ep_size 1: "
@@ -477,6 +476,26 @@ def test_resume_on_another_layout_continues_the_run(full_run, tmp_path, ranks, e
         for name, t in want[key].items():
             scale = (t - start[key][name]).norm() if key == "master" else t.norm()
             assert (have[key][name] - t).norm() <= 0.08 * scale, (key, name)
+
+
+def test_resume_on_another_layout_needs_every_file(full_run, tmp_path, monkeypatch):
+    """Each rank of another layout reads files that other ranks wrote: one missing is an error naming
+    it, before any work."""
+    import shutil
+    tag = tmp_path / "global_step4"
+    shutil.copytree(full_run / "checkpoints" / "global_step4", tag)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = ["--config", TINY, "--set", f"log.dir={tmp_path / 'run'}", "--resume", str(tag),
+            "--set", "train.grad_accum=2", "--set", "moe.ep_size=1"]
+    assert pretrain.prepare(pretrain.parse_args(args))[1] == (str(tmp_path), "global_step4")
+    (tag / "layer_1_expert_6_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(ConfigError, match="layer_1_expert_6_mp_rank_00_model_states.pt is missing: expert 6 of MoE "
+                                          "layer 1, written by expert-parallel rank 1 of 2"):
+        pretrain.prepare(pretrain.parse_args(args))
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    shutil.copy(full_run / "checkpoints" / "global_step4" / "layer_1_expert_6_mp_rank_00_model_states.pt", tag)
+    with pytest.raises(ConfigError, match=r"optimizer partitions of ranks \[0\], expected one for each of the 2"):
+        pretrain.prepare(pretrain.parse_args(args))
 
 
 @pytest.mark.gpu

@@ -81,19 +81,38 @@ class RunCheckpoint:
             raise ExportError(f"{os.path.join(tag_dir, MODEL_STATES)}: no 'module' state dict in it")
         self.moe_layers = self.config.moe_layers()
 
+    def check_files(self):
+        """Raise ExportError naming the first file missing: every expert's of every MoE layer, and
+        every rank's optimizer partition where the run kept them."""
+        for i in range(len(self.moe_layers)):
+            for j in range(self.config.num_experts):
+                self._existing_expert_file(i, j)
+        self._partition_files()
+
     def expert_file(self, moe_layer: int, expert: int) -> str:
         return os.path.join(self.tag_dir, f"layer_{moe_layer}_expert_{expert}_{MODEL_STATES}")
 
+    def _existing_expert_file(self, moe_layer: int, expert: int) -> str:
+        path = self.expert_file(moe_layer, expert)
+        if not os.path.isfile(path):
+            raise ExportError(f"{path} is missing: expert {expert} of MoE layer {moe_layer}, written by expert-parallel "
+                              f"rank {expert // (self.config.num_experts // self.ep_size)} of {self.ep_size}")
+        return path
+
     def _expert_tensors(self, moe_layer: int) -> Dict[str, torch.Tensor]:
-        E = self.config.num_experts
         out = {}
-        for j in range(E):
-            path = self.expert_file(moe_layer, j)
-            if not os.path.isfile(path):
-                raise ExportError(f"{path} is missing: expert {j} of MoE layer {moe_layer}, written by "
-                                  f"expert-parallel rank {j // (E // self.ep_size)} of {self.ep_size}")
-            out.update(_load(path))
+        for j in range(self.config.num_experts):
+            out.update(_load(self._existing_expert_file(moe_layer, j)))
         return out
+
+    def _partition_files(self) -> List[Tuple[int, str]]:
+        """[(rank, path)] of the ZeRO 1/2 optimizer partitions, one a rank, or [] where the run kept none."""
+        files = sorted((int(m.group(1)), os.path.join(self.tag_dir, f)) for f in os.listdir(self.tag_dir)
+                       if (m := _OPTIM.match(f)))
+        if files and [r for r, _ in files] != list(range(self.world_size)):
+            raise ExportError(f"{self.tag_dir}: optimizer partitions of ranks {[r for r, _ in files]}, expected one "
+                              f"for each of the {self.world_size} ranks")
+        return files
 
     def tensors(self, masters: Optional[Dict[str, torch.Tensor]] = None) -> Iterator[Tuple[str, torch.Tensor]]:
         """(parameter name, tensor) in the model's order; masters (fp32) replace the module's copies."""
@@ -128,19 +147,15 @@ class RunCheckpoint:
         None when the run kept no such partitions (ZeRO stage 0). A rank's fragments name its experts
         by local id; experts are partitioned over the ranks holding the same experts, the rest over
         all ranks, in rank order."""
-        files = sorted((int(m.group(1)), f) for f in os.listdir(self.tag_dir) if (m := _OPTIM.match(f)))
+        files = self._partition_files()
         if not files:
             return None
-        if [r for r, _ in files] != list(range(self.world_size)):
-            raise ExportError(f"{self.tag_dir}: optimizer partitions of ranks {[r for r, _ in files]}, expected one "
-                              f"for each of the {self.world_size} ranks")
         wanted = set(self.shapes) if names is None else set(names)
         if wanted - set(self.shapes):
             raise ExportError(f"{self.tag_dir}: the run's model has no parameters {sorted(wanted - set(self.shapes))}")
         num_local = self.config.num_experts // self.ep_size
         pieces: Dict[str, Dict[str, List[torch.Tensor]]] = {key: defaultdict(list) for key in keys}
-        for rank, f in files:
-            path = os.path.join(self.tag_dir, f)
+        for rank, path in files:
             state = _load(path).get("optimizer_state_dict", {})
             if "single_partition_of_fp32_groups" not in state or "param_slice_mappings" not in state:
                 return None  # not a ZeRO 1/2 optimizer (no masters kept apart from the module)
@@ -171,10 +186,10 @@ class RunCheckpoint:
 
     def optimizer_step(self) -> Optional[torch.Tensor]:
         """The optimizer's step count (Adam's bias correction) as rank 0's first group saved it."""
-        files = [f for f in os.listdir(self.tag_dir) if (m := _OPTIM.match(f)) and int(m.group(1)) == 0]
+        files = self._partition_files()
         if not files:
             return None
-        path = os.path.join(self.tag_dir, files[0])
+        path = files[0][1]
         state = _load(path).get("optimizer_state_dict", {})
         if "base_optimizer_state_step" in state:  # ZeRO's elastic format keeps it apart
             return torch.tensor(float(state["base_optimizer_state_step"]))
