@@ -7,6 +7,9 @@
 #             same samples a step; recipes/reshard.py) to STEPS: its losses beside the 4-GPU run's
 #   stock     stock DeepSpeed MoE (moe_impl deepspeed; eager: it cannot be captured), STOCK_STEPS steps
 #   scale1/2  the same per-GPU batch on 1 GPU (ep_size 1) and 2 GPUs (ep_size 2), SCALE_STEPS steps
+#   export    the turbomoe run's last checkpoint -> python -m turbomoe.export -> a Hugging Face directory;
+#             transformers' model from it against turbomoe's read straight from the DeepSpeed files:
+#             the loss of a text the run never saw, fp32, on a GPU
 # Triton gating and torch's grouped GEMM unless TURBOMOE_BACKEND / TURBOMOE_GMM_BACKEND say otherwise
 # (no nvcc build in the call). The standard-library corpus: a timing run, not a training run.
 # Everything printed also goes to $OUT/gpu_1b_4gpu.txt; the checkpoints (~13 GB and hundreds of files
@@ -54,8 +57,27 @@ PY
              --set checkpoint.every=0 ;;
     scale1) run scale1 1 --set train.steps="$SCALE_STEPS" --set moe.ep_size=1 --set checkpoint.every=0 ;;
     scale2) run scale2 2 --set train.steps="$SCALE_STEPS" --set moe.ep_size=2 --set checkpoint.every=0 ;;
+    export) python3 -m turbomoe.export "$OUT/turbomoe" "$OUT/hf" --force 2>&1 | tail -1
+            # fp32: the Triton grouped GEMM (torch's takes bf16 only)
+            TURBOMOE_GMM_BACKEND=triton python3 - "$OUT" <<'PY'
+import sys
+import torch
+import transformers
+from turbomoe.export import load_run_model
+out = sys.argv[1]
+text = ("The lighthouse keeper counted the ships each evening, writing their names in a worn ledger. "
+        "When the fog rolled in, she lit the lamp early and listened for horns across the water. ") * 4
+ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(f"{out}/hf")(text)["input_ids"][:257]], device="cuda")
+hf = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/hf", dtype=torch.float32).cuda().eval()
+ours = load_run_model(f"{out}/turbomoe").float().cuda()
+with torch.no_grad():
+    a, b = hf(ids, labels=ids).loss.item(), ours(ids[:, :-1], ids[:, 1:]).loss.item()
+print(f"held-out loss: transformers on the export {a:.6f}, turbomoe from the DeepSpeed files {b:.6f}, "
+      f"relative difference {abs(a - b) / b:.2e}")
+PY
+            du -sh "$OUT/hf" ;;
     *) echo "gpu_1b_4gpu.sh: unknown part $part"; exit 2 ;;
   esac
 done
-[ "${KEEP_CHECKPOINTS:-0}" = 1 ] || rm -rf "$OUT"/*/checkpoints
+[ "${KEEP_CHECKPOINTS:-0}" = 1 ] || rm -rf "$OUT"/*/checkpoints "$OUT/hf"
 date -u
