@@ -13,21 +13,12 @@ step's samples stay the same (micro_batch_size x grad_accum x ranks: checked by 
 Not bit for bit the run that would have gone on (gradients are summed over other ranks, in
 another order), but the same parameters, optimizer state and data.
 """
-import re
-
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-from turbomoe.export import RunCheckpoint
+from turbomoe.export import RunCheckpoint, global_expert_name
 
-_LOCAL_EXPERT = re.compile(r"(\.deepspeed_experts)\.(\d+)\.")
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
-
-
-def global_names(model, ep_rank: int, num_local: int) -> dict:
-    """{this rank's parameter name: its name in a model holding every expert}."""
-    return {name: _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}.{ep_rank * num_local + int(m.group(2))}.", name)
-            for name, _ in model.named_parameters()}
 
 
 @torch.no_grad()
@@ -35,7 +26,8 @@ def load_resharded(engine, model, tag_dir: str, ep_rank: int, ep_size: int) -> i
     """Load tag_dir (written by any number of ranks and ep_size, ZeRO 1/2) into this rank's engine
     and model; returns the step it was written at."""
     ckpt = RunCheckpoint(tag_dir)
-    names = global_names(model, ep_rank, ckpt.config.num_experts // ep_size)
+    num_local = ckpt.config.num_experts // ep_size
+    names = {name: global_expert_name(name, ep_rank, num_local) for name, _ in model.named_parameters()}
     states = ckpt.zero_states(("master",) + ADAM_STATES, set(names.values()))
     step = ckpt.optimizer_step()
     if states is None or step is None:
@@ -44,18 +36,18 @@ def load_resharded(engine, model, tag_dir: str, ep_rank: int, ep_size: int) -> i
     opt = engine.optimizer
     inner = opt.optimizer
     flats = opt.fp32_groups_flat_partition if isinstance(opt, BF16_Optimizer) else opt.single_partition_of_fp32_groups
-    group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
+    # One flat partition a parameter group, the base optimizer's only parameter of that group.
+    targets = [dict(_adam_state(inner, flat, group, step), master=flat)
+               for group, flat in zip(inner.param_groups, flats)]
     for name, param in model.named_parameters():
         full = {key: states[key][names[name]] for key in states}
         param.copy_(full["master"])
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:  # wholly in other ranks' partitions
             continue
-        flat = flats[mapping.param_group_index]
         lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
-        adam = _adam_state(inner, flat, group_of[id(flat)], step)
         for key, value in full.items():
-            dst = flat if key == "master" else adam[key]
+            dst = targets[mapping.param_group_index][key]
             dst.narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
     module = ckpt.states["module"]
     for name, buf in model.named_buffers():

@@ -5,6 +5,7 @@ losses of an uninterrupted one."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -481,7 +482,6 @@ def test_resume_on_another_layout_continues_the_run(full_run, tmp_path, ranks, e
 def test_resume_on_another_layout_needs_every_file(full_run, tmp_path, monkeypatch):
     """Each rank of another layout reads files that other ranks wrote: one missing is an error naming
     it, before any work."""
-    import shutil
     tag = tmp_path / "global_step4"
     shutil.copytree(full_run / "checkpoints" / "global_step4", tag)
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -36,6 +36,12 @@ _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
+    """A parameter name of expert-parallel rank ep_rank (its experts numbered from 0 locally) as a
+    model holding every expert names it; other names unchanged."""
+    return _EXPERT.sub(lambda m: f"{m.group(1)}.{ep_rank * num_local + int(m.group(2))}.", name)
+
+
 class ExportError(ValueError):
     """A run or checkpoint directory that cannot be exported; the message names the file."""
 
@@ -166,8 +172,7 @@ class RunCheckpoint:
                     if flat is None:
                         raise ExportError(f"{path}: parameter group {i} has no optimizer state {key!r}")
                 for local_name, frag in mapping.items():
-                    name = _EXPERT.sub(lambda m: f"{m.group(1)}.{(rank % self.ep_size) * num_local + int(m.group(2))}.",
-                                       local_name)
+                    name = global_expert_name(local_name, rank % self.ep_size, num_local)
                     if name in wanted:
                         for key, flat in flats.items():
                             pieces[key][name].append(flat.narrow(0, frag.start, frag.numel))
