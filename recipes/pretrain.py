@@ -678,11 +678,10 @@ def train(cfg, args, resume, samples):
     log.message("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in summary.items() if k != "type"))
     log.close()
-    # Every rank past its last collective, then the process group (NCCL's communicators) released here,
-    # as torch asks, not left to the interpreter's exit: there the 4-GPU runs of 2026-11-27 hung after
-    # their summary (not re-run with this yet: notes/robustness.md).
+    # Every rank past its last collective before any leaves. The process group is left to the interpreter's
+    # exit: destroy_process_group() here hung a 4-GPU run (ep_size 4, CUDA graphs) after its summary, and
+    # without it the same run exits (notes/robustness.md, 2026-11-27 21:13).
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv=None):

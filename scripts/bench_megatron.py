@@ -10,14 +10,18 @@ Layers (one process, the same config):
   before    the same with probs_before_fc2=True: the probs scale the activation before fc2 with
             Megatron's own rounding (an [R, F] multiply each way)
   native    turbomoe.nn.MoELayer at the same shape (the bar: turbomoe's Megatron layer within 1.2x)
+  stock TE  where Transformer Engine is installed: stock's MoELayer from TE's spec with
+            moe_grouped_gemm (TEGroupedMLP: TE's grouped GEMM over all local experts)
 All dropless, SwiGLU experts, softmax top-k (renormalised over the k, as Megatron's default), fp32
 router logits, aux loss 0.01. Times: CUDA-event medians after warm-up, the three layers interleaved in
 the same rounds, steps queued back to back (scripts/timing.py). Then a small GPT training step
-(forward, backward, SGD update) built from Megatron's local block spec, stock and turbomoe's: tokens/s.
+(forward, backward, SGD update) built from Megatron's local block spec, stock and turbomoe's: tokens/s;
+with Transformer Engine also from TE's block spec (TE's linears, norms and attention on both sides).
 Stock 0.16.1 without Transformer Engine stops in router_gating_linear (te_general_gemm is bound only
 by TE's import); this script binds it to None, the value the code tests for.
 """
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -51,6 +55,7 @@ from turbomoe.integrations.megatron import get_turbomoe_gpt_decoder_block_spec, 
 from turbomoe.nn import MoELayer  # noqa: E402
 
 DTYPE = torch.bfloat16
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
 
 def config(M, F_, E, k, **kw) -> TransformerConfig:
@@ -88,15 +93,23 @@ def bench_layers(configs, iters):
             "before": build_module(get_turbomoe_moe_spec(cfg, probs_before_fc2=True), config=cfg).cuda(),
             "native": MoELayer(M, F_, E, k, renormalize=k > 1, aux_loss_coef=0.01, device="cuda", dtype=DTYPE),
         }
+        if HAVE_TE:
+            layers["stock TE"] = build_module(get_moe_module_spec(use_te=True, num_experts=E, moe_grouped_gemm=True),
+                                              config=config(M, F_, E, k, moe_grouped_gemm=True)).cuda()
         x3 = torch.randn(S, 1, M, device="cuda", dtype=DTYPE, requires_grad=True)
         g3 = torch.randn_like(x3)
         x2 = x3.detach().view(S, M).requires_grad_()
         steps = [layer_step(layers["stock"], x3, g3), layer_step(layers["turbomoe"], x3, g3),
                  layer_step(layers["before"], x3, g3), layer_step(layers["native"], x2, g3.view(S, M))]
-        stock_ms, turbo_ms, before_ms, native_ms = interleaved_medians_ms(steps, warmup=3, iters=iters, block=5)
+        if HAVE_TE:
+            steps.append(layer_step(layers["stock TE"], x3, g3))
+        stock_ms, turbo_ms, before_ms, native_ms, *te_ms = interleaved_medians_ms(steps, warmup=3, iters=iters,
+                                                                                  block=5)
         row = dict(S=S, M=M, F=F_, E=E, k=k, stock_ms=stock_ms, turbomoe_ms=turbo_ms, before_fc2_ms=before_ms,
                    native_ms=native_ms, speedup=stock_ms / turbo_ms, vs_native=turbo_ms / native_ms,
                    before_fc2_speedup=stock_ms / before_ms, before_fc2_vs_native=before_ms / native_ms)
+        if te_ms:
+            row.update(stock_te_ms=te_ms[0], speedup_vs_te=te_ms[0] / turbo_ms)
         print(f"[layer] {row}", flush=True)
         rows.append(row)
         del layers, steps, x2, x3, g3
@@ -104,16 +117,17 @@ def bench_layers(configs, iters):
     return rows
 
 
-def bench_gpt(iters, seq=2048, batch=4):
-    """One training step of a small MoE GPT (fwd + bwd + SGD), stock vs turbomoe's spec: tokens/s."""
-    cfg = config(1024, 1408, 32, 2, num_layers=4, moe_router_pre_softmax=False)
+def bench_gpt(iters, te: bool = False, seq=2048, batch=4):
+    """One training step of a small MoE GPT (fwd + bwd + SGD), stock vs turbomoe's spec: tokens/s. te: both
+    on Transformer Engine's block spec (stock's experts TEGroupedMLP)."""
+    cfg = config(1024, 1408, 32, 2, num_layers=4, moe_router_pre_softmax=False, moe_grouped_gemm=te)
     vocab = 32768
     tokens = torch.randint(0, vocab, (batch, seq), device="cuda")
     pos = torch.arange(seq, device="cuda").expand(batch, seq)
     mask = torch.ones(batch, 1, seq, seq, dtype=torch.bool, device="cuda").triu(1)
     steps, models = [], []
-    for spec in (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
-                 get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False)):
+    for spec in (get_gpt_decoder_block_spec(cfg, use_transformer_engine=te),
+                 get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=te)):
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
         model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq)
@@ -128,7 +142,8 @@ def bench_gpt(iters, seq=2048, batch=4):
         steps.append(step)
     stock_ms, turbo_ms = interleaved_medians_ms(steps, warmup=3, iters=iters, block=5)
     n = batch * seq
-    row = dict(layers=4, hidden=1024, E=32, k=2, F=1408, seq=seq, batch=batch, stock_ms=stock_ms, turbomoe_ms=turbo_ms,
+    row = dict(spec="te" if te else "local", layers=4, hidden=1024, E=32, k=2, F=1408, seq=seq, batch=batch,
+               stock_ms=stock_ms, turbomoe_ms=turbo_ms,
                stock_tokens_s=n / stock_ms * 1e3, turbomoe_tokens_s=n / turbo_ms * 1e3, speedup=stock_ms / turbo_ms)
     print(f"[gpt] {row}", flush=True)
     return row
@@ -146,22 +161,24 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     with model_parallel("nccl"):
         rows = bench_layers([int(c) for c in args.configs.split(",")], args.iters)
-        gpt = None if args.no_gpt else bench_gpt(max(args.iters // 2, 5))
+        gpts = [] if args.no_gpt else [bench_gpt(max(args.iters // 2, 5), te) for te in (False, True)[:1 + HAVE_TE]]
+    te_head, te_rule = (" stock TE (TEGroupedMLP) ms | speedup |", "---|---|") if HAVE_TE else ("", "")
     print("\n| (S, M, F, E, k) | stock local (SequentialMLP) ms | turbomoe spec ms | speedup | turbomoe MoELayer ms "
-          "| spec / MoELayer | spec, probs before fc2 ms | speedup | / MoELayer |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"| spec / MoELayer | spec, probs before fc2 ms | speedup | / MoELayer |{te_head}")
+    print(f"|---|---|---|---|---|---|---|---|---|{te_rule}")
     for r in rows:
+        te_cols = f" {r['stock_te_ms']:.2f} | {r['speedup_vs_te']:.1f}x |" if HAVE_TE else ""
         print(f"| {r['S']}, {r['M']}, {r['F']}, {r['E']}, {r['k']} | {r['stock_ms']:.2f} | {r['turbomoe_ms']:.2f} | "
               f"{r['speedup']:.1f}x | {r['native_ms']:.2f} | {r['vs_native']:.2f} | {r['before_fc2_ms']:.2f} | "
-              f"{r['before_fc2_speedup']:.1f}x | {r['before_fc2_vs_native']:.2f} |")
-    if gpt:
-        print(f"\nGPT step ({gpt['layers']} MoE layers, hidden {gpt['hidden']}, E {gpt['E']}, k {gpt['k']}, "
-              f"F {gpt['F']}, {gpt['batch']} x {gpt['seq']} tokens): stock {gpt['stock_ms']:.1f} ms "
+              f"{r['before_fc2_speedup']:.1f}x | {r['before_fc2_vs_native']:.2f} |{te_cols}")
+    for gpt in gpts:
+        print(f"\nGPT step, {gpt['spec']} spec ({gpt['layers']} MoE layers, hidden {gpt['hidden']}, E {gpt['E']}, "
+              f"k {gpt['k']}, F {gpt['F']}, {gpt['batch']} x {gpt['seq']} tokens): stock {gpt['stock_ms']:.1f} ms "
               f"({gpt['stock_tokens_s']:,.0f} tokens/s), turbomoe {gpt['turbomoe_ms']:.1f} ms "
               f"({gpt['turbomoe_tokens_s']:,.0f} tokens/s), {gpt['speedup']:.2f}x")
     if args.out:
         with open(os.path.join(args.out, "bench_megatron.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), layers=rows, gpt=gpt), f, indent=1)
+            json.dump(dict(device=torch.cuda.get_device_name(), layers=rows, gpt=gpts), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 #   bash scripts/gpu_megatron.sh [bench args...]          (one GPU: tests, then the benchmark)
 #   EP=1 bash scripts/gpu_megatron.sh                     (two GPUs: the expert-parallel and training-step tests, then the
 #                                                          one-GPU bf16 model tests, TESTS_AFTER_EP)
+#   TE=1 ...                                              (either, with Transformer Engine from the carried .te:
+#                                                          scripts/gpu_te_wheels.sh; its tests run too)
 # Installs the carried wheels (WHL, default .whl: megatron-core 0.16.1 and the rest), builds turbomoe's
 # CUDA kernels and CUTLASS GEMM in the background while the tests run on the Triton kernels (every
 # dtype, fp32 included), runs the host-sync test again on the default backends, then the benchmark.
@@ -10,6 +12,7 @@
 source scripts/gpu_env.sh
 gpu_setup "${WHL:-.whl}"
 python3 -c "import megatron.core as m; print('megatron-core', m.__version__)"
+if [ -n "${TE:-}" ]; then gpu_te || exit 1; fi
 if [ -n "${EP:-}" ]; then  # the two-GPU tests: expert parallelism, and Megatron's training step at tp 2 / dp 2
   TURBOMOE_BACKEND=triton TURBOMOE_GMM_BACKEND=triton timeout 330 python3 -m pytest -q -p no:cacheprovider -rfEs -s \
     tests/test_megatron_gpu.py -k two_gpus 2>&1 | tee "$OUT/pytest_ep.log" | grep -E "rank|PASS|LOSSES|passed|failed|Error" | tail -30

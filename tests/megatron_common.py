@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -48,31 +49,41 @@ def moe_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**kw)
 
 
+def expert_pairs(moe, grads: bool = False):
+    """[(fc1 [2F, H], fc2 [H, F])] of a MoE layer's local experts (or their gradients), whatever holds them:
+    turbomoe's GroupedMLP layout (weight1 [H, El * 2F] is w1 [El, H, 2F], weight2 [El * F, H] is
+    w2 [El, F, H]: views), stock's SequentialMLP (local or Transformer Engine linears) or Transformer
+    Engine's TEGroupedMLP (linear_fc1.weight0, weight1, ...)."""
+    ex = moe.experts
+    pick = (lambda p: p.grad) if grads else (lambda p: p)
+    if isinstance(moe, tm.TurboMoELayer):
+        H = ex.config.hidden_size
+        w1 = pick(ex.weight1).view(ex.num_local_experts, H, -1)
+        w2 = pick(ex.weight2).view(ex.num_local_experts, -1, H)
+        return [(w1[i].t(), w2[i].t()) for i in range(ex.num_local_experts)]
+    if hasattr(ex, "local_experts"):
+        return [(pick(e.linear_fc1.weight), pick(e.linear_fc2.weight)) for e in ex.local_experts]
+    return [(pick(getattr(ex.linear_fc1, f"weight{i}")), pick(getattr(ex.linear_fc2, f"weight{i}")))
+            for i in range(ex.num_local_experts)]
+
+
 @torch.no_grad()
 def copy_stock_moe_to_turbomoe(stock_moe, turbo_moe):
-    """Router and SequentialMLP expert weights of a stock MoELayer into turbomoe's (GroupedMLP layout:
-    weight1 [H, El * 2F] is w1 [El, H, 2F], weight2 [El * F, H] is w2 [El, F, H])."""
+    """Router and expert weights of a stock MoELayer (any expert module) into turbomoe's."""
     turbo_moe.router.weight.copy_(stock_moe.router.weight)
     if getattr(stock_moe.router, "expert_bias", None) is not None:
         turbo_moe.router.expert_bias.copy_(stock_moe.router.expert_bias)
-    ex = turbo_moe.experts
-    H = ex.config.hidden_size
-    w1, w2 = ex.weight1.view(ex.num_local_experts, H, -1), ex.weight2.view(ex.num_local_experts, -1, H)
-    for i, e in enumerate(stock_moe.experts.local_experts):
-        w1[i].copy_(e.linear_fc1.weight.t())
-        w2[i].copy_(e.linear_fc2.weight.t())
+    for (t1, t2), (s1, s2) in zip(expert_pairs(turbo_moe), expert_pairs(stock_moe), strict=True):
+        t1.copy_(s1)
+        t2.copy_(s2)
 
 
-def experts_as_stock(turbo_moe, grads: bool = False):
-    """turbomoe's expert weights (or their gradients) in SequentialMLP's names and shapes."""
-    ex = turbo_moe.experts
-    H = ex.config.hidden_size
-    w1, w2 = (ex.weight1.grad, ex.weight2.grad) if grads else (ex.weight1, ex.weight2)
-    w1, w2 = w1.view(ex.num_local_experts, H, -1), w2.view(ex.num_local_experts, -1, H)
+def experts_as_stock(moe, grads: bool = False):
+    """A MoE layer's expert weights (or their gradients) in SequentialMLP's names and shapes."""
     out = {}
-    for i in range(ex.num_local_experts):
-        out[f"experts.local_experts.{i}.linear_fc1.weight"] = w1[i].t()
-        out[f"experts.local_experts.{i}.linear_fc2.weight"] = w2[i].t()
+    for i, (w1, w2) in enumerate(expert_pairs(moe, grads)):
+        out[f"experts.local_experts.{i}.linear_fc1.weight"] = w1
+        out[f"experts.local_experts.{i}.linear_fc2.weight"] = w2
     return out
 
 
@@ -97,14 +108,16 @@ def with_sequence_parallel_norms(block):
     return block
 
 
-def gpt_pair(cfg, vocab: int, seq: int, **turbomoe_kwargs):
-    """(stock GPT, turbomoe GPT) on the GPU from the same seed (local specs; with sequence parallelism,
-    SequenceParallelLayerNorm norms), turbomoe's weights then set to stock's; both cast to
+def gpt_pair(cfg, vocab: int, seq: int, te: bool = False, **turbomoe_kwargs):
+    """(stock GPT, turbomoe GPT) on the GPU from the same seed (local specs, or with te Transformer
+    Engine's: its linears, norms and attention, and stock's experts TEGroupedMLP where
+    cfg.moe_grouped_gemm, else SequentialMLP on its linears; local specs under sequence parallelism
+    get SequenceParallelLayerNorm norms), turbomoe's weights then set to stock's; both cast to
     cfg.params_dtype as Float16Module casts them (embeddings start fp32)."""
     models = []
-    for spec in (get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
-                 tm.get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **turbomoe_kwargs)):
-        if cfg.sequence_parallel:
+    for spec in (get_gpt_decoder_block_spec(cfg, use_transformer_engine=te),
+                 tm.get_turbomoe_gpt_decoder_block_spec(cfg, use_transformer_engine=te, **turbomoe_kwargs)):
+        if cfg.sequence_parallel and not te:
             spec = with_sequence_parallel_norms(spec)
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
@@ -123,12 +136,12 @@ def gpt_pair(cfg, vocab: int, seq: int, **turbomoe_kwargs):
 
 
 def gpt_tensors_as_stock(model, grads: bool = False):
-    """A GPT model's parameters (or their gradients, those that have one) by stock's names: turbomoe's
-    experts as SequentialMLP's (a stock model's are its own)."""
+    """A GPT model's parameters (or their gradients, those that have one) by stock's local names: the
+    experts of any MoE layer (turbomoe's, TEGroupedMLP) as SequentialMLP's."""
     out = {n: p.grad if grads else p for n, p in model.named_parameters()
-           if (p.grad is not None or not grads) and not n.endswith(("experts.weight1", "experts.weight2"))}
+           if (p.grad is not None or not grads) and ".mlp.experts." not in n}
     for i, layer in enumerate(model.decoder.layers):
-        if isinstance(layer.mlp, tm.TurboMoELayer):
+        if isinstance(layer.mlp, MoELayer):
             out.update({f"decoder.layers.{i}.mlp.{k}": t for k, t in experts_as_stock(layer.mlp, grads).items()})
     return out
 

@@ -2,9 +2,11 @@
 
     torchrun --nproc_per_node 2 tests/megatron_train_script.py   # tp = 2 (+ sequence parallel), dp = 2
     torchrun --nproc_per_node 1 tests/megatron_train_script.py   # the tp = 1 cases with dp = 1
+    MEGATRON_SPEC=te torchrun ...                                 # on Transformer Engine's spec
 
-Each case builds the same small GPT twice from one seed (stock's local spec: SequentialMLP experts;
-turbomoe's spec, its experts and every other weight copied from stock's), wraps each as Megatron's
+Each case builds the same small GPT twice from one seed (stock's local spec: SequentialMLP experts, or
+with MEGATRON_SPEC=te Transformer Engine's: TE linears, norms and attention, TEGroupedMLP experts;
+turbomoe's spec on the same, its experts and every other weight copied from stock's), wraps each as Megatron's
 training does (Float16Module for bf16, DistributedDataParallel), builds its optimizer with
 get_megatron_optimizer (Adam, clip 1.0, weight decay; bf16 keeps fp32 main params; the distributed
 optimizer in two cases) and runs STEPS steps of Megatron's train_step on one fixed random batch per
@@ -43,6 +45,7 @@ if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None  # stock 0.16.1 without Transformer Engine (see test_megatron_gpu.py)
 
 VOCAB, SEQ, BATCH, STEPS, LR = 128, 64, 4, 5, 1e-3
+TE = os.environ.get("MEGATRON_SPEC", "local") == "te"
 
 
 class Case(NamedTuple):
@@ -70,7 +73,8 @@ def gpt_config(case: Case, sequence_parallel: bool):
                       ffn_hidden_size=128, moe_ffn_hidden_size=48, params_dtype=case.dtype,
                       bf16=case.dtype == torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
                       moe_router_dtype="fp32", tensor_model_parallel_size=case.tp,
-                      sequence_parallel=sequence_parallel, expert_tensor_parallel_size=1, **case.overrides)
+                      sequence_parallel=sequence_parallel, expert_tensor_parallel_size=1, moe_grouped_gemm=TE,
+                      **case.overrides)
 
 
 def wrap(gpt, cfg, case: Case):
@@ -123,7 +127,7 @@ def replica_spread(tensors: dict, group) -> float:
 
 def run_case(name: str, case: Case, rank: int):
     cfg = gpt_config(case, sequence_parallel=case.tp > 1)
-    stock_gpt, turbo_gpt = gpt_pair(cfg, VOCAB, SEQ)
+    stock_gpt, turbo_gpt = gpt_pair(cfg, VOCAB, SEQ, te=TE)
     dp_group = parallel_state.get_data_parallel_group()
     data = gpt_batch(VOCAB, SEQ, BATCH, seed=1 + parallel_state.get_data_parallel_rank())  # same over tp
     losses, final = [], []
@@ -161,7 +165,8 @@ def run_case(name: str, case: Case, rank: int):
         ls /= dp_group.size()
     if rank == 0:
         stock, turbo = ([round(v, 6) for v in ls.tolist()] for ls in losses)
-        print(f"LOSSES {name} (tp {case.tp}, dp {dp_group.size()}, {str(case.dtype)[6:]}): stock {stock} "
+        print(f"LOSSES {name} ({'te' if TE else 'local'} spec, tp {case.tp}, dp {dp_group.size()}, "
+              f"{str(case.dtype)[6:]}): stock {stock} "
               f"turbomoe {turbo}; final params max |diff| {param_diff:.3g}{note}", flush=True)
 
 
@@ -171,7 +176,7 @@ def check_tp_needs_sequence_parallel(rank: int):
     cfg = gpt_config(Case(2, {}), sequence_parallel=False)
     data = gpt_batch(VOCAB, SEQ, BATCH)
     errors = []
-    for gpt in gpt_pair(cfg, VOCAB, SEQ):
+    for gpt in gpt_pair(cfg, VOCAB, SEQ, te=TE):
         try:
             gpt(*data, labels=data[0])
             errors.append(None)

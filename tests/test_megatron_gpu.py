@@ -9,9 +9,15 @@ TopKRouter, allgather dispatcher, SequentialMLP):
 - expert parallelism over 2 GPUs: tests/megatron_ep_script.py under torchrun;
 - Megatron's training step (DistributedDataParallel, get_megatron_optimizer, finalize_model_grads)
   with tensor (+ sequence) and data parallelism over 2 GPUs, and on one: tests/megatron_train_script.py.
-Stock 0.16.1 without Transformer Engine stops in router_gating_linear (NameError: te_general_gemm is
-bound only by TE's import); the stock side here binds it to None, the value the code tests for.
+With Transformer Engine installed (2.11, the last release megatron-core 0.16.1 accepts; the GPU
+machine gets it from scripts/gpu_te_wheels.sh and gpu_env.sh's gpu_te), the same model pair on TE's
+spec (its linears, norms and attention on both sides; stock's experts TEGroupedMLP or SequentialMLP on
+TE linears), its checkpoints both ways, and Megatron's training step on it (megatron_train_script.py
+with MEGATRON_SPEC=te). Stock 0.16.1 without Transformer Engine stops in router_gating_linear
+(NameError: te_general_gemm is bound only by TE's import); the stock side here binds it to None, the
+value the code tests for.
 """
+import importlib.util
 import os
 import subprocess
 import sys
@@ -30,13 +36,21 @@ from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
 from launching import free_port  # noqa: E402
-from megatron_common import gpt_batch, gpt_pair, gpt_tensors_as_stock, model_parallel, moe_config  # noqa: E402
+from megatron_common import (expert_pairs, gpt_batch, gpt_pair, gpt_tensors_as_stock, model_parallel,  # noqa: E402
+                             moe_config)
 from turbomoe.integrations import megatron as tm  # noqa: E402
 
 if not hasattr(moe_utils, "te_general_gemm"):
     moe_utils.te_general_gemm = None  # see the module doc
 
 VOCAB, SEQ, BATCH = 128, 64, 4
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+# TE runs fp32 GEMMs on TF32 tensor cores unless NVIDIA_TF32_OVERRIDE=0 (set before CUDA starts): on
+# both sides, but the MoE layers' small differences then cross TF32 rounding (gradients measured up to
+# 4.4e-4 apart on an H100 with it, within 2e-5 without), so fp32 on TE is compared at TF32's tolerance.
+TE_TF32 = os.environ.get("NVIDIA_TF32_OVERRIDE") != "0"
+needs_te = pytest.mark.skipif(not HAVE_TE, reason="Transformer Engine is not installed (on the GPU machine: "
+                              "scripts/gpu_te_wheels.sh here, gpu_te of scripts/gpu_env.sh there)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,12 +98,31 @@ CASES = {  # name: config overrides (the probs_before_fc2 case: turbomoe spec ke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpt_matches_stock(case, dtype):
+    check_gpt_matches_stock(gpt_config(dtype, **CASES[case]), probs_before_fc2=case == "probs-before-fc2")
+
+
+@needs_te
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("experts", ["TEGroupedMLP", "SequentialMLP"])
+@pytest.mark.parametrize("case", ["dropless", "capacity-probs", "sigmoid-bias-seqaux"])
+def test_gpt_matches_stock_on_transformer_engine(case, experts, dtype):
+    """Both models on Transformer Engine's layer spec; stock's experts its grouped GEMM or a loop."""
+    cfg = gpt_config(dtype, moe_grouped_gemm=experts == "TEGroupedMLP", **CASES[case])
+    check_gpt_matches_stock(cfg, te=True)
+
+
+def check_gpt_matches_stock(cfg, te: bool = False, **turbomoe_kwargs):
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = gpt_config(dtype, **CASES[case])
-    stock, turbo = gpt_pair(cfg, VOCAB, SEQ, probs_before_fc2=case == "probs-before-fc2")
+    dtype = cfg.params_dtype
+    stock, turbo = gpt_pair(cfg, VOCAB, SEQ, te=te, **turbomoe_kwargs)
+    if te:  # TE's modules on both sides, and stock's experts of the kind asked for
+        for model in (stock, turbo):
+            assert any(type(m).__module__ == "megatron.core.extensions.transformer_engine" for m in model.modules())
+        kinds = {type(layer.mlp.experts).__name__ for layer in stock.decoder.layers if hasattr(layer.mlp, "router")}
+        assert kinds == {"TEGroupedMLP" if cfg.moe_grouped_gemm else "SequentialMLP"}, kinds
     data = gpt_batch(VOCAB, SEQ, BATCH)
     (l1, g1), (l2, g2) = loss_and_grads(stock, data), loss_and_grads(turbo, data)
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-4 if te and TE_TF32 else 2e-5
     assert abs(l1.item() - l2.item()) <= tol * abs(l1.item()), (l1.item(), l2.item())
     assert g1.keys() == g2.keys()
     bad = {n: rel_err(g2[n], g1[n], floor=1e-6) for n in g1 if rel_err(g2[n], g1[n], floor=1e-6) > 5 * tol}
@@ -113,20 +146,20 @@ def test_gpt_matches_stock(case, dtype):
                 assert ls.mlp.router.expert_bias.abs().sum() > 0
 
 
-def assert_same_experts(stock, turbo, hidden_size):
+def assert_same_experts(stock, turbo):
     for ls, lt in zip(stock.decoder.layers, turbo.decoder.layers):
         if isinstance(lt.mlp, tm.TurboMoELayer):
-            w1 = lt.mlp.experts.weight1.view(lt.mlp.num_local_experts, hidden_size, -1)
-            w2 = lt.mlp.experts.weight2.view(lt.mlp.num_local_experts, -1, hidden_size)
-            for i, e in enumerate(ls.mlp.experts.local_experts):
-                assert torch.equal(w1[i], e.linear_fc1.weight.t()) and torch.equal(w2[i], e.linear_fc2.weight.t())
+            for (s1, s2), (t1, t2) in zip(expert_pairs(ls.mlp), expert_pairs(lt.mlp), strict=True):
+                assert torch.equal(s1, t1) and torch.equal(s2, t2)
 
 
-def test_checkpoints_load_both_ways():
+@pytest.mark.parametrize("spec", ["local", pytest.param("te", marks=needs_te)])
+def test_checkpoints_load_both_ways(spec):
     """A distributed checkpoint of stock's model loads into turbomoe's (perturbed first) and gives
-    stock's weights and loss; and back, turbomoe's into a perturbed stock model."""
-    cfg = gpt_config(torch.bfloat16)
-    stock, turbo = gpt_pair(cfg, VOCAB, SEQ)
+    stock's weights and loss; and back, turbomoe's into a perturbed stock model. On Transformer Engine's
+    spec stock's experts are TEGroupedMLP."""
+    cfg = gpt_config(torch.bfloat16, moe_grouped_gemm=spec == "te")
+    stock, turbo = gpt_pair(cfg, VOCAB, SEQ, te=spec == "te")
     data = gpt_batch(VOCAB, SEQ, BATCH)
     for src, dst in ((stock, turbo), (turbo, stock)):
         with torch.no_grad():
@@ -136,7 +169,7 @@ def test_checkpoints_load_both_ways():
         with tempfile.TemporaryDirectory() as d:
             dist_checkpointing.save(src.sharded_state_dict(), d)
             dst.load_state_dict(dist_checkpointing.load(dst.sharded_state_dict(), d))
-        assert_same_experts(stock, turbo, cfg.hidden_size)
+        assert_same_experts(stock, turbo)
         dst_sd = dst.state_dict()
         for name, t in src.state_dict().items():  # every tensor the two share by name (all but the experts)
             if isinstance(t, torch.Tensor) and name in dst_sd:
@@ -201,10 +234,11 @@ def test_gradient_accumulation_fusion_under_ddp(dtype):
         assert rel_err(main_grads[1][name], want) < tol, name
 
 
-def torchrun(script: str, nproc: int, timeout: int = 400) -> str:
-    """Runs tests/<script> under torchrun on nproc local GPUs (this tree and tests/ on the path); its stdout."""
+def torchrun(script: str, nproc: int, timeout: int = 400, **env_vars) -> str:
+    """Runs tests/<script> under torchrun on nproc local GPUs (this tree and tests/ on the path, env_vars
+    added to the environment); its stdout."""
     path = os.path.join(os.path.dirname(__file__), script)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(path)),
+    env = dict(os.environ, **env_vars, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(path)),
                                                        os.path.dirname(path), os.environ.get("PYTHONPATH", "")]))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -221,10 +255,14 @@ def test_expert_parallel_two_gpus():
     assert torchrun("megatron_ep_script.py", 2).count("EP PASS") == 2
 
 
+@pytest.mark.parametrize("spec", ["local", pytest.param("te", marks=needs_te)])
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="tensor and data parallelism over 2 GPUs need 2 GPUs"))],
     ids=["nproc1", "nproc2"])
-def test_training_step_two_gpus(nproc):
-    """Megatron's DDP, optimizer and finalize_model_grads over stock's and turbomoe's GPT: equal losses
-    and parameters (tests/megatron_train_script.py says which cases run on 1 and on 2 GPUs)."""
-    assert torchrun("megatron_train_script.py", nproc, timeout=500).count("TRAIN PASS") == nproc
+def test_training_step_two_gpus(nproc, spec):
+    """Megatron's DDP, optimizer and finalize_model_grads over stock's and turbomoe's GPT, on the local
+    or Transformer Engine's spec: equal losses and parameters (tests/megatron_train_script.py says which
+    cases run on 1 and on 2 GPUs)."""
+    # fp32 cases compare final weights after 5 Adam steps: without TF32 (on TE: the override, see TE_TF32)
+    out = torchrun("megatron_train_script.py", nproc, timeout=500, MEGATRON_SPEC=spec, NVIDIA_TF32_OVERRIDE="0")
+    assert out.count("TRAIN PASS") == nproc
