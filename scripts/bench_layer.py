@@ -26,7 +26,6 @@ import itertools
 import json
 import os
 import sys
-import time
 import traceback
 
 import torch
@@ -37,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, ".peers"))
 
-from timing import require_gpu, reset_grads, step_times_ms, synced_time_ms  # noqa: E402
+from timing import profile_step, require_gpu, reset_grads, step_times_ms, synced_time_ms  # noqa: E402
 from turbomoe.autograd.grouped_gemm import mm_forward, mm_wgrad  # noqa: E402
 from turbomoe.nn import GroupedExperts, MoELayer  # noqa: E402
 
@@ -236,7 +235,6 @@ def time_impl(name, cfg, iters, warmup=3, accumulate=False):
 
 def profile_layer(name, cfg, steps=3):
     """Top kernels of one forward + backward (us per step), and the step replayed as a CUDA graph."""
-    from torch.profiler import ProfilerActivity, profile
     mod, rows = build(name, cfg)
     mod = mod.to(DEV, DTYPE).train()
     x = torch.randn(rows, cfg[1], device=DEV, dtype=DTYPE, requires_grad=True)
@@ -248,23 +246,7 @@ def profile_layer(name, cfg, steps=3):
             run_step(mod, x, gy)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    fresh_step = train_step(mod, x, gy)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fresh_step()  # no sync: the time the CPU takes to issue one step
-    issue_ms = (time.perf_counter() - t0) * 1e3
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fresh_step()
-        torch.cuda.synchronize()
-    kernels = sorted(((e.key, e.device_time_total / steps, e.count // steps) for e in prof.key_averages()
-                      if e.device_time_total > 0), key=lambda t: -t[1])
-    total = sum(t for _, t, _ in kernels)
-    print(f"{cfg} {name}: kernel time {total / 1e3:.2f} ms/step in {sum(c for _, _, c in kernels)} launches; "
-          f"CPU issue time {issue_ms:.2f} ms/step")
-    for key, t, c in kernels[:14]:
-        print(f"  {t:9.1f} us  x{c:<3d} {key[:110]}")
+    profile_step(train_step(mod, x, gy), f"{cfg} {name}", steps)
     reset_grads(list(mod.parameters()) + [x])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -1,6 +1,7 @@
 """Benchmark megatron-core's MoE layer, stock vs turbomoe's spec, and turbomoe's own MoELayer (bf16, fwd + bwd).
 
     python scripts/bench_megatron.py [--configs 0,1,2,3,4,5] [--iters 20] [--no-gpt] [--out DIR]
+                                     [--profile "turbomoe,native"]   (kernels and host issue time instead)
 
 Layers (one process, the same config):
   stock     megatron-core 0.16.1's MoELayer from its local spec: TopKRouter, allgather dispatcher,
@@ -36,7 +37,7 @@ sys.path.insert(1, os.path.join(ROOT, "scripts"))
 sys.path.insert(2, os.path.join(ROOT, "tests"))
 
 from bench_layer import CONFIGS  # noqa: E402  (S, M, F, E, k): the layer benchmark's, real models' included
-from timing import interleaved_medians_ms, reset_grads  # noqa: E402
+from timing import interleaved_medians_ms, profile_step, reset_grads  # noqa: E402
 
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
@@ -80,7 +81,9 @@ def layer_step(layer, x, g):
     return step
 
 
-def bench_layers(configs, iters):
+def bench_layers(configs, iters, profile=()):
+    """The layers' interleaved times at each config; with profile (layer names), their kernels and
+    host issue time instead (timing.profile_step)."""
     rows = []
     for i in configs:
         S, M, F_, E, k = CONFIGS[i]
@@ -103,15 +106,20 @@ def bench_layers(configs, iters):
                  layer_step(layers["before"], x3, g3), layer_step(layers["native"], x2, g3.view(S, M))]
         if HAVE_TE:
             steps.append(layer_step(layers["stock TE"], x3, g3))
-        stock_ms, turbo_ms, before_ms, native_ms, *te_ms = interleaved_medians_ms(steps, warmup=3, iters=iters,
-                                                                                  block=5)
-        row = dict(S=S, M=M, F=F_, E=E, k=k, stock_ms=stock_ms, turbomoe_ms=turbo_ms, before_fc2_ms=before_ms,
-                   native_ms=native_ms, speedup=stock_ms / turbo_ms, vs_native=turbo_ms / native_ms,
-                   before_fc2_speedup=stock_ms / before_ms, before_fc2_vs_native=before_ms / native_ms)
-        if te_ms:
-            row.update(stock_te_ms=te_ms[0], speedup_vs_te=te_ms[0] / turbo_ms)
-        print(f"[layer] {row}", flush=True)
-        rows.append(row)
+        if profile:
+            for name, step in zip(layers, steps):
+                if name in profile:
+                    profile_step(step, f"{CONFIGS[i]} {name}")
+        else:
+            stock_ms, turbo_ms, before_ms, native_ms, *te_ms = interleaved_medians_ms(steps, warmup=3, iters=iters,
+                                                                                      block=5)
+            row = dict(S=S, M=M, F=F_, E=E, k=k, stock_ms=stock_ms, turbomoe_ms=turbo_ms, before_fc2_ms=before_ms,
+                       native_ms=native_ms, speedup=stock_ms / turbo_ms, vs_native=turbo_ms / native_ms,
+                       before_fc2_speedup=stock_ms / before_ms, before_fc2_vs_native=before_ms / native_ms)
+            if te_ms:
+                row.update(stock_te_ms=te_ms[0], speedup_vs_te=te_ms[0] / turbo_ms)
+            print(f"[layer] {row}", flush=True)
+            rows.append(row)
         del layers, steps, x2, x3, g3
         torch.cuda.empty_cache()
     return rows
@@ -155,13 +163,19 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-gpt", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default="", help="comma-separated layers (stock, turbomoe, before, native, "
+                    "stock TE) whose kernels and host issue time to print instead of timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_megatron.py needs a CUDA GPU (megatron-core's MoE layer does)")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    profile = [p.strip() for p in args.profile.split(",") if p.strip()]
     with model_parallel("nccl"):
-        rows = bench_layers([int(c) for c in args.configs.split(",")], args.iters)
-        gpts = [] if args.no_gpt else [bench_gpt(max(args.iters // 2, 5), te) for te in (False, True)[:1 + HAVE_TE]]
+        rows = bench_layers([int(c) for c in args.configs.split(",")], args.iters, profile)
+        gpts = [] if args.no_gpt or profile else [bench_gpt(max(args.iters // 2, 5), te)
+                                                  for te in (False, True)[:1 + HAVE_TE]]
+    if profile:
+        return
     te_head, te_rule = (" stock TE (TEGroupedMLP) ms | speedup |", "---|---|") if HAVE_TE else ("", "")
     print("\n| (S, M, F, E, k) | stock local (SequentialMLP) ms | turbomoe spec ms | speedup | turbomoe MoELayer ms "
           f"| spec / MoELayer | spec, probs before fc2 ms | speedup | / MoELayer |{te_head}")

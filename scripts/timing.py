@@ -120,6 +120,31 @@ def paired_times_ms(fn_a, fn_b, warmup: int = 3, iters: int = 20) -> Dict[str, T
     return {key: tuple(v) for key, v in medians.items()}
 
 
+def profile_step(fn, label: str, steps: int = 3, top: int = 14) -> float:
+    """Prints the kernels of fn() (us per call, launches per call, from torch.profiler over `steps`
+    calls) and the host's time to issue one call onto an idle GPU (no sync: where it exceeds the
+    kernels' time, queued steps are bound by the host); returns the kernels' ms per call."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    issue_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key, e.device_time_total / steps, e.count // steps) for e in prof.key_averages()
+                      if e.device_time_total > 0), key=lambda t: -t[1])
+    total = sum(t for _, t, _ in kernels)
+    print(f"{label}: kernel time {total / 1e3:.2f} ms/step in {sum(c for _, _, c in kernels)} launches; "
+          f"CPU issue time {issue_ms:.2f} ms/step")
+    for key, t, c in kernels[:top]:
+        print(f"  {t:9.1f} us  x{c:<3d} {key[:110]}")
+    return total / 1e3
+
+
 def reset_grads(tensors):
     """Gradients to None between training steps, as zero_grad(set_to_none=True) does, over a list
     made once (a module's zero_grad walks its whole tree every call: ~0.4 ms at 64 experts)."""
