@@ -86,11 +86,11 @@ def prepare(args):
                               f"{cfg.checkpoint.dir}, which holds another run's checkpoints; set checkpoint.dir to "
                               f"the resumed one or to an empty directory")
         meta = checkpointing.read_meta(*resume)
-        check_resumable(cfg, meta, os.path.join(*resume))
         last = args.stop_at_step or cfg.train.steps
         if last <= meta["step"]:
             raise ConfigError(f"--resume {os.path.join(*resume)} is at step {meta['step']}: nothing to run up to "
                               f"step {last} (--stop-at-step or train.steps)")
+        check_resumable(cfg, meta, os.path.join(*resume))
     vocab = vocab_size_of(cfg.data.source)
     if vocab is not None and vocab > cfg.model.vocab_size:
         raise ConfigError(f"the tokenizer of data.source {cfg.data.source!r} has {vocab} tokens, more than "
@@ -143,14 +143,14 @@ def check_resumable(cfg, meta: dict, path: str):
         raise ConfigError(f"--resume {path}: a resume needs the checkpoint's data stream and optimizer "
                           f"files; these differ (key: (checkpoint, config)): {diff}. Start a new run from its "
                           f"weights instead (python -m turbomoe.export, then model.init_from)")
-    if same_layout(meta, world, cfg.moe.ep_size):
-        return
-    if 0 in stages:
+    if not same_layout(meta, world, cfg.moe.ep_size) and 0 in stages:
         raise ConfigError(f"--resume {path}: written by {meta['world_size']} ranks with ep_size "
                           f"{meta['config']['moe']['ep_size']}, this run has {world} ranks and ep_size "
                           f"{cfg.moe.ep_size}: resuming on another layout needs ZeRO 1 or 2 (train.zero_stage), "
                           f"this is stage {stages[0]}")
-    try:  # every rank reads other ranks' files: all of them there, before any work
+    # Every file there and whole, before any work: a missing or cut-short one is this error on every rank
+    # (DeepSpeed's load would fail inside torch's loader on one rank and in a collective on the others).
+    try:
         RunCheckpoint(path).check_files()
     except ExportError as e:
         raise ConfigError(f"--resume {path}: {e}") from e

@@ -143,7 +143,7 @@ def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=r"'samples a step \(micro_batch_size x grad_accum x ranks\)': \(16, 32\)"):
         prepare("--resume", str(tmp_path))
-    # ... every old rank's files there (this tag has only its marker; test_resume_on_another_layout_needs_every_file)
+    # ... every old rank's files there (this tag has only its marker; test_resume_needs_every_file_whole)
     with pytest.raises(ConfigError, match="mp_rank_00_model_states.pt is missing"):
         prepare("--resume", str(tmp_path), "--set", "train.micro_batch_size=4", "--set", "moe.ep_size=4")
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -162,9 +162,10 @@ def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
                           "train.precision"), ("train.zero_stage=0", "train.zero_stage")):
         with pytest.raises(ConfigError, match=f"a resume needs .*'{key}"):
             prepare("--resume", str(tmp_path), "--set", override)
-    assert prepare("--resume", str(tmp_path), "--set", "train.zero_stage=2")[1] == (str(tmp_path), "global_step4")
-    assert prepare("--resume", str(tmp_path), "--set", "train.micro_batch_size=4",
-                   "--set", "train.grad_accum=2")[1] == (str(tmp_path), "global_step4")
+    # Past those, the files (this tag has only its marker; with them, test_resume_needs_every_file_whole):
+    for extra in (["--set", "train.zero_stage=2"], ["--set", "train.micro_batch_size=4", "--set", "train.grad_accum=2"]):
+        with pytest.raises(ConfigError, match="mp_rank_00_model_states.pt is missing"):
+            prepare("--resume", str(tmp_path), *extra)
     with pytest.raises(ConfigError, match="is at step 4: nothing to run up to step 4"):
         prepare("--resume", str(tmp_path), "--stop-at-step", "4")
     # It saves into checkpoint.dir: never over another run's checkpoints.
@@ -479,15 +480,32 @@ def test_resume_on_another_layout_continues_the_run(full_run, tmp_path, ranks, e
             assert (have[key][name] - t).norm() <= 0.08 * scale, (key, name)
 
 
-def test_resume_on_another_layout_needs_every_file(full_run, tmp_path, monkeypatch):
-    """Each rank of another layout reads files that other ranks wrote: one missing is an error naming
-    it, before any work."""
+def test_resume_needs_every_file_whole(full_run, tmp_path, monkeypatch):
+    """A resume reads files that other ranks wrote (another layout) or its own rank's (DeepSpeed's load,
+    which fails inside torch's loader on one rank): one missing or cut short is an error naming it, on
+    every rank, before any work. ZeRO 1 <-> 2 and another split of the same samples a step resume."""
     tag = tmp_path / "global_step4"
     shutil.copytree(full_run / "checkpoints" / "global_step4", tag)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    same = ["--config", TINY, "--set", f"log.dir={tmp_path / 'same'}", "--resume", str(tag)]
+    for extra in (["--set", "train.zero_stage=2"], ["--set", "train.micro_batch_size=4", "--set", "train.grad_accum=2"]):
+        assert pretrain.prepare(pretrain.parse_args(same + extra))[1] == (str(tmp_path), "global_step4")
+    partition = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    whole = partition.read_bytes()
+    partition.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ConfigError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt: not a complete torch.save file"):
+        pretrain.prepare(pretrain.parse_args(same))
+    partition.write_bytes(whole)
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = ["--config", TINY, "--set", f"log.dir={tmp_path / 'run'}", "--resume", str(tag),
             "--set", "train.grad_accum=2", "--set", "moe.ep_size=1"]
     assert pretrain.prepare(pretrain.parse_args(args))[1] == (str(tmp_path), "global_step4")
+    expert = tag / "layer_0_expert_3_mp_rank_00_model_states.pt"
+    whole = expert.read_bytes()
+    expert.write_bytes(whole[:-1])
+    with pytest.raises(ConfigError, match="layer_0_expert_3_mp_rank_00_model_states.pt: not a complete torch.save"):
+        pretrain.prepare(pretrain.parse_args(args))
+    expert.write_bytes(whole)
     (tag / "layer_1_expert_6_mp_rank_00_model_states.pt").unlink()
     with pytest.raises(ConfigError, match="layer_1_expert_6_mp_rank_00_model_states.pt is missing: expert 6 of MoE "
                                           "layer 1, written by expert-parallel rank 1 of 2"):

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import sys
+import zipfile
 from collections import defaultdict
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -64,6 +65,15 @@ def _load(path: str) -> dict:
         raise ExportError(f"{path}: cannot be read as a DeepSpeed checkpoint file ({e})") from e
 
 
+def _check_complete(path: str):
+    """ExportError naming path unless it ends as a torch.save file does (its zip directory)."""
+    try:
+        with zipfile.ZipFile(path):
+            pass
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ExportError(f"{path}: not a complete torch.save file ({e}); cut short or not a checkpoint file") from e
+
+
 class RunCheckpoint:
     """One complete tag of a recipe run: its config and its tensors under the model's parameter names."""
 
@@ -88,12 +98,15 @@ class RunCheckpoint:
         self.moe_layers = self.config.moe_layers()
 
     def check_files(self):
-        """Raise ExportError naming the first file missing: every expert's of every MoE layer, and
-        every rank's optimizer partition where the run kept them."""
+        """Raise ExportError naming the first file missing or cut short: every expert's of every MoE
+        layer, and every rank's optimizer partition where the run kept them (the model states file
+        was read already). Each file's zip directory is read, not its tensors: a copy cut short has
+        lost the end where torch.save writes it."""
         for i in range(len(self.moe_layers)):
             for j in range(self.config.num_experts):
-                self._existing_expert_file(i, j)
-        self._partition_files()
+                _check_complete(self._existing_expert_file(i, j))
+        for _, path in self._partition_files():
+            _check_complete(path)
 
     def expert_file(self, moe_layer: int, expert: int) -> str:
         return os.path.join(self.tag_dir, f"layer_{moe_layer}_expert_{expert}_{MODEL_STATES}")
