@@ -1,6 +1,7 @@
 """Benchmark megatron-core's MoE layer, stock vs turbomoe's spec, and turbomoe's own MoELayer (bf16, fwd + bwd).
 
     python scripts/bench_megatron.py [--configs 0,1,2,3,4,5] [--iters 20] [--no-gpt] [--out DIR]
+                                     [--shape 512,512,256,8,1]     (one shape instead of the configs)
                                      [--profile "turbomoe,native"]   (kernels and host issue time instead)
 
 Layers (one process, the same config):
@@ -10,7 +11,8 @@ Layers (one process, the same config):
             scaling the activation inside turbomoe's SwiGLU kernel (the default)
   before    the same with probs_before_fc2=True: the probs scale the activation before fc2 with
             Megatron's own rounding (an [R, F] multiply each way)
-  native    turbomoe.nn.MoELayer at the same shape (the bar: turbomoe's Megatron layer within 1.2x)
+  native    turbomoe.nn.MoELayer at the same shape and router precision (fp32 logits, as the spec's
+            moe_router_dtype="fp32"; the bar: turbomoe's Megatron layer within 1.2x)
   stock TE  where Transformer Engine is installed: stock's MoELayer from TE's spec with
             moe_grouped_gemm (TEGroupedMLP: TE's grouped GEMM over all local experts)
 All dropless, SwiGLU experts, softmax top-k (renormalised over the k, as Megatron's default), fp32
@@ -81,12 +83,12 @@ def layer_step(layer, x, g):
     return step
 
 
-def bench_layers(configs, iters, profile=()):
-    """The layers' interleaved times at each config; with profile (layer names), their kernels and
-    host issue time instead (timing.profile_step)."""
+def bench_layers(shapes, iters, profile=()):
+    """The layers' interleaved times at each (S, M, F, E, k); with profile (layer names), their
+    kernels and host issue time instead (timing.profile_step)."""
     rows = []
-    for i in configs:
-        S, M, F_, E, k = CONFIGS[i]
+    for shape in shapes:
+        S, M, F_, E, k = shape
         cfg = config(M, F_, E, k)
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0)
@@ -96,6 +98,7 @@ def bench_layers(configs, iters, profile=()):
             "before": build_module(get_turbomoe_moe_spec(cfg, probs_before_fc2=True), config=cfg).cuda(),
             "native": MoELayer(M, F_, E, k, renormalize=k > 1, aux_loss_coef=0.01, device="cuda", dtype=DTYPE),
         }
+        layers["native"].router.router_dtype = torch.float32  # cfg's moe_router_dtype: the same router work
         if HAVE_TE:
             layers["stock TE"] = build_module(get_moe_module_spec(use_te=True, num_experts=E, moe_grouped_gemm=True),
                                               config=config(M, F_, E, k, moe_grouped_gemm=True)).cuda()
@@ -109,7 +112,7 @@ def bench_layers(configs, iters, profile=()):
         if profile:
             for name, step in zip(layers, steps):
                 if name in profile:
-                    profile_step(step, f"{CONFIGS[i]} {name}")
+                    profile_step(step, f"{shape} {name}")
         else:
             stock_ms, turbo_ms, before_ms, native_ms, *te_ms = interleaved_medians_ms(steps, warmup=3, iters=iters,
                                                                                       block=5)
@@ -160,6 +163,8 @@ def bench_gpt(iters, te: bool = False, seq=2048, batch=4):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))))
+    ap.add_argument("--shape", default=None, help="S,M,F,E,k instead of --configs: e.g. 512,512,256,8,1, where "
+                    "the GPU idles and the times are the host's (a step's host time, layer against layer)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-gpt", action="store_true")
     ap.add_argument("--out", default=None)
@@ -171,7 +176,9 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     profile = [p.strip() for p in args.profile.split(",") if p.strip()]
     with model_parallel("nccl"):
-        rows = bench_layers([int(c) for c in args.configs.split(",")], args.iters, profile)
+        shapes = ([tuple(int(v) for v in args.shape.split(","))] if args.shape
+                  else [CONFIGS[int(c)] for c in args.configs.split(",")])
+        rows = bench_layers(shapes, args.iters, profile)
         gpts = [] if args.no_gpt or profile else [bench_gpt(max(args.iters // 2, 5), te)
                                                   for te in (False, True)[:1 + HAVE_TE]]
     if profile:

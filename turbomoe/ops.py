@@ -360,19 +360,19 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: Optional[torch.Tensor], 
     return _gather_fn(y_RM, table, scores_SK, kept, cap, _impl(backend), renormalize)
 
 
-def row_scores(slots: Slots, scores_SK: torch.Tensor) -> torch.Tensor:
+def row_scores(slots: Slots, scores_SK: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     """w [R] of the expert buffer's rows: row slots[s, j] gets scores[s, j]; rows no route fills
-    (capacity's padding) 0. Differentiable (plain PyTorch: a scatter, whose gradient is a gather).
-    With them the experts weigh their rows (GroupedExperts' row_scale) and gather_tokens sums with
-    w = 1, so the experts' outputs need not be kept for the scores' gradient."""
+    (capacity's padding) 0. Differentiable (a dropped route's gradient is 0). With them the experts
+    weigh their rows (GroupedExperts' row_scale) and gather_tokens sums with w = 1, so the experts'
+    outputs need not be kept for the scores' gradient.
+
+    It is scatter_tokens of the scores as one-column tokens, a route each (the same table read
+    route-major, the same kept counts): one row push forward and one pull back, where the plain
+    PyTorch scatter took nine launches and three (host time, in steps bound by it)."""
     if not isinstance(slots, Slots):
         raise TypeError(f"row_scores needs the Slots from assign_slots, got {type(slots).__name__}")
     _check_float("scores", scores_SK, 2)
     if slots.slots.shape != scores_SK.shape:
         raise ValueError(f"slots {tuple(slots.slots.shape)} and scores {tuple(scores_SK.shape)} differ")
-    R, routes = slots.num_rows, slots.slots.numel()
-    flat = slots.slots.reshape(-1).long()
-    # A dropped route (-1) writes a place of its own past the rows: every index distinct, so the
-    # scatter is deterministic, and a dropped route's gradient is 0.
-    index = torch.where(flat >= 0, flat, R + torch.arange(routes, device=flat.device))
-    return scores_SK.new_zeros(R + routes).scatter(0, index, scores_SK.reshape(-1))[:R]
+    routes = Slots(slots.slots.reshape(-1, 1), slots.kept_counts, slots.num_rows, slots.capacity)
+    return scatter_tokens(scores_SK.reshape(-1, 1), routes, backend=backend).view(-1)

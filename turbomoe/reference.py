@@ -261,6 +261,25 @@ def assign_slots(expert_ids_SK: torch.Tensor,
     return Slots(slots.view(S, k).to(torch.int32), kept_counts.to(torch.int32), num_rows, capacity)
 
 
+BF16_TERMS = 3  # bf16 terms of an fp32 value: 8 significant bits each, the same exponent range
+
+
+def bf16_terms(t32: torch.Tensor) -> torch.Tensor:
+    """[..., BF16_TERMS, N] bf16 of an fp32 [..., N], whose fp32 sum over the new dimension is t, the
+    leading bits first: each term is the round-to-nearest-even bf16 of what the earlier ones leave.
+    Exact for |t| from ~2^-110 (where the last term would fall below bf16's smallest normal) to bf16's
+    largest finite value (~3.39e38; above, the first term rounds to inf); a non-finite value gives
+    non-finite terms."""
+    out = torch.empty((*t32.shape[:-1], BF16_TERMS, t32.shape[-1]), dtype=torch.bfloat16, device=t32.device)
+    out[..., 0, :] = t32
+    r = t32 - out[..., 0, :]  # exact: a value minus its own rounding
+    for i in range(1, BF16_TERMS):
+        out[..., i, :] = r
+        if i + 1 < BF16_TERMS:
+            r.sub_(out[..., i, :])
+    return out
+
+
 def routed_slots(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """The bare-slots rule of every backend: an entry outside [0, num_rows) routes nowhere (as an
     expert id outside [0, E) does), whatever its width; it becomes -1. Distinct rows are the

@@ -11,22 +11,16 @@ import contextlib
 
 import torch
 
-TERMS = 3  # bf16 terms of an fp32 value: 8 significant bits each, the same exponent range
+from .. import reference
+from ..reference import BF16_TERMS as TERMS
 
 
 def bf16_terms(t32: torch.Tensor) -> torch.Tensor:
-    """[..., TERMS, N] bf16 of an fp32 [..., N], whose fp32 sum over the new dimension is t, the
-    leading bits first: exact for |t| from ~2^-110 (where the last term would fall below bf16's
-    smallest normal) to bf16's largest finite value (~3.39e38; above, the first term rounds to inf);
-    a non-finite value gives non-finite terms."""
-    out = torch.empty((*t32.shape[:-1], TERMS, t32.shape[-1]), dtype=torch.bfloat16, device=t32.device)
-    out[..., 0, :] = t32
-    r = t32 - out[..., 0, :]  # exact: a value minus its own rounding
-    for i in range(1, TERMS):
-        out[..., i, :] = r
-        if i + 1 < TERMS:
-            r.sub_(out[..., i, :])
-    return out
+    """reference.bf16_terms; on CUDA one Triton kernel (the plain PyTorch form takes five launches)."""
+    if t32.is_cuda:
+        from ..kernels.router import bf16_terms as kernel
+        return kernel(t32)
+    return reference.bf16_terms(t32)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -48,7 +48,7 @@ class TurboTokenDispatcher:
             p = routing.probs
             self._weights_TK = p if p.dtype in (torch.float32, torch.float64) else p.float()
         buf_RH = ops.scatter_tokens(x_TH, s, backend=self.backend)
-        probs_R = None if self.probs_in_combine else ops.row_scores(s, routing.probs)
+        probs_R = None if self.probs_in_combine else ops.row_scores(s, routing.probs, self.backend)
         if self.ep_size == 1:
             counts_E = s.kept_counts if s.capacity is None else torch.full_like(s.kept_counts, s.capacity)
             return buf_RH, counts_E, probs_R

@@ -100,3 +100,41 @@ def router_logits(x_TM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
                            ACC=tl_dtype(acc_dtype(x_TM.dtype)), BLOCK_K=max(16, min(next_pow2(K), 8192)), num_warps=4,
                            num_stages=2, **chain_launch(x_TM.device))
     return out
+
+
+@triton.jit
+def _bf16_terms_kernel(t_ptr, out_ptr, rows, N, TERMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    r_idx = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (r_idx < rows)[:, None] & (cols < N)[None, :]
+    rest = tl.load(t_ptr + r_idx[:, None] * N + cols[None, :], mask=ok, other=0.0)
+    base = out_ptr + r_idx[:, None] * (TERMS * N) + cols[None, :]
+    for i in tl.static_range(TERMS):
+        # Round to nearest even on the bits, as torch's cast (the interpreter's own cast truncates);
+        # NaN stays NaN (its payload may differ), inf stays inf.
+        bits = rest.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        bits = tl.where(rest != rest, 0x7FC00000, bits)
+        term = bits.to(tl.float32, bitcast=True)
+        tl.store(base + i * N, term.to(tl.bfloat16), mask=ok)  # exact: the low half is zero
+        rest = rest - term  # exact: a value minus its own rounding
+
+
+def bf16_terms(t32: torch.Tensor) -> torch.Tensor:
+    """reference.bf16_terms of an fp32 [..., N] in one launch: [..., TERMS, N] bf16, the same bits
+    (NaN's payload aside) where |t| >= 2^-102 or t is 0 or not finite; below, a remainder under
+    fp32's smallest normal may flush to zero where the device flushes subnormals."""
+    from ..reference import BF16_TERMS
+    if t32.dtype != torch.float32:
+        raise ValueError(f"bf16_terms takes fp32, got {t32.dtype}")
+    t32 = t32.contiguous()
+    N = t32.shape[-1]
+    rows = t32.numel() // N if N else 0
+    out = torch.empty((*t32.shape[:-1], BF16_TERMS, N), dtype=torch.bfloat16, device=t32.device)
+    if rows == 0:
+        return out
+    block_n = min(1024, max(16, next_pow2(N)))
+    block_r = 2048 // block_n  # 2048 values a program: a few tokens' logit gradients, or part of a weight row
+    _bf16_terms_kernel[(triton.cdiv(rows, block_r), triton.cdiv(N, block_n))](
+        t32, out, rows, N, TERMS=BF16_TERMS, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
+    return out

@@ -91,7 +91,7 @@ class MoELayer(nn.Module):
         # The rows again from x_SM, which the router keeps.
         # SwiGLU experts weigh their rows by the scores before the second GEMM (SonicMoE's order): the
         # scores' gradient then comes from the activation's backward, and y [R, M] is not kept for it.
-        row_scale_R = ops.row_scores(s, g.scores) if self.experts.scales_rows else None
+        row_scale_R = ops.row_scores(s, g.scores, self.backend) if self.experts.scales_rows else None
         with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s, backend=self.backend)) as remake:
             y_RM = self.experts(buf_RM, counts_E, remake, row_scale_R)
             shared_SM = (None if self.shared_expert is None else
