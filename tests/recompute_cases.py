@@ -26,8 +26,9 @@ def run(layer, x, g):
         made.append(weakref.ref(t))
         return t
 
-    def scatter_noted(*args, **kw):
-        return noted(scatter(*args, **kw))
+    def scatter_noted(*args, **kw):  # the token rows, not row_scores' one-column scatter of the scores
+        out = scatter(*args, **kw)
+        return noted(out) if out.shape[1] == x.shape[1] else out
 
     def act_noted(self, h, row_scale_R=None):
         return noted(act(self, h, row_scale_R))
