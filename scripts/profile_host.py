@@ -96,12 +96,12 @@ def launch_costs():
              "autograd.Function apply": lambda: Nop.apply(a)}
     # The same kernel launched through JITFunction.run, and straight through its compiled launcher.
     import triton
-    import triton.language as tl
-    from turbomoe.kernels.rows import _pull_rows_kernel, row_tile
+    from turbomoe.kernels.rows import _pull_rows_kernel, _renorm_args, row_tile
     bt, bm, w = row_tile(128, 2)
     grid = (triton.cdiv(64, bt), )
     args = (y, slots, y, out, 64, 128, 64)
-    meta = dict(K=1, BLOCK_T=bt, BLOCK_M=bm, HAS_SCORES=False, ACC=tl.float32)
+    # pull_rows's own launch arguments (turbomoe/kernels/rows.py)
+    meta = dict(K=1, KP=1, BLOCK_T=bt, BLOCK_M=bm, HAS_SCORES=False, RENORM=False, **_renorm_args(y.dtype))
     compiled = _pull_rows_kernel[grid](*args, **meta, num_warps=w)
     cases["JITFunction launch"] = lambda: _pull_rows_kernel[grid](*args, **meta, num_warps=w)
     stream = torch.cuda.current_stream().cuda_stream

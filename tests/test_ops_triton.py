@@ -435,28 +435,54 @@ def test_row_scores_and_unit_gather_errors():
         ops.gather_tokens(torch.randn(s.num_rows, 3, device=DEV), s, None, renormalize=True)
 
 
-@pytest.mark.parametrize("shape", [(64, 33), (5, 3, 2048), (1, 1), (0, 8), (8, 0), (1000, 8), (3, 2500)])
-def test_bf16_terms_kernel_matches_reference(shape):
-    """The router split's terms in one kernel: the reference's bits over every scale (2^-100 to bf16's
-    largest), signed zeros, non-finite values, odd and empty sizes, fresh data; terms sum to t exactly."""
-    from turbomoe.kernels.router import bf16_terms
-    n = max(1, shape[-1])
-    t = torch.randn(shape, device=DEV) * torch.logspace(-30, 30, n, device=DEV)[:shape[-1]]
-    if t.numel() >= 8:
-        t.view(-1)[:8] = torch.tensor([0.0, -0.0, 1.0, -3.3e38, float("inf"), float("-inf"), float("nan"),
-                                       2.0 ** -100], device=DEV)
-    got, want = bf16_terms(t), ref.bf16_terms(t)
-    assert got.shape == want.shape == (*shape[:-1], 3, shape[-1]) and got.dtype == torch.bfloat16
-    nan = want.isnan()  # NaN's bits differ between torch's CPU and CUDA casts
-    assert torch.equal(got.isnan(), nan)
-    # Below 2^-102 a remainder can fall under fp32's smallest normal, which a device may flush to
-    # zero (the interpreter does): there the terms' sum is t to within that.
-    normal = (t.abs() >= 2.0 ** -102) | (t == 0) | ~t.isfinite()
-    same = normal.unsqueeze(-2).expand_as(got) & ~nan
-    assert torch.equal(got[same].view(torch.int16), want[same].view(torch.int16))
-    finite = t.isfinite()
-    err = (got.double().sum(-2) - t.double())[finite]
-    assert torch.equal(err[normal[finite]], torch.zeros_like(err[normal[finite]]))
-    assert (err.abs() <= 2.0 ** -126).all()
-    with pytest.raises(ValueError, match="fp32"):
-        bf16_terms(t.double())
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S,M,E", [(0, 64, 8), (1, 8, 1), (37, 96, 8), (130, 200, 20), (300, 72, 130),
+                                   (1000, 256, 64)])
+def test_router_split_kernels_match_reference(S, M, E, w_dtype):
+    """fp32 router logits from bf16 tokens and both gradients, one launch each way (kernels.router),
+    against their spec (reference.split_logits / split_grads) and fp64: tiles cut at every edge, more
+    experts than a tile, S = 0, E = 1, fresh data, logit gradients over 16 decades."""
+    from turbomoe.kernels.router import split_grads, split_logits
+    x = torch.randn(S, M, device=DEV).bfloat16()
+    w = (torch.randn(E, M, device=DEV) * M ** -0.5).to(w_dtype)
+    g = torch.randn(S, E, device=DEV) * torch.logspace(-8, 8, E, device=DEV)
+    out = split_logits(x, w)
+    assert out.shape == (S, E) and out.dtype == torch.float32
+    want = ref.split_logits(x, w)
+    assert rel_err(out, x.double() @ w.double().t(), 1e-30) < 1e-6 and rel_err(out, want, 1e-30) < 1e-6
+    gx, gw = split_grads(g, x, w)
+    gx_want, gw_want = ref.split_grads(g, x, w)
+    gx64, gw64 = g.double() @ w.double(), g.double().t() @ x.double()
+    assert gx.dtype == torch.bfloat16 and gx.shape == (S, M) and gw.dtype == w_dtype and gw.shape == (E, M)
+    if S:  # rounded once to bf16 from an fp32 sum: but for ties of that sum, fp64's rounding
+        assert (gx != gx64.bfloat16()).float().mean() < 0.01 and rel_err(gx, gx64) < 2 ** -8
+        assert (gx != gx_want).float().mean() < 0.01
+    assert rel_err(gw, gw64, 1e-30) < (1e-6 if w_dtype == torch.float32 else 1e-2)
+    assert rel_err(gw, gw_want, 1e-30) < (1e-6 if w_dtype == torch.float32 else 1e-2)
+    assert split_grads(g, x, w, need_x=False)[0] is None and split_grads(g, x, w, need_w=False)[1] is None
+    assert torch.equal(split_grads(g, x, w, need_w=False)[0], gx)  # deterministic
+
+
+def test_router_split_kernels_exact():
+    """The split in registers keeps every bit: with one-hot operands each output is one input value,
+    which the kernels must give back exactly (its three bf16 terms summed in fp32) over every scale
+    from 2^-100 to bf16's largest value, signed zeros included: the logits give w, the weight
+    gradient gives g, and the input gradient gives w and g rounded to bf16 as torch rounds."""
+    from turbomoe.kernels.router import split_grads, split_logits
+    M, E = 80, 12
+    w = torch.randn(E, M, device=DEV) * torch.logspace(-30, 30, M, device=DEV)
+    w[0, :4] = torch.tensor([0.0, -0.0, 1.0, -3.3e38], device=DEV)
+    g = torch.randn(M, E, device=DEV) * torch.logspace(-30, 30, E, device=DEV)
+    g[:4, 0] = torch.tensor([0.0, -0.0, 1.0, 3.3e38], device=DEV)
+    eye = torch.eye(M, device=DEV)
+    x = eye.bfloat16()  # token s is the unit vector e_s
+    normal_w = (w.abs() >= 2.0 ** -100) | (w == 0)
+    assert torch.equal(split_logits(x, w).t()[normal_w], w[normal_w])
+    normal_g = (g.abs() >= 2.0 ** -100) | (g == 0)
+    assert torch.equal(split_grads(g, x, w, need_x=False)[1].t()[normal_g], g[normal_g])
+    pick = eye[:, :E].t().contiguous()  # [E, M]: expert e's weight row is e_e
+    gx = split_grads(g, x, pick, need_w=False)[0]
+    assert torch.equal(gx[:, :E][normal_g], g.bfloat16()[normal_g]) and not gx[:, E:].any()
+    one_hot_g = eye[:E]  # [E, M] as g [S = E, E]: row s picks expert s
+    gx = split_grads(one_hot_g[:, :E].contiguous(), x[:E], w, need_w=False)[0]
+    assert torch.equal(gx[normal_w], w.bfloat16()[normal_w])

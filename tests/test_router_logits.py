@@ -68,7 +68,7 @@ def test_cpu_equals_f_linear_bits(S, M, E):
 def test_bf16_terms_sum_exactly():
     """Three bf16 terms hold an fp32 value exactly (8 significant bits each), over every scale from
     ~2^-110 to bf16's largest value; a non-finite value stays non-finite."""
-    from turbomoe.autograd.router import bf16_terms
+    from turbomoe.reference import bf16_terms
     torch.manual_seed(1)
     t = torch.randn(64, 33) * torch.logspace(-30, 30, 33)
     t[0, :4] = torch.tensor([0.0, -0.0, 1.0, 3.3e38])
@@ -84,27 +84,26 @@ def test_bf16_terms_sum_exactly():
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("S,M,E", [(0, 8, 4), (1, 8, 1), (37, 96, 8), (513, 256, 64)])
 def test_split_matches_fp64(S, M, E, w_dtype):
-    """The CUDA path's arithmetic (bf16 terms, products exact, fp32 sums), run on the CPU with fp32
-    copies standing in for the tensor cores: logits and the weight's gradient within fp32 rounding of
-    fp64, the input's gradient fp64's rounded to bf16 but for rounding ties of its fp32 sum."""
-    from turbomoe.autograd.router import grads_split, logits_split, weight_terms
+    """The split's spec (reference.split_logits / split_grads: bf16 terms, products exact, fp32 sums;
+    the CUDA path's kernels are tested against it in test_ops_triton.py), on the CPU with fp32 copies
+    standing in for the tensor cores: logits and the weight's gradient within fp32 rounding of fp64,
+    the input's gradient fp64's rounded to bf16 but for rounding ties of its fp32 sum."""
+    from turbomoe.reference import split_grads, split_logits
     torch.manual_seed(S + M + E)
     x = torch.randn(S, M).bfloat16()
     w = (torch.randn(E, M) * M ** -0.5).to(w_dtype)
     g = torch.randn(S, E) * torch.logspace(-8, 8, E)  # gradients of many scales
     ref = x.double() @ w.double().t()
-    w_terms = weight_terms(w)
-    assert w_terms.shape == ((E, M) if w_dtype == torch.bfloat16 else (E, 3, M))
-    out = logits_split(x, w_terms)
+    out = split_logits(x, w)
     assert out.dtype == torch.float32 and out.shape == (S, E) and rel_err(out, ref, 1e-30) < 1e-6
-    gx, gw = grads_split(g, x, w_terms, w_dtype, True, True)
+    gx, gw = split_grads(g, x, w, True, True)
     gx_ref, gw_ref = g.double() @ w.double(), g.double().t() @ x.double()
     assert gx.dtype == torch.bfloat16 and gw.dtype == w_dtype
     assert rel_err(gw, gw_ref, 1e-30) < (1e-6 if w_dtype == torch.float32 else 1e-2)
     if S:
         assert (gx != gx_ref.bfloat16()).float().mean() < 0.01 and rel_err(gx, gx_ref) < 2 ** -8
-    assert grads_split(g, x, w_terms, w_dtype, False, True)[0] is None
-    assert grads_split(g, x, w_terms, w_dtype, True, False)[1] is None
+    assert split_grads(g, x, w, False, True)[0] is None
+    assert split_grads(g, x, w, True, False)[1] is None
 
 
 @pytest.mark.gpu
@@ -117,7 +116,7 @@ def test_no_host_sync(w_dtype):
     x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(8, 64, device="cuda", dtype=w_dtype, requires_grad=True)
     g = torch.randn(300, 8, device="cuda")
-    fp32_logits(x, w).backward(g)  # warm-up: cuBLAS handles and workspaces
+    fp32_logits(x, w).backward(g)  # warm-up: the kernels' compilation
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -280,6 +280,54 @@ def bf16_terms(t32: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _mm_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b of bf16 operands with fp32 sums, rounded once to out_dtype: on CUDA on the tensor cores
+    (cuBLAS), elsewhere on fp32 copies (the same exact products)."""
+    if not a.is_cuda:
+        return torch.mm(a.float(), b.float()).to(out_dtype)
+    return torch.mm(a, b) if out_dtype == a.dtype else torch.mm(a, b, out_dtype=torch.float32).to(out_dtype)
+
+
+def _split_weight(w_EM: torch.Tensor) -> torch.Tensor:
+    """w as the split's GEMMs read it: a bf16 w as it is, an fp32 w as its terms [E, BF16_TERMS, M]."""
+    return w_EM if w_EM.dtype == torch.bfloat16 else bf16_terms(w_EM)
+
+
+def split_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits x [S, M] @ w [E, M]^T of bf16 x and a bf16 or fp32 w on bf16 products: an
+    fp32 w as its bf16 terms, so every product is exact in fp32 and sums in fp32, as in an fp32 GEMM."""
+    w = _split_weight(w_EM)
+    if w.dim() == 2:
+        return _mm_exact(x_SM, w.t(), torch.float32)
+    E, _, M = w.shape
+    return _mm_exact(x_SM, w.reshape(E * BF16_TERMS, M).t(), torch.float32).view(x_SM.shape[0], E, BF16_TERMS).sum(-1)
+
+
+# Term i of g with term j of an fp32 w where i + j <= 2: the products left out (g1 w2, g2 w1, g2 w2)
+# are below 2^-24 of the leading one, under fp32's own rounding of a product.
+_G_TERMS, _W_TERMS = [0, 0, 1, 0, 1, 2], [0, 1, 0, 2, 1, 0]
+
+
+def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool = True, need_w: bool = True):
+    """The gradients of split_logits for an fp32 g [S, E]: (g @ w in bf16, g^T @ x in w's dtype), None
+    where not needed, from g's bf16 terms (and w's where fp32) on bf16 products with fp32 sums."""
+    S, E = g_SE.shape
+    g_STE = bf16_terms(g_SE.float())
+    w = _split_weight(w_EM)
+    gx = gw = None
+    if need_x:
+        if w.dim() == 2:
+            a, b = g_STE.reshape(S, BF16_TERMS * E), w.repeat(BF16_TERMS, 1)
+        else:
+            a = torch.cat([g_STE[:, i] for i in _G_TERMS], dim=1)  # [S, 6 E]
+            b = torch.cat([w[:, j] for j in _W_TERMS])  # [6 E, M]
+        gx = _mm_exact(a, b, x_SM.dtype)
+    if need_w:
+        gw = _mm_exact(g_STE.reshape(S, BF16_TERMS * E).t(), x_SM, torch.float32)
+        gw = gw.view(BF16_TERMS, E, x_SM.shape[1]).sum(0).to(w_EM.dtype)
+    return gx, gw
+
+
 def routed_slots(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """The bare-slots rule of every backend: an entry outside [0, num_rows) routes nowhere (as an
     expert id outside [0, E) does), whatever its width; it becomes -1. Distinct rows are the
