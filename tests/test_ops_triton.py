@@ -463,6 +463,24 @@ def test_router_split_kernels_match_reference(S, M, E, w_dtype):
     assert torch.equal(split_grads(g, x, w, need_w=False)[0], gx)  # deterministic
 
 
+def test_router_split_kernels_errors():
+    """Inputs the kernels do not take are errors naming them, not wrong results."""
+    from turbomoe.kernels.router import split_grads, split_logits
+    x, w, g = torch.randn(5, 8, device=DEV).bfloat16(), torch.randn(3, 8, device=DEV), torch.randn(5, 3, device=DEV)
+    with pytest.raises(ValueError, match="bf16 x and a bf16 or fp32 w"):
+        split_logits(x.float(), w)
+    with pytest.raises(ValueError, match="bf16 x and a bf16 or fp32 w"):
+        split_grads(g, x, w.half())
+    with pytest.raises(ValueError, match=r"x \[S, M\] and w \[E, M\]"):
+        split_logits(x, w[:, :7])
+    # strided operands (rows apart, or columns apart) give the contiguous ones' values
+    for xs in (torch.randn(5, 24, device=DEV).bfloat16()[:, 3:11], torch.randn(8, 5, device=DEV).bfloat16().t()):
+        assert torch.equal(split_logits(xs, w), split_logits(xs.contiguous(), w))
+        assert torch.equal(split_grads(g, xs, w)[1], split_grads(g, xs.contiguous(), w)[1])
+    ws = torch.randn(3, 20, device=DEV)[:, 4:12]
+    assert torch.equal(split_grads(g, x, ws)[0], split_grads(g, x, ws.contiguous())[0])
+
+
 def test_router_split_kernels_exact():
     """The split in registers keeps every bit: with one-hot operands each output is one input value,
     which the kernels must give back exactly (its three bf16 terms summed in fp32) over every scale
