@@ -2,11 +2,12 @@
 
 On CUDA with bf16 tokens every GEMM runs on bf16 tensor cores with fp32 sums, its fp32 operands (an
 fp32 router weight, the logits' gradient) split into bf16 terms (`reference.bf16_terms`; up to 16
-experts in registers in the kernels of kernels.router, one launch forward and two backward): a product of two bf16 values is
-exact in fp32, so each product is at least as exact as in the fp32 GEMM that DeepSpeed's and
-Megatron's routers run (not the same bits: the sums run in another order), without the passes that cast
-the tokens to fp32 each way and the fp32 GEMMs on CUDA cores (at small-1gpu's shapes the backward's
-casts and fp32 GEMMs took 0.24 ms a layer on an H100, notes/recipe_profile.md).
+experts in registers in the kernels of kernels.router, one launch forward and two backward): a
+product of two bf16 values is exact in fp32, so each product is at least as exact as in the fp32
+GEMM that DeepSpeed's and Megatron's routers run (not the same bits: the sums run in another order),
+without the passes that cast the tokens to fp32 each way and the fp32 GEMMs on CUDA cores (at
+small-1gpu's shapes the backward's casts and fp32 GEMMs took 0.24 ms a layer on an H100,
+notes/recipe_profile.md).
 """
 import contextlib
 

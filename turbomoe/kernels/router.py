@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import as_contiguous
 from .launch import acc_dtype, chain_launch, chain_wait, next_pow2, sm_count, tl_dtype
 
 
@@ -269,7 +270,7 @@ def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need
     fixed order (spec: reference.split_grads)."""
     _split_checks(x_SM, w_EM)
     (S, M), E = x_SM.shape, w_EM.shape[0]
-    g_SE = g_SE.float().contiguous()
+    g_SE = as_contiguous(g_SE, torch.float32)  # no dispatcher calls where it already is
     x_SM, w_EM = _rows_last_contiguous(x_SM), _rows_last_contiguous(w_EM)
     gx = gw = None
     if need_x:
