@@ -126,12 +126,20 @@ def _bf16_round(v):
 
 
 @triton.jit
-def _split3(v):
+def _to_bf16(v, F32: tl.constexpr):
+    """v rounded to the nearest-even bf16: the GPU's own cast (cvt.rn), or on the bits off the GPU."""
+    if F32:
+        return _bf16_round(v).to(tl.bfloat16)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _split3(v, F32: tl.constexpr):
     """reference.bf16_terms of an fp32 tile: three bf16 tiles whose fp32 sum is v (normal range)."""
-    t0 = _bf16_round(v)
-    r = v - t0  # exact: a value minus its own rounding
-    t1 = _bf16_round(r)
-    return t0.to(tl.bfloat16), t1.to(tl.bfloat16), _bf16_round(r - t1).to(tl.bfloat16)
+    t0 = _to_bf16(v, F32)
+    r = v - t0.to(tl.float32)  # exact: a value minus its own rounding
+    t1 = _to_bf16(r, F32)
+    return t0, t1, _to_bf16(r - t1.to(tl.float32), F32)
 
 
 @triton.jit
@@ -143,24 +151,34 @@ def _dot(a, b, acc, F32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _span(start, BLOCK: tl.constexpr, end):
+    """Indices start + [0, BLOCK) and which of them are below end."""
+    ids = start + tl.arange(0, BLOCK)
+    return ids, ids < end
+
+
+@triton.jit
+def _tile(ptr, rows, cols, stride_r, r_ok, c_ok):
+    """ptr[rows, cols] (rows stride_r apart, columns contiguous), zero outside r_ok x c_ok."""
+    return tl.load(ptr + rows[:, None] * stride_r + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=["S"])
 def _split_logits_kernel(x_ptr, w_ptr, out_ptr, S, M, E, stride_xs, stride_we, W_SPLIT: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
-    exps = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    r_ok = rows < S
-    e_ok = exps < E
+    rows, r_ok = _span(tl.program_id(0).to(tl.int64) * BLOCK_S, BLOCK_S, S)
+    exps, e_ok = _span(tl.program_id(1) * BLOCK_E, BLOCK_E, E)
     # w's leading terms and its lower ones summed apart, as the spec's separate GEMMs: the small
     # products are not rounded against the large running sum (the tensor cores' fp32 sums drop low bits)
     acc = tl.zeros((BLOCK_S, BLOCK_E), dtype=tl.float32)
     low = tl.zeros((BLOCK_S, BLOCK_E), dtype=tl.float32)
     for k0 in range(0, M, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < M
-        x = tl.load(x_ptr + rows[:, None] * stride_xs + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + exps[:, None] * stride_we + ks[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        ks, k_ok = _span(k0, BLOCK_K, M)
+        x = _tile(x_ptr, rows, ks, stride_xs, r_ok, k_ok)
+        w = _tile(w_ptr, exps, ks, stride_we, e_ok, k_ok)
         if W_SPLIT:
-            w0, w1, w2 = _split3(w)
+            w0, w1, w2 = _split3(w, F32)
             acc = _dot(x, tl.trans(w0), acc, F32)
             low = _dot(x, tl.trans(w1), low, F32)
             low = _dot(x, tl.trans(w2), low, F32)
@@ -172,19 +190,16 @@ def _split_logits_kernel(x_ptr, w_ptr, out_ptr, S, M, E, stride_xs, stride_we, W
 @triton.jit(do_not_specialize=["S"])
 def _split_grad_x_kernel(g_ptr, w_ptr, gx_ptr, S, M, E, stride_we, stride_xs, W_SPLIT: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, F32: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_ok = rows < S
-    c_ok = cols < M
+    rows, r_ok = _span(tl.program_id(0).to(tl.int64) * BLOCK_S, BLOCK_S, S)
+    cols, c_ok = _span(tl.program_id(1) * BLOCK_M, BLOCK_M, M)
     acc = tl.zeros((BLOCK_S, BLOCK_M), dtype=tl.float32)
     for e0 in range(0, E, BLOCK_E):
-        es = e0 + tl.arange(0, BLOCK_E)
-        e_ok = es < E
-        g = tl.load(g_ptr + rows[:, None] * E + es[None, :], mask=r_ok[:, None] & e_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + es[:, None] * stride_we + cols[None, :], mask=e_ok[:, None] & c_ok[None, :], other=0.0)
-        g0, g1, g2 = _split3(g)
+        es, e_ok = _span(e0, BLOCK_E, E)
+        g = _tile(g_ptr, rows, es, E, r_ok, e_ok)
+        w = _tile(w_ptr, es, cols, stride_we, e_ok, c_ok)
+        g0, g1, g2 = _split3(g, F32)
         if W_SPLIT:
-            w0, w1, w2 = _split3(w)
+            w0, w1, w2 = _split3(w, F32)
             acc = _dot(g0, w0, acc, F32)
             acc = _dot(g1, w0, acc, F32)
             acc = _dot(g0, w1, acc, F32)
@@ -195,27 +210,24 @@ def _split_grad_x_kernel(g_ptr, w_ptr, gx_ptr, S, M, E, stride_we, stride_xs, W_
             acc = _dot(g0, w, acc, F32)
             acc = _dot(g1, w, acc, F32)
             acc = _dot(g2, w, acc, F32)
-    tl.store(gx_ptr + rows[:, None] * stride_xs + cols[None, :], _bf16_round(acc).to(tl.bfloat16),
+    tl.store(gx_ptr + rows[:, None] * stride_xs + cols[None, :], _to_bf16(acc, F32),
              mask=r_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["S", "rows_per_split"])
 def _split_grad_w_kernel(g_ptr, x_ptr, part_ptr, S, M, E, rows_per_split, stride_xs, BLOCK_E: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, F32: tl.constexpr):
-    es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    es, e_ok = _span(tl.program_id(0) * BLOCK_E, BLOCK_E, E)
+    cols, c_ok = _span(tl.program_id(1) * BLOCK_M, BLOCK_M, M)
     split = tl.program_id(2).to(tl.int64)
-    e_ok = es < E
-    c_ok = cols < M
     start = split * rows_per_split
     end = tl.minimum(start + rows_per_split, S)
     acc = tl.zeros((BLOCK_E, BLOCK_M), dtype=tl.float32)
     for s0 in range(start, end, BLOCK_S):
-        rows = s0 + tl.arange(0, BLOCK_S)
-        r_ok = rows < end
-        g = tl.load(g_ptr + rows[None, :] * E + es[:, None], mask=e_ok[:, None] & r_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xs + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-        g0, g1, g2 = _split3(g)
+        rows, r_ok = _span(s0, BLOCK_S, end)
+        g = tl.load(g_ptr + rows[None, :] * E + es[:, None], mask=e_ok[:, None] & r_ok[None, :], other=0.0)  # g^T
+        x = _tile(x_ptr, rows, cols, stride_xs, r_ok, c_ok)
+        g0, g1, g2 = _split3(g, F32)
         acc = _dot(g0, x, acc, F32)
         acc = _dot(g1, x, acc, F32)
         acc = _dot(g2, x, acc, F32)
@@ -223,10 +235,11 @@ def _split_grad_w_kernel(g_ptr, x_ptr, part_ptr, S, M, E, rows_per_split, stride
 
 
 # Up to this many experts the kernels take 0.3-0.4 ms less host time a forward + backward than
-# cuBLAS's GEMMs with the split's glue, for about the same GPU time (H100, 2026-11-28, fp32 w,
-# kernels / cuBLAS us: 47 / 39 at S 4096, M 2048, E 8; 73 / 64 at 8192, 2048, 8; 213 / 194 at
-# 16384, 4096, 16; 173 / 177 at 65536, 768, 16). At E = 64 and 128 the best tiles of a sweep took
-# 1.4-1.5x cuBLAS's GPU time, so autograd.router takes reference.split_* there.
+# cuBLAS's GEMMs with the split's glue, and about the same GPU time or less (H100, 2026-11-28:
+# kernels / cuBLAS us, before the GPU's own bf16 cast cut the kernels' time by 6-19% more: 47 / 39
+# at S 4096, M 2048, E 8; 73 / 64 at 8192, 2048, 8; 213 / 194 at 16384, 4096, 16; 173 / 177 at
+# 65536, 768, 16). At E = 64 and 128 the best tiles of a sweep took 1.4-1.5x cuBLAS's GPU time,
+# so autograd.router takes reference.split_* there.
 SPLIT_KERNEL_MAX_EXPERTS = 16
 
 
