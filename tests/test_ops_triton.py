@@ -435,6 +435,34 @@ def test_row_scores_and_unit_gather_errors():
         ops.gather_tokens(torch.randn(s.num_rows, 3, device=DEV), s, None, renormalize=True)
 
 
+@pytest.mark.parametrize("shape", [(64, 33), (5, 3, 2048), (1, 1), (0, 8), (8, 0), (1000, 8), (3, 2500)])
+def test_bf16_terms_kernel_matches_reference(shape):
+    """The router split's terms in one kernel (the cuBLAS form's, above 16 experts): the reference's
+    bits over every scale (2^-100 to bf16's largest), signed zeros, non-finite values, odd and empty
+    sizes, fresh data; terms sum to t exactly."""
+    from turbomoe.kernels.router import bf16_terms
+    n = max(1, shape[-1])
+    t = torch.randn(shape, device=DEV) * torch.logspace(-30, 30, n, device=DEV)[:shape[-1]]
+    if t.numel() >= 8:
+        t.view(-1)[:8] = torch.tensor([0.0, -0.0, 1.0, -3.3e38, float("inf"), float("-inf"), float("nan"),
+                                       2.0 ** -100], device=DEV)
+    got, want = bf16_terms(t), ref.bf16_terms(t)
+    assert got.shape == want.shape == (*shape[:-1], 3, shape[-1]) and got.dtype == torch.bfloat16
+    nan = want.isnan()  # NaN's bits differ between torch's CPU and CUDA casts
+    assert torch.equal(got.isnan(), nan)
+    # Below 2^-102 a remainder can fall under fp32's smallest normal, which a device may flush to
+    # zero (the interpreter does): there the terms' sum is t to within that.
+    normal = (t.abs() >= 2.0 ** -102) | (t == 0) | ~t.isfinite()
+    same = normal.unsqueeze(-2).expand_as(got) & ~nan
+    assert torch.equal(got[same].view(torch.int16), want[same].view(torch.int16))
+    finite = t.isfinite()
+    err = (got.double().sum(-2) - t.double())[finite]
+    assert torch.equal(err[normal[finite]], torch.zeros_like(err[normal[finite]]))
+    assert (err.abs() <= 2.0 ** -126).all()
+    with pytest.raises(ValueError, match="fp32"):
+        bf16_terms(t.double())
+
+
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("S,M,E", [(0, 64, 8), (1, 8, 1), (37, 96, 8), (130, 200, 20), (300, 72, 130),
                                    (1000, 256, 64)])

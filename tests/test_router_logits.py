@@ -88,7 +88,7 @@ def test_split_matches_fp64(S, M, E, w_dtype):
     the CUDA path's kernels are tested against it in test_ops_triton.py), on the CPU with fp32 copies
     standing in for the tensor cores: logits and the weight's gradient within fp32 rounding of fp64,
     the input's gradient fp64's rounded to bf16 but for rounding ties of its fp32 sum."""
-    from turbomoe.reference import split_grads, split_logits
+    from turbomoe.reference import bf16_terms, split_grads, split_logits
     torch.manual_seed(S + M + E)
     x = torch.randn(S, M).bfloat16()
     w = (torch.randn(E, M) * M ** -0.5).to(w_dtype)
@@ -104,18 +104,24 @@ def test_split_matches_fp64(S, M, E, w_dtype):
         assert (gx != gx_ref.bfloat16()).float().mean() < 0.01 and rel_err(gx, gx_ref) < 2 ** -8
     assert split_grads(g, x, w, False, True)[0] is None
     assert split_grads(g, x, w, True, False)[1] is None
+    if w_dtype == torch.float32:  # an fp32 w's terms made once by the caller (autograd's forward): the same bits
+        terms = bf16_terms(w)
+        assert torch.equal(split_logits(x, terms), out)
+        gx_t, gw_t = split_grads(g, x, terms)
+        assert torch.equal(gx_t, gx) and gw_t.dtype == torch.float32 and torch.equal(gw_t, gw)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
-def test_no_host_sync(w_dtype):
+@pytest.mark.parametrize("E", [8, 64])  # the kernels, and the cuBLAS form above 16 experts
+def test_no_host_sync(w_dtype, E):
     """Forward and backward of the split (bf16 tokens, a bf16 or fp32 weight) never wait for the GPU
     (the fp32 weight's backward once indexed its terms with a Python list: a copy to the device and a
     sync)."""
     x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(8, 64, device="cuda", dtype=w_dtype, requires_grad=True)
-    g = torch.randn(300, 8, device="cuda")
+    w = torch.randn(E, 64, device="cuda", dtype=w_dtype, requires_grad=True)
+    g = torch.randn(300, E, device="cuda")
     fp32_logits(x, w).backward(g)  # warm-up: the kernels' compilation
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

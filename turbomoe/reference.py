@@ -289,13 +289,15 @@ def _mm_exact(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch
 
 
 def _split_weight(w_EM: torch.Tensor) -> torch.Tensor:
-    """w as the split's GEMMs read it: a bf16 w as it is, an fp32 w as its terms [E, BF16_TERMS, M]."""
+    """w as the split's GEMMs read it: a bf16 w (or an fp32 w's terms [E, BF16_TERMS, M], split by the
+    caller) as it is, an fp32 w as its terms."""
     return w_EM if w_EM.dtype == torch.bfloat16 else bf16_terms(w_EM)
 
 
 def split_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
     """fp32 router logits x [S, M] @ w [E, M]^T of bf16 x and a bf16 or fp32 w on bf16 products: an
-    fp32 w as its bf16 terms, so every product is exact in fp32 and sums in fp32, as in an fp32 GEMM."""
+    fp32 w as its bf16 terms, so every product is exact in fp32 and sums in fp32, as in an fp32 GEMM.
+    w may also be an fp32 w's bf16_terms [E, BF16_TERMS, M], made once by the caller."""
     w = _split_weight(w_EM)
     if w.dim() == 2:
         return _mm_exact(x_SM, w.t(), torch.float32)
@@ -308,11 +310,13 @@ def split_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
 _G_TERMS, _W_TERMS = [0, 0, 1, 0, 1, 2], [0, 1, 0, 2, 1, 0]
 
 
-def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool = True, need_w: bool = True):
-    """The gradients of split_logits for an fp32 g [S, E]: (g @ w in bf16, g^T @ x in w's dtype), None
-    where not needed, from g's bf16 terms (and w's where fp32) on bf16 products with fp32 sums."""
+def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool = True, need_w: bool = True,
+                terms=bf16_terms):
+    """The gradients of split_logits for an fp32 g [S, E]: (g @ w in bf16, g^T @ x in w's dtype: fp32
+    where w is an fp32 w's terms), None where not needed, from g's bf16 terms (made by `terms`: this
+    function or one with its bits) and w's where fp32, on bf16 products with fp32 sums."""
     S, E = g_SE.shape
-    g_STE = bf16_terms(g_SE.float())
+    g_STE = terms(g_SE.float())
     w = _split_weight(w_EM)
     gx = gw = None
     if need_x:
@@ -324,7 +328,7 @@ def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need
         gx = _mm_exact(a, b, x_SM.dtype)
     if need_w:
         gw = _mm_exact(g_STE.reshape(S, BF16_TERMS * E).t(), x_SM, torch.float32)
-        gw = gw.view(BF16_TERMS, E, x_SM.shape[1]).sum(0).to(w_EM.dtype)
+        gw = gw.view(BF16_TERMS, E, x_SM.shape[1]).sum(0).to(torch.float32 if w_EM.dim() == 3 else w_EM.dtype)
     return gx, gw
 
 

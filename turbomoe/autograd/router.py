@@ -31,6 +31,12 @@ def _split_impl(num_experts: int):
     return router
 
 
+def _terms():
+    """bf16_terms for the PyTorch form: one launch (kernels.router), the traceable form under torch.compile."""
+    from ..kernels import router
+    return reference.bf16_terms if torch.compiler.is_compiling() else router.bf16_terms
+
+
 def _no_autocast(t: torch.Tensor):
     """A region where torch.autocast is off on t's device; no context at all where it is off already
     (the usual case: its enter and exit are host time on every call)."""
@@ -52,21 +58,29 @@ class Fp32Logits(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, x_SM, w_EM):
         ctx.split = split_applies(x_SM, w_EM)
-        ctx.save_for_backward(x_SM, w_EM)
         if ctx.split:
-            return _split_impl(w_EM.shape[0]).split_logits(x_SM, w_EM)
+            impl = _split_impl(w_EM.shape[0])
+            # the PyTorch form splits an fp32 w once here and keeps its terms for backward
+            w_terms = _terms()(w_EM) if impl is reference and w_EM.dtype == torch.float32 else None
+            ctx.save_for_backward(x_SM, w_EM, w_terms)
+            return impl.split_logits(x_SM, w_EM if w_terms is None else w_terms)
+        ctx.save_for_backward(x_SM, w_EM, None)
         if x_SM.is_cuda and x_SM.dtype == w_EM.dtype == torch.float16:  # fp16 products are exact in fp32 too
             return torch.mm(x_SM, w_EM.t(), out_dtype=torch.float32)
         return torch.mm(x_SM.float(), w_EM.float().t())
 
     @staticmethod
     def backward(ctx, g_SE):
-        x_SM, w_EM = ctx.saved_tensors
+        x_SM, w_EM, w_terms = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
         g_SE = g_SE.float()
         with _no_autocast(g_SE):  # a backward called inside autocast's region
             if ctx.split:
-                return _split_impl(w_EM.shape[0]).split_grads(g_SE, x_SM, w_EM, need_x, need_w)
+                impl = _split_impl(w_EM.shape[0])
+                if impl is reference:
+                    return reference.split_grads(g_SE, x_SM, w_EM if w_terms is None else w_terms, need_x, need_w,
+                                                 _terms())
+                return impl.split_grads(g_SE, x_SM, w_EM, need_x, need_w)
             gx = torch.mm(g_SE, w_EM.float()).to(x_SM.dtype) if need_x else None  # fp32, rounded once, as F.linear's
             gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype) if need_w else None
             return gx, gw

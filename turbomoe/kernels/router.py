@@ -116,20 +116,14 @@ def router_logits(x_TM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _bf16_round(v):
-    """v rounded to the nearest-even bf16, as fp32 (exact in bf16). On the bits, as torch's cast
-    rounds (the interpreter's own fp32 -> bf16 cast truncates); NaN stays NaN, inf stays inf."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    bits = tl.where(v != v, 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _to_bf16(v, F32: tl.constexpr):
-    """v rounded to the nearest-even bf16: the GPU's own cast (cvt.rn), or on the bits off the GPU."""
+    """v rounded to the nearest-even bf16: the GPU's own cast (cvt.rn); off the GPU on the bits, as
+    torch's cast rounds (the interpreter's own fp32 -> bf16 cast truncates); NaN stays NaN, inf inf."""
     if F32:
-        return _bf16_round(v).to(tl.bfloat16)
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        bits = tl.where(v != v, 0x7FC00000, bits)
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
     return v.to(tl.bfloat16)
 
 
@@ -234,12 +228,45 @@ def _split_grad_w_kernel(g_ptr, x_ptr, part_ptr, S, M, E, rows_per_split, stride
     tl.store(part_ptr + split * E * M + es[:, None] * M + cols[None, :], acc, mask=e_ok[:, None] & c_ok[None, :])
 
 
+@triton.jit
+def _bf16_terms_kernel(t_ptr, out_ptr, rows, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr):
+    r, r_ok = _span(tl.program_id(0).to(tl.int64) * BLOCK_R, BLOCK_R, rows)
+    c, c_ok = _span(tl.program_id(1) * BLOCK_N, BLOCK_N, N)
+    t0, t1, t2 = _split3(_tile(t_ptr, r, c, N, r_ok, c_ok), F32)
+    base = out_ptr + r[:, None] * (3 * N) + c[None, :]
+    ok = r_ok[:, None] & c_ok[None, :]
+    tl.store(base, t0, mask=ok)
+    tl.store(base + N, t1, mask=ok)
+    tl.store(base + 2 * N, t2, mask=ok)
+
+
+def bf16_terms(t32: torch.Tensor) -> torch.Tensor:
+    """reference.bf16_terms of an fp32 [..., N] in one launch (the PyTorch form takes six): [..., 3, N]
+    bf16, the same bits (NaN's payload aside) where |t| >= 2^-102 or t is 0 or not finite; below, a
+    remainder under fp32's smallest normal may flush to zero where the device flushes subnormals.
+    For the split's cuBLAS form above SPLIT_KERNEL_MAX_EXPERTS (autograd.router)."""
+    from ..reference import BF16_TERMS
+    if t32.dtype != torch.float32:
+        raise ValueError(f"bf16_terms takes fp32, got {t32.dtype}")
+    t32 = t32.contiguous()
+    N = t32.shape[-1]
+    rows = t32.numel() // N if N else 0
+    out = torch.empty((*t32.shape[:-1], BF16_TERMS, N), dtype=torch.bfloat16, device=t32.device)
+    if rows == 0:
+        return out
+    block_n = min(1024, max(16, next_pow2(N)))
+    block_r = 2048 // block_n  # 2048 values a program: a few tokens' logit gradients, or part of a weight row
+    _bf16_terms_kernel[(triton.cdiv(rows, block_r), triton.cdiv(N, block_n))](
+        t32, out, rows, N, BLOCK_R=block_r, BLOCK_N=block_n, F32=not t32.is_cuda, num_warps=4)
+    return out
+
+
 # Up to this many experts the kernels take 0.3-0.4 ms less host time a forward + backward than
 # cuBLAS's GEMMs with the split's glue, and about the same GPU time or less (H100, 2026-11-28:
 # kernels / cuBLAS us, before the GPU's own bf16 cast cut the kernels' time by 6-19% more: 47 / 39
 # at S 4096, M 2048, E 8; 73 / 64 at 8192, 2048, 8; 213 / 194 at 16384, 4096, 16; 173 / 177 at
 # 65536, 768, 16). At E = 64 and 128 the best tiles of a sweep took 1.4-1.5x cuBLAS's GPU time,
-# so autograd.router takes reference.split_* there.
+# so autograd.router takes reference.split_* there (their operands split by bf16_terms below).
 SPLIT_KERNEL_MAX_EXPERTS = 16
 
 
