@@ -13,6 +13,8 @@
 # LAYER_EXPERTS: the expert counts it times (default "16 32").
 # NLAYERS, HIDDEN, HEADS, SEQ, EXPERTS: the GPT's layers, hidden size, heads, sequence length and experts
 # (defaults 4, 1024, 16, 512, 16; ffn 4 x hidden; experts every other layer, Megatron-DeepSpeed's default).
+# PROFILE=START,END: every run profiles those steps (its own --profile pt-full, traces under
+# $OUT/trace_NAME_IMPL) and the summaries of where their time goes are printed last.
 #
 # PEER: a Megatron-DeepSpeed tree at the pinned commit below (git archive of
 # github.com/microsoft/Megatron-DeepSpeed; megatron/, pretrain_gpt.py and tools/, which its arguments import) with wheels/ holding a
@@ -96,6 +98,7 @@ train() {  # train NAME GPUS stock|turbo EXTRA_ARGS...: pretrain_gpt.py through 
   local module="" where="--num_gpus $gpus"
   [ "$impl" = turbo ] && module="--module turbomoe.integrations.run_with_turbomoe"
   [[ "$gpus" == localhost:* ]] && where="--include $gpus"
+  [ -n "${PROFILE:-}" ] && set -- "$@" --profile pt-full --profile_steps "$PROFILE" --tensorboard-dir "$OUT/trace_${name}_$impl"
   PORT=$((PORT + 10 + ${gpus#localhost:}))
   echo "== $name $impl: deepspeed $where $module pretrain_gpt.py $MOE $*" | tr -s ' \n' ' '; echo
   (cd "$PEER" && timeout "${RUN_TIMEOUT:-170}" python3 -m deepspeed.launcher.runner $where \
@@ -144,4 +147,5 @@ case "$MODE" in
 esac
 python3 "$ROOT/scripts/megatron_deepspeed.py" summary "${SUMMARY[@]}" | tee "$OUT/summary.txt"
 [ -f "$OUT/layer.log" ] && tail -4 "$OUT/layer.log"
+[ -n "${PROFILE:-}" ] && python3 "$ROOT/scripts/megatron_deepspeed.py" trace "$OUT"/trace_* | tee "$OUT/trace_summary.txt"
 date -u

@@ -19,8 +19,14 @@ on turbomoe). Subcommands:
   layer ARGS       the MoE layer alone with Megatron-DeepSpeed's ParallelMLP experts, stock
                    deepspeed.moe.layer.MoE vs turbomoe's, forward + backward, CUDA-event medians
   summary LOG...   loss per step side by side and the throughput lines Megatron-DeepSpeed printed
+  trace DIR...     where the profiled steps' time goes (the torch.profiler traces its --profile pt-full
+                   wrote): step time and the GPU's busy share, the host's time by package and by
+                   Python function, and the CUDA calls that wait for the GPU
 """
 import argparse
+import collections
+import glob
+import gzip
 import json
 import os
 import re
@@ -29,6 +35,10 @@ import sys
 
 APEX_INIT = '''"""Not NVIDIA apex: the part Megatron-DeepSpeed imports on CUDA, in plain PyTorch
 (written by turbomoe's scripts/megatron_deepspeed.py; apex is not installed on this machine)."""
+# apex's own __init__ imports its optimizers. DeepSpeed relies on it: with bf16 or fp16 and ZeRO 0 it
+# takes its flat-buffer FP16_Optimizer only for an optimizer that is apex.optimizers.FusedAdam, and
+# otherwise its per-parameter FP16_UnfusedOptimizer (an overflow check and host sync a parameter).
+from . import optimizers  # noqa: F401
 '''
 APEX_NORMALIZATION = '''import torch
 import torch.nn.functional as F
@@ -301,6 +311,106 @@ def summary(argv):
             print(f"  whole step speed-up: {statistics.median(s_ms) / statistics.median(t_ms):.2f}x")
 
 
+def _self_times(events):
+    """(event, self time, owner) for each CPU-side event: its duration less its children's, and the
+    nearest Python caller outside torch (whose code asked for it), nesting per thread."""
+    out = []
+    by_tid = collections.defaultdict(list)
+    for e in events:
+        by_tid[e["tid"]].append(e)
+    for evs in by_tid.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []  # [event, children's time, owner]
+        for e in evs:
+            while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0]["dur"]:
+                out.append(_close(stack.pop()))
+            owner = stack[-1][2] if stack else ""
+            if stack:
+                stack[-1][1] += e["dur"]
+                parent = stack[-1][0]["name"]
+                if ".py(" in parent and "torch/" not in parent:  # a Python source line outside torch
+                    owner = parent
+            stack.append([e, 0.0, owner])
+        out.extend(_close(f) for f in reversed(stack))
+    return out
+
+
+def _close(frame):
+    e, children, owner = frame
+    return e, e["dur"] - children, owner
+
+
+PACKAGES = ("turbomoe", "deepspeed", "megatron", "torch")
+
+
+def _package(name):
+    for p in PACKAGES:
+        if f"{p}/" in name:
+            return p
+    return "other" if name else "(no Python caller)"
+
+
+def _busy(intervals):
+    total, end = 0.0, -1.0
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def trace(argv):
+    """trace DIR [DIR ...]: one summary per directory of torch.profiler traces (*.json[.gz])."""
+    for d in argv:
+        files = sorted(glob.glob(os.path.join(d, "*.json*")))
+        if not files:
+            print(f"== {d}: no trace")
+            continue
+        with (gzip.open if files[-1].endswith(".gz") else open)(files[-1], "rt") as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+        steps = [e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") == "user_annotation"]
+        span = (min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)) if steps else (0, 0)
+        n = max(len(steps), 1)
+        gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        gpu = [(max(a, span[0]), min(b, span[1])) for a, b in gpu if b > span[0] and a < span[1]]
+        wall = (span[1] - span[0]) / 1e3
+        print(f"== {d}: {len(steps)} profiled steps, {wall / n:.1f} ms a step (profiler on), GPU busy "
+              f"{_busy(gpu) / 1e3 / n:.1f} ms a step ({100 * _busy(gpu) / max(span[1] - span[0], 1):.0f}%), "
+              f"{len(gpu) / n:.0f} GPU ops a step")
+        main = {e["tid"] for e in steps}  # the training thread (not the data loader's or the profiler's)
+        cpu = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime", "cuda_driver")
+               and e["tid"] in main and span[0] <= e["ts"] < span[1]]
+        by_pkg, by_fn, runtime = collections.Counter(), collections.Counter(), collections.Counter()
+        calls = collections.Counter()
+        for e, self_us, owner in _self_times(cpu):
+            where = _package(e["name"] if ".py(" in e["name"] else owner)
+            kind = {"python_function": "Python", "cpu_op": "ATen ops", "cuda_runtime": "CUDA calls",
+                    "cuda_driver": "CUDA calls"}[e["cat"]]
+            by_pkg[(where, kind)] += self_us
+            if e["cat"] in ("cuda_runtime", "cuda_driver"):
+                runtime[e["name"]] += e["dur"]
+                calls[e["name"]] += 1
+        # Inclusive time of each Python function, its outermost call only (recursion counted once).
+        open_until = collections.defaultdict(dict)
+        for e in sorted((e for e in cpu if e["cat"] == "python_function"), key=lambda e: (e["ts"], -e["dur"])):
+            until = open_until[e["tid"]]
+            if until.get(e["name"], -1) > e["ts"]:
+                continue
+            until[e["name"]] = e["ts"] + e["dur"]
+            by_fn[e["name"]] += e["dur"]
+            calls["py:" + e["name"]] += 1
+        print("  host time a step (self time, ms) by package: a Python line's own, or for ATen ops and CUDA calls "
+              "the nearest caller's outside torch:")
+        for (pkg, kind), us in sorted(by_pkg.items(), key=lambda kv: -kv[1])[:14]:
+            print(f"    {pkg:20s} {kind:10s} {us / 1e3 / n:8.2f}")
+        print("  CUDA calls (ms a step, calls a step):")
+        for name, us in runtime.most_common(8):
+            print(f"    {name:40s} {us / 1e3 / n:8.2f} {calls[name] / n:8.1f}")
+        print("  Python functions by inclusive time (ms a step, calls a step):")
+        for name, us in by_fn.most_common(45):
+            print(f"    {us / 1e3 / n:8.2f} {calls['py:' + name] / n:6.1f}  {name[-110:]}")
+
+
 def main():
     cmd, rest = sys.argv[1], sys.argv[2:]
     if cmd == "shims":
@@ -311,6 +421,8 @@ def main():
         bench_layer(rest)
     elif cmd == "summary":
         summary(rest)
+    elif cmd == "trace":
+        trace(rest)
     else:
         raise SystemExit(f"unknown subcommand {cmd!r}; see the module docstring")
 
