@@ -72,10 +72,14 @@ print('dataset helpers: numpy', np.__version__, 'sample_idx rows',
   echo "Megatron-DeepSpeed's dataset helpers crash here (exit $?): its Python build_sample_idx serves instead"
   export MDS_PYTHON_SAMPLE_IDX=1; }
 MBS=${MBS:-8}
+# ZERO=1: ZeRO stage 1 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer, as turbomoe's recipes
+# run) instead of stage 0 (its FP16_Optimizer in bf16, which checks each parameter for overflow with a host read).
+ACCUM=""
+[ "${ZERO:-0}" = 1 ] && ACCUM=', "data_types": {"grad_accum_dtype": "fp32"}'
 cat > "$WORK/ds.json" <<EOF
 {"train_batch_size": $MBS, "train_micro_batch_size_per_gpu": $MBS, "steps_per_print": 100000,
- "gradient_clipping": 1.0, "zero_optimization": {"stage": 0}, "bf16": {"enabled": true},
- "wall_clock_breakdown": false}
+ "gradient_clipping": 1.0, "zero_optimization": {"stage": ${ZERO:-0}}, "bf16": {"enabled": true},
+ "wall_clock_breakdown": false$ACCUM}
 EOF
 
 SEQ=${SEQ:-512}
