@@ -13,6 +13,7 @@
 # LAYER_EXPERTS: the expert counts it times (default "16 32").
 # NLAYERS, HIDDEN, HEADS, SEQ, EXPERTS: the GPT's layers, hidden size, heads, sequence length and experts
 # (defaults 4, 1024, 16, 512, 16; ffn 4 x hidden; experts every other layer, Megatron-DeepSpeed's default).
+# REPEAT=N: in 1gpu, 2gpu and expert_tp, each stock / turbomoe pair N times over, alternating.
 # PROFILE=START,END: every run profiles those steps (its own --profile pt-full, traces under
 # $OUT/trace_NAME_IMPL) and the summaries of where their time goes are printed last.
 #
@@ -123,30 +124,31 @@ DROPLESS_RESIDUAL="--moe-expert-parallel-size 1 --disable-moe-token-dropping --m
 TP2_EP2="--tensor-model-parallel-size 2 --moe-expert-parallel-size 2"
 TP2_ETP="--tensor-model-parallel-size 2 --moe-expert-parallel-size 1 --enable-expert-tensor-parallelism"
 SUMMARY=()
+pair() {  # pair NAME GPUS ARGS...: stock, then turbomoe, REPEAT times (default 1: alternating pairs put a
+  # spread on a host-bound ratio), each pair into the summary (NAME_1, NAME_2, ... when repeated)
+  local name=$1 gpus=$2 run r impl; shift 2
+  for r in $(seq "${REPEAT:-1}"); do
+    run=$name; [ "${REPEAT:-1}" -gt 1 ] && run=${name}_$r
+    for impl in stock turbo; do train "$run" "$gpus" $impl "$@"; done
+    SUMMARY+=("$run" "$OUT/${run}_stock.log" "$OUT/${run}_turbo.log")
+  done
+}
 case "$MODE" in
   1gpu)  # one GPU, one run at a time (LAYER=0: without the layer timing)
     [ "${LAYER:-1}" = 1 ] && layer 0
-    for impl in stock turbo; do train capacity 1 $impl $ONE; done
-    for impl in stock turbo; do train dropless_residual 1 $impl $DROPLESS_RESIDUAL; done
-    SUMMARY+=(capacity "$OUT/capacity_stock.log" "$OUT/capacity_turbo.log")
-    SUMMARY+=(dropless_residual "$OUT/dropless_residual_stock.log" "$OUT/dropless_residual_turbo.log") ;;
+    pair capacity 1 $ONE
+    pair dropless_residual 1 $DROPLESS_RESIDUAL ;;
   2gpu)  # two GPUs: TP 2 with EP 2, then TP 2 with expert tensor parallelism (EXPERT_TP=0: not that)
-    for impl in stock turbo; do train tp2_ep2 2 $impl $TP2_EP2; done
-    SUMMARY+=(tp2_ep2 "$OUT/tp2_ep2_stock.log" "$OUT/tp2_ep2_turbo.log")
-    if [ "${EXPERT_TP:-1}" = 1 ]; then
-      for impl in stock turbo; do train tp2_expert_tp 2 $impl $TP2_ETP; done
-      SUMMARY+=(tp2_expert_tp "$OUT/tp2_expert_tp_stock.log" "$OUT/tp2_expert_tp_turbo.log")
-    fi ;;
+    pair tp2_ep2 2 $TP2_EP2
+    [ "${EXPERT_TP:-1}" = 1 ] && pair tp2_expert_tp 2 $TP2_ETP ;;
   both)  # one call on two GPUs: the one-GPU pair side by side (stock on GPU 0, turbomoe on GPU 1),
          # the layer timing, then TP 2 with EP 2
     train capacity localhost:0 stock $ONE & train capacity localhost:1 turbo $ONE & wait
-    [ "${LAYER:-1}" = 1 ] && layer 0
-    for impl in stock turbo; do train tp2_ep2 2 $impl $TP2_EP2; done
     SUMMARY+=(capacity "$OUT/capacity_stock.log" "$OUT/capacity_turbo.log")
-    SUMMARY+=(tp2_ep2 "$OUT/tp2_ep2_stock.log" "$OUT/tp2_ep2_turbo.log") ;;
+    [ "${LAYER:-1}" = 1 ] && layer 0
+    pair tp2_ep2 2 $TP2_EP2 ;;
   expert_tp)  # two GPUs: TP 2 with expert tensor parallelism alone
-    for impl in stock turbo; do train tp2_expert_tp 2 $impl $TP2_ETP; done
-    SUMMARY+=(tp2_expert_tp "$OUT/tp2_expert_tp_stock.log" "$OUT/tp2_expert_tp_turbo.log") ;;
+    pair tp2_expert_tp 2 $TP2_ETP ;;
   *) echo "usage: $0 1gpu|2gpu|both|expert_tp"; exit 2 ;;
 esac
 python3 "$ROOT/scripts/megatron_deepspeed.py" summary "${SUMMARY[@]}" | tee "$OUT/summary.txt"

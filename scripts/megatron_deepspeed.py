@@ -291,6 +291,7 @@ def parse_log(path):
 
 def summary(argv):
     """summary NAME STOCK_LOG TURBO_LOG [NAME STOCK_LOG TURBO_LOG ...]"""
+    ratios = {}
     for i in range(0, len(argv), 3):
         name, stock_log, turbo_log = argv[i:i + 3]
         (s_steps, s_tp), (t_steps, t_tp) = parse_log(stock_log), parse_log(turbo_log)
@@ -308,7 +309,13 @@ def summary(argv):
         s_ms = [v[1] for k, v in sorted(s_steps.items())][skip:]
         t_ms = [v[1] for k, v in sorted(t_steps.items())][skip:]
         if s_ms and t_ms:
-            print(f"  whole step speed-up: {statistics.median(s_ms) / statistics.median(t_ms):.2f}x")
+            ratio = statistics.median(s_ms) / statistics.median(t_ms)
+            print(f"  whole step speed-up: {ratio:.2f}x")
+            ratios.setdefault(re.sub(r"_\d+$", "", name), []).append(ratio)
+    for name, rs in ratios.items():  # a configuration run as repeated pairs (NAME_1, NAME_2, ...)
+        if len(rs) > 1:
+            print(f"== {name}: whole step speed-up of {len(rs)} pairs {', '.join(f'{r:.2f}x' for r in rs)}, "
+                  f"median {statistics.median(rs):.2f}x")
 
 
 def _self_times(events):
