@@ -21,7 +21,7 @@ on turbomoe). Subcommands:
   summary LOG...   loss per step side by side and the throughput lines Megatron-DeepSpeed printed
   trace DIR...     where the profiled steps' time goes (the torch.profiler traces its --profile pt-full
                    wrote): step time and the GPU's busy share, the host's time by package and by
-                   Python function, and the CUDA calls that wait for the GPU
+                   Python function, and the CUDA calls (those that wait for the GPU among them)
 """
 import argparse
 import collections
@@ -380,15 +380,15 @@ def trace(argv):
         n = max(len(steps), 1)
         gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
         gpu = [(max(a, span[0]), min(b, span[1])) for a, b in gpu if b > span[0] and a < span[1]]
-        wall = (span[1] - span[0]) / 1e3
-        print(f"== {d}: {len(steps)} profiled steps, {wall / n:.1f} ms a step (profiler on), GPU busy "
-              f"{_busy(gpu) / 1e3 / n:.1f} ms a step ({100 * _busy(gpu) / max(span[1] - span[0], 1):.0f}%), "
+        wall, busy = span[1] - span[0], _busy(gpu)
+        print(f"== {d}: {len(steps)} profiled steps, {wall / 1e3 / n:.1f} ms a step (profiler on), GPU busy "
+              f"{busy / 1e3 / n:.1f} ms a step ({100 * busy / max(wall, 1):.0f}%), "
               f"{len(gpu) / n:.0f} GPU ops a step")
         main = {e["tid"] for e in steps}  # the training thread (not the data loader's or the profiler's)
         cpu = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime", "cuda_driver")
                and e["tid"] in main and span[0] <= e["ts"] < span[1]]
-        by_pkg, by_fn, runtime = collections.Counter(), collections.Counter(), collections.Counter()
-        calls = collections.Counter()
+        by_pkg, runtime, runtime_calls = collections.Counter(), collections.Counter(), collections.Counter()
+        by_fn, fn_calls = collections.Counter(), collections.Counter()
         for e, self_us, owner in _self_times(cpu):
             where = _package(e["name"] if ".py(" in e["name"] else owner)
             kind = {"python_function": "Python", "cpu_op": "ATen ops", "cuda_runtime": "CUDA calls",
@@ -396,7 +396,7 @@ def trace(argv):
             by_pkg[(where, kind)] += self_us
             if e["cat"] in ("cuda_runtime", "cuda_driver"):
                 runtime[e["name"]] += e["dur"]
-                calls[e["name"]] += 1
+                runtime_calls[e["name"]] += 1
         # Inclusive time of each Python function, its outermost call only (recursion counted once).
         open_until = collections.defaultdict(dict)
         for e in sorted((e for e in cpu if e["cat"] == "python_function"), key=lambda e: (e["ts"], -e["dur"])):
@@ -405,17 +405,17 @@ def trace(argv):
                 continue
             until[e["name"]] = e["ts"] + e["dur"]
             by_fn[e["name"]] += e["dur"]
-            calls["py:" + e["name"]] += 1
+            fn_calls[e["name"]] += 1
         print("  host time a step (self time, ms) by package: a Python line's own, or for ATen ops and CUDA calls "
               "the nearest caller's outside torch:")
         for (pkg, kind), us in sorted(by_pkg.items(), key=lambda kv: -kv[1])[:14]:
             print(f"    {pkg:20s} {kind:10s} {us / 1e3 / n:8.2f}")
         print("  CUDA calls (ms a step, calls a step):")
         for name, us in runtime.most_common(8):
-            print(f"    {name:40s} {us / 1e3 / n:8.2f} {calls[name] / n:8.1f}")
+            print(f"    {name:40s} {us / 1e3 / n:8.2f} {runtime_calls[name] / n:8.1f}")
         print("  Python functions by inclusive time (ms a step, calls a step):")
         for name, us in by_fn.most_common(45):
-            print(f"    {us / 1e3 / n:8.2f} {calls['py:' + name] / n:6.1f}  {name[-110:]}")
+            print(f"    {us / 1e3 / n:8.2f} {fn_calls[name] / n:6.1f}  {name[-110:]}")
 
 
 def main():
