@@ -18,6 +18,9 @@ Peers: DeepSpeed's MoE with SwiGLU experts (drop_tokens, capacity factor 1), a p
 layer on torch._grouped_mm, ScatterMoE's GLUMLP (import path: its source under .peers/, never
 committed), MegaBlocks' dMoE where installed. The dense floor is a SwiGLU FFN over S*k tokens:
 the same GEMM FLOPs, no routing.
+With --accumulate the parameters' gradients are allocated before the measured step too, so its peak
+is what a micro-batch after the first adds (a weight gradient made apart and then added counts;
+one added inside its GEMM does not).
 Prints a table (ms, ratio to the dense floor, peak GiB) and writes bench_layer.json and
 bench_layer.png to --out.
 """
@@ -214,7 +217,8 @@ def time_impl(name, cfg, iters, warmup=3, accumulate=False):
 
     queued, synced = step_times_ms(step, warmup, iters)
     x, gy = sets[0]
-    reset_grads(mod.parameters())  # x.grad stays allocated from the timed steps, as the inputs are
+    if not accumulate:  # accumulating, the parameters' gradients stay allocated (a micro-batch after the first)
+        reset_grads(mod.parameters())  # x.grad stays allocated from the timed steps, as the inputs are
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -227,7 +231,7 @@ def time_impl(name, cfg, iters, warmup=3, accumulate=False):
     del out, aux
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    grads = sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad) / 2 ** 30
+    grads = 0 if accumulate else sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad) / 2 ** 30
     del mod, sets, steps, step
     torch.cuda.empty_cache()
     return queued, synced, peak, peak - grads, held

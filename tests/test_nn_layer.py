@@ -305,13 +305,17 @@ def test_gpu_cuda_graph_capture_replays_new_routing():
 
 def check_fused_grad_accumulation(device, dtype, tol, **kw):
     """fused_grad_accumulation: over three micro-batches every parameter's .grad equals the unfused
-    layer's (the experts' weights added into inside their GEMMs after the first), shared expert too."""
+    layer's, shared expert too, and the experts' weights are added into inside their GEMMs after the
+    first (a hook on the weight then sees no gradient), with recompute's saved-tensor hooks as well."""
     torch.manual_seed(5)
     fused = MoELayer(64, 96, 6, 2, shared_ffn_hidden_size=32, fused_grad_accumulation=True, device=device, dtype=dtype,
                      backend=None if device == "cpu" else gpu_backend(), **kw)
     plain = copy.deepcopy(fused)
     for e in (plain.experts, plain.shared_expert):
         e.fused_grad_accumulation = False
+    seen = {name: [] for name in ("w1", "w2")}
+    for name, got in seen.items():
+        getattr(fused.experts, name).register_hook(lambda g, got=got: got.append(g is not None))
     for m in range(3):
         x = torch.randn(3, 41, 64, device=device, dtype=dtype)
         for layer in (fused, plain):
@@ -319,10 +323,12 @@ def check_fused_grad_accumulation(device, dtype, tol, **kw):
             (out.float().square().mean() + aux).backward()
     for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
         assert rel(p.grad, q.grad) < tol, name
+    assert seen == {"w1": [True, False, False], "w2": [True, False, False]}, seen
 
 
-def test_cpu_fused_grad_accumulation():
-    check_fused_grad_accumulation("cpu", torch.float64, 1e-12)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_cpu_fused_grad_accumulation(recompute):
+    check_fused_grad_accumulation("cpu", torch.float64, 1e-12, recompute=recompute)
     with pytest.raises(TypeError, match="fused_grad_accumulation"):
         MoELayer(8, 8, 2, 1, fused_grad_accumulation=1)
 
@@ -330,5 +336,6 @@ def test_cpu_fused_grad_accumulation():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_fused_grad_accumulation(dtype):
-    check_fused_grad_accumulation("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_gpu_fused_grad_accumulation(dtype, recompute):
+    check_fused_grad_accumulation("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2, recompute=recompute)

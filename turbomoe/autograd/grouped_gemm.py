@@ -236,19 +236,22 @@ class GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
         ctx.backend, ctx.main_grad = backend, main_grad_GKN  # written in backward, so not saved
         ctx.main_grad_add, ctx.main_grad_placeholder = main_grad_add, main_grad_placeholder
-        ctx.grad_into_w = grad_into_w
+        # The leaf itself: under saved-tensor hooks (recompute's) the unpacked w is another tensor, not w
+        # with its .grad.
+        ctx.grad_into_w = w_GKN if grad_into_w and w_GKN.is_leaf else None
         return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
     @staticmethod
-    def _sink(ctx, w_GKN):
+    def _sink(ctx):
         """(buffer, add, placeholder) that w's gradient goes to inside the GEMM, or None: the main_grad,
         else with grad_into_w the .grad a leaf w already holds, in w's layout (read when the backward
         runs, so a .grad cleared or replaced after the forward is honoured)."""
         if ctx.main_grad is not None:
             return ctx.main_grad, ctx.main_grad_add, ctx.main_grad_placeholder
-        if ctx.grad_into_w and w_GKN.is_leaf and _accumulates_into_grad(w_GKN):
-            g = w_GKN.grad
-            if g is not None and g.is_floating_point() and g.shape == w_GKN.shape and g.stride() == w_GKN.stride():
+        w = ctx.grad_into_w
+        if w is not None and _accumulates_into_grad(w):
+            g = w.grad
+            if g is not None and g.is_floating_point() and g.shape == w.shape and g.stride() == w.stride():
                 return g, True, False
         return None
 
@@ -262,7 +265,7 @@ class GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # w (or main_grad) each group's [N, K] block seen transposed (nn.Linear weights stacked): dw
             # made in that layout, dy^T x, so it reaches the parameters without a transposing copy each.
-            sink = GroupedMM._sink(ctx, w_GKN)
+            sink = GroupedMM._sink(ctx)
             like = w_GKN if sink is None else sink[0]
             transposed = like.stride(1) == 1 and like.stride(2) != 1
             a_RK, b_RN = (dy_RN, x_RK) if transposed else (x_RK, dy_RN)
