@@ -6,6 +6,7 @@ import weakref
 import torch
 
 from turbomoe import ops
+from turbomoe.autograd import grouped_gemm as gg
 from turbomoe.nn import GroupedExperts, MoELayer
 from turbomoe.nn import recompute as rc
 
@@ -54,8 +55,9 @@ def check_recompute(S, M, F, E, k, capacity_factor, activation, bias, shared, dt
     x = torch.randn(S, M, device=device, dtype=dtype)
     g = torch.randn(S, M, device=device, dtype=dtype)
 
-    remade = []
-    pack = rc.Remake._pack
+    R = S * k if capacity_factor is None else E * ops.capacity(S, E, k, capacity_factor, 0)
+    remade, rows_back, rows_alive = [], [], []
+    pack, unpack, mm_forward = rc.Remake._pack, rc.Remake._unpack, gg.mm_forward
 
     def counting_pack(self, t):
         packed = pack(self, t)
@@ -63,11 +65,25 @@ def check_recompute(S, M, F, E, k, capacity_factor, activation, bias, shared, dt
             remade.append(tuple(t.shape))
         return packed
 
-    rc.Remake._pack = counting_pack
+    def noting_unpack(packed):  # the storage of the rows remade in backward (autograd hands on an alias of t)
+        t = unpack(packed)
+        if isinstance(packed, rc._Remade) and tuple(t.shape) == (R, M):
+            rows_back.append(weakref.ref(t.untyped_storage()))
+        return t
+
+    def noting_mm(x_RK, w_GKN, *args, **kw):  # the first GEMM's input gradient [R, M] of the backward
+        if rows_back and w_GKN.shape[-1] == M and x_RK.shape[0] == R:
+            gc.collect()  # the Triton interpreter's launches leave their arguments in reference cycles
+            rows_alive.append(any(r() is not None for r in rows_back))
+        return mm_forward(x_RK, w_GKN, *args, **kw)
+
+    rc.Remake._pack, rc.Remake._unpack, gg.mm_forward = counting_pack, staticmethod(noting_unpack), noting_mm
     try:
         got, alive_again = run(again, x, g)
     finally:
-        rc.Remake._pack = pack
+        rc.Remake._pack, rc.Remake._unpack, gg.mm_forward = pack, staticmethod(unpack), mm_forward
+    # The remade rows are gone before the input gradient, their size, is made (w's gradient first).
+    assert rows_back and rows_alive and not any(rows_alive), rows_alive
     want, alive_plain = run(plain, x, g)
     # Without recompute the backward keeps them; with it they are freed after the forward.
     assert len(alive_plain) == len(alive_again) == 2 + bool(shared)
@@ -77,6 +93,5 @@ def check_recompute(S, M, F, E, k, capacity_factor, activation, bias, shared, dt
         if a is not None:
             assert torch.equal(a, b), (a - b).abs().max()
     # Stored as recipes, once each: the expert rows [R, M], the activation [R, F], the shared expert's [S, F'].
-    R = S * k if capacity_factor is None else E * ops.capacity(S, E, k, capacity_factor, 0)
     want_remade = [(R, M), (R, F)] + ([(S, shared)] if shared else [])
     assert sorted(remade) == sorted(want_remade), (remade, want_remade)

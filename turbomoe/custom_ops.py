@@ -258,7 +258,7 @@ def _grouped_mm_backward(dy_RN: torch.Tensor, x_RK: torch.Tensor, w_GKN: torch.T
                          need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw); a gradient not needed is an empty tensor (a custom op returns no None)."""
     ctx = _Saved(x_RK, w_GKN, counts_G, offs_G, backend=backend, main_grad=None, grad_into_w=None,
-                 needs_input_grad=(need_dx, need_dw))
+                 w_grad_first=False, needs_input_grad=(need_dx, need_dw))
     dx, dw = GroupedMM.backward(ctx, dy_RN)[:2]
     return (x_RK.new_empty(0) if dx is None else dx), (w_GKN.new_empty(0) if dw is None else dw)
 

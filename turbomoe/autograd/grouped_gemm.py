@@ -239,6 +239,10 @@ class GroupedMM(torch.autograd.Function):
         # The leaf itself: under saved-tensor hooks (recompute's) the unpacked w is another tensor, not w
         # with its .grad.
         ctx.grad_into_w = w_GKN if grad_into_w and w_GKN.is_leaf else None
+        # Under saved-tensor hooks x may come back made anew (recompute's remade rows): the backward then
+        # makes w's gradient first and frees x before x's gradient, its size, is made. Otherwise x's
+        # gradient first, so that what consumes it (an all-to-all) can start while w's runs.
+        ctx.w_grad_first = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
         return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
     @staticmethod
@@ -260,7 +264,7 @@ class GroupedMM(torch.autograd.Function):
         x_RK, w_GKN, counts_G, offs_G = ctx.saved_tensors
         dy_RN = dy_RN.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and not ctx.w_grad_first:
             dx = mm_forward(dy_RN, w_GKN.transpose(1, 2), counts_G, ctx.backend, offs_G)
         if ctx.needs_input_grad[1]:
             # w (or main_grad) each group's [N, K] block seen transposed (nn.Linear weights stacked): dw
@@ -278,6 +282,10 @@ class GroupedMM(torch.autograd.Function):
             else:
                 dw = mm_wgrad(a_RK, b_RN, counts_G, ctx.backend, offs_G)
                 dw = dw.transpose(1, 2) if transposed else dw
+            del a_RK, b_RN
+        del x_RK  # a remade x is freed here (a kept one stays with ctx)
+        if ctx.needs_input_grad[0] and ctx.w_grad_first:
+            dx = mm_forward(dy_RN, w_GKN.transpose(1, 2), counts_G, ctx.backend, offs_G)
         return dx, dw, None, None, None, None, None, None, None
 
 
