@@ -231,7 +231,8 @@ def time_impl(name, cfg, iters, warmup=3, accumulate=False):
     del out, aux
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-    grads = 0 if accumulate else sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad) / 2 ** 30
+    grads = 0 if accumulate else sum(p.numel() * p.element_size() for p in mod.parameters()
+                                     if p.requires_grad) / 2 ** 30
     del mod, sets, steps, step
     torch.cuda.empty_cache()
     return queued, synced, peak, peak - grads, held
