@@ -56,13 +56,15 @@ def check_recompute(S, M, F, E, k, capacity_factor, activation, bias, shared, dt
     g = torch.randn(S, M, device=device, dtype=dtype)
 
     R = S * k if capacity_factor is None else E * ops.capacity(S, E, k, capacity_factor, 0)
-    remade, rows_back, rows_alive = [], [], []
+    remade, rows_back, rows_alive, rows_fwd, rows_freed = [], [], [], [], []
     pack, unpack, mm_forward = rc.Remake._pack, rc.Remake._unpack, gg.mm_forward
 
     def counting_pack(self, t):
         packed = pack(self, t)
         if isinstance(packed, rc._Remade):
             remade.append(tuple(t.shape))
+            if tuple(t.shape) == (R, M):
+                rows_fwd.append(weakref.ref(t))
         return packed
 
     def noting_unpack(packed):  # the storage of the rows remade in backward (autograd hands on an alias of t)
@@ -71,7 +73,11 @@ def check_recompute(S, M, F, E, k, capacity_factor, activation, bias, shared, dt
             rows_back.append(weakref.ref(t.untyped_storage()))
         return t
 
-    def noting_mm(x_RK, w_GKN, *args, **kw):  # the first GEMM's input gradient [R, M] of the backward
+    def noting_mm(x_RK, w_GKN, *args, **kw):
+        # The forward's second GEMM (no rows remade yet): the rows' memory is already free.
+        if not rows_back and tuple(x_RK.shape) == (R, F) and w_GKN.shape[-1] == M:
+            rows_freed.extend(r() is None or r().untyped_storage().nbytes() == 0 for r in rows_fwd)
+        # The first GEMM's input gradient [R, M] of the backward.
         if rows_back and w_GKN.shape[-1] == M and x_RK.shape[0] == R:
             gc.collect()  # the Triton interpreter's launches leave their arguments in reference cycles
             rows_alive.append(any(r() is not None for r in rows_back))
@@ -82,6 +88,7 @@ def check_recompute(S, M, F, E, k, capacity_factor, activation, bias, shared, dt
         got, alive_again = run(again, x, g)
     finally:
         rc.Remake._pack, rc.Remake._unpack, gg.mm_forward = pack, staticmethod(unpack), mm_forward
+    assert rows_freed and all(rows_freed), rows_freed
     # The remade rows are gone before the input gradient, their size, is made (w's gradient first).
     assert rows_back and rows_alive and not any(rows_alive), rows_alive
     want, alive_plain = run(plain, x, g)

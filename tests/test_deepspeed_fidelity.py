@@ -15,6 +15,7 @@ import deepspeed.moe.layer as ds_layer  # noqa: E402
 
 from conftest import assert_uniform, rel_err  # noqa: E402
 from turbomoe import ops  # noqa: E402
+from turbomoe.autograd import grouped_gemm as gg  # noqa: E402
 from turbomoe.integrations import deepspeed as tds  # noqa: E402
 from turbomoe.integrations import deepspeed_experts as tde  # noqa: E402
 from turbomoe.integrations.deepspeed_experts import stack_expert_tensors  # noqa: E402
@@ -430,23 +431,30 @@ def test_host_syncs(k, expert, drop_tokens, max_syncs):
 @pytest.mark.parametrize("k", [1, 2])
 def test_recompute_same_bits_rows_freed(expert, k):
     """recompute=True (turbomoe's argument beyond stock's) on the dropless grouped path: the same
-    bits as without, and the expert rows no longer alive between forward and backward."""
+    bits as without, the expert rows' memory freed before the second GEMM and the rows no longer
+    alive between forward and backward."""
     _, plain = make_pair(expert, k=k, drop_tokens=False)
     again = tds.MoE(hidden_size=M, expert=EXPERTS[expert](), num_experts=E, min_capacity=0, k=k, drop_tokens=False,
                     recompute=True)
     again.load_state_dict(plain.state_dict())
     x = torch.randn(50, M)
-    results, alive = [], []
-    scatter = ops.scatter_tokens
+    results, alive, freed = [], [], []
+    scatter, mm_forward = ops.scatter_tokens, gg.mm_forward
     for layer in (plain, again):
-        rows = []
+        rows, calls = [], []
 
         def scatter_noted(*args, **kw):
             buf = scatter(*args, **kw)
             rows.append(weakref.ref(buf))
             return buf
 
-        ops.scatter_tokens = scatter_noted
+        def mm_noted(*args, **kw):
+            calls.append(None)
+            if len(calls) == 2:  # the forward's second GEMM: are the rows' bytes still held?
+                freed.append(rows[0]().untyped_storage().nbytes() == 0)
+            return mm_forward(*args, **kw)
+
+        ops.scatter_tokens, gg.mm_forward = scatter_noted, mm_noted
         try:
             xi = x.clone().requires_grad_()
             torch.manual_seed(5)
@@ -455,11 +463,12 @@ def test_recompute_same_bits_rows_freed(expert, k):
             alive.append(rows[0]() is not None)
             (out.square().sum() + l_aux).backward()
         finally:
-            ops.scatter_tokens = scatter
+            ops.scatter_tokens, gg.mm_forward = scatter, mm_forward
         results.append([out, xi.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert alive == [True, False]
+    assert freed == [False, True]
     with pytest.raises(TypeError, match="recompute"):
         tds.MoE(hidden_size=M, expert=EXPERTS[expert](), num_experts=E, recompute="yes")
 

@@ -104,7 +104,8 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
     """Expert e's MLP on expert e's rows of x, all local experts at once: [.., M] -> [.., M].
 
     groups: EqualGroups for x [.., E_local, C, M], RowGroups for expert-contiguous x [R, M]. remake: the
-    activation is remade from the first GEMM's output in backward instead of kept (swiglu and mlp kinds).
+    activation is remade from the first GEMM's output in backward instead of kept (swiglu and mlp kinds),
+    and x, where remake remakes it, is freed after the first GEMM (not to be read after the call).
     row_scale_R: each row of x [R, M] weighed inside the activation (see scales_rows).
     """
     if row_scale_R is not None and not scales_rows(kind, experts):
@@ -126,6 +127,8 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
         h = _grouped_linear(x, [e[0] for e in experts], groups, dtype)
         act: Callable = experts[0][1]
         second = [e[2] for e in experts]
+    if remake is not None:  # the rows, remade in backward, need not outlive the first GEMM
+        remake.release(x)
     a = act(h)
     if remake is not None:
         remake.add(a, lambda: act(h))  # h is kept by the activation's own backward

@@ -27,7 +27,8 @@ class GroupedExperts(nn.Module):
     gelu:   y = gelu(x w1) w2          with w1 [E, M, F],                 w2 [E, F, M]
     Optional biases b1 [E, 2F or F], b2 [E, M]. Saved for backward: x, the first GEMM's output
     and the activation, all O(R * (M + F)); given a `Remake` (turbomoe.nn.recompute), the activation
-    is remade from the first GEMM's output in backward instead of kept. A row scale s [R] (swiglu,
+    is remade from the first GEMM's output in backward instead of kept, and x, where the Remake
+    remakes it, is freed after the first GEMM (x must not be read after the call). A row scale s [R] (swiglu,
     no b2) weighs each row inside the activation, y_r = (s_r a_r) W2 = s_r (a_r W2), and takes its
     gradient there (from the activation's output gradient and h), with no use of y.
     fused_grad_accumulation: w1's and w2's gradients of a backward after the first (their .grad
@@ -77,6 +78,8 @@ class GroupedExperts(nn.Module):
         groups_R = row_groups(offs_E, x_RM.shape[0]) if b1 is not None else None
         fused = self.fused_grad_accumulation
         h = grouped_mm(x_RM, w1, counts_E, self.gmm_backend, offs_E, grad_into_w=fused)
+        if remake is not None:  # the rows, remade in backward, need not outlive the first GEMM
+            remake.release(x_RM)
         if groups_R is not None:
             h = add_group_bias(h, b1, groups_R)
         a = self._act(h, row_scale_R)

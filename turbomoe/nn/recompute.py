@@ -5,7 +5,10 @@ activation a [R, F] (the second's). Both are cheap to remake: x_RM is a copy of 
 the router keeps anyway, and a is swiglu/gelu of the first GEMM's output h, which the activation's
 own backward keeps anyway. So rather than hold R * (M + F) more elements, a saved-tensor hook stores
 how to remake each and remakes it (no grad, bit-identical: a copy, and the same kernel on the same
-input) when the backward asks. The GEMMs are not recomputed. SonicMoE's observation (ICLR 2026)
+input) when the backward asks. The GEMMs are not recomputed. Once the first GEMM has stored the rows
+as their recipe, `Remake.release` frees their memory, so that the forward's peak (rows, h, the
+activation and the second GEMM's output alive at once) loses the rows too: the callers still hold
+references to them until the layer's forward returns. SonicMoE's observation (ICLR 2026)
 for fine-grained MoEs, where R = k * S makes these the largest saved tensors.
 
 Eager only: under torch.compile the partitioner decides what to save (it may remake cheap ops itself),
@@ -36,6 +39,7 @@ class Remake:
 
     def __init__(self):
         self.rules: List[Tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        self.stored: List[torch.Tensor] = []  # the registered tensors stored as recipes so far
 
     def add(self, t: torch.Tensor, make: Callable[[], torch.Tensor]):
         self.rules.append((t, make))
@@ -43,8 +47,22 @@ class Remake:
     def _pack(self, t: torch.Tensor):
         for src, make in self.rules:
             if _same_view(t, src):
+                if not any(s is src for s in self.stored):
+                    self.stored.append(src)
                 return _Remade(make)
         return t
+
+    def release(self, t: torch.Tensor):
+        """Frees t's memory now if t is registered here, was stored as its recipe (so the backward
+        remakes it and reads nothing of t) and owns its whole storage (no other tensor's bytes go with
+        it). The caller must not read t afterwards: its storage is empty, so any read fails loudly."""
+        if not any(s is t for s in self.stored):
+            return
+        storage = t.untyped_storage()
+        if storage.nbytes() != t.numel() * t.element_size():
+            return
+        self.rules = [(src, make) for src, make in self.rules if src is not t]  # nothing may match it again
+        storage.resize_(0)
 
     @staticmethod
     def _unpack(packed):
@@ -62,6 +80,7 @@ class Remake:
             # Autograd keeps the hooks (so this object) with every tensor saved under them: drop the
             # tensors named here, or they would live as long as the graph, the very thing to avoid.
             self.rules.clear()
+            self.stored.clear()
 
 
 def remake_for(enabled: bool) -> Optional[Remake]:
