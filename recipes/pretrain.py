@@ -684,6 +684,9 @@ def train(cfg, args, resume, samples):
     dist.barrier()
 
 
+CONFIG_ERROR_GRACE_S = 5.0  # how long ranks other than 0 wait before failing on a config error
+
+
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" not in os.environ:
@@ -697,8 +700,17 @@ def main(argv=None):
         cfg, resume, samples = prepare(args)
         train(cfg, args, resume, samples)
     except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0 or e.every_rank:
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0 and not e.every_rank:
+            # Every rank finds the same error, and a launcher kills all ranks as soon as one fails: had
+            # this one left first, rank 0 could be killed before it printed (seen with 2 GPUs, the user
+            # got no message). So wait for rank 0 to print and fail (the launcher then kills this rank),
+            # and print too if still here.
+            time.sleep(CONFIG_ERROR_GRACE_S)
+        if rank == 0 or e.every_rank:
             print(f"pretrain.py: error: {e}", file=sys.stderr)
+        else:
+            print(f"pretrain.py: error (rank {rank}): {e}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -22,7 +22,8 @@ from turbomoe.models.qwen3_moe import renormalizes_topk
 
 class ConfigError(ValueError):
     """A bad config, command line or input path, found before any work starts. Every rank finds the
-    same ones and rank 0 prints them, except an error of some ranks only (every_rank: each prints it)."""
+    same ones and rank 0 prints them (the others wait for it to, then print too if still running), except
+    an error of some ranks only (every_rank: each prints it at once)."""
 
     def __init__(self, message: str, every_rank: bool = False):
         super().__init__(message)

@@ -384,6 +384,23 @@ def test_checkpoint_bookkeeping(tmp_path):
         checkpointing.resolve(str(tmp_path))
 
 
+def test_config_error_of_every_rank_printed_by_rank_0_first(monkeypatch, tmp_path, capsys):
+    """A rank other than 0 waits before it fails on an error that every rank finds, so that a launcher
+    (which kills every rank when one fails) cannot kill rank 0 before it prints; it prints too if it is
+    still running after the wait. Rank 0 fails at once."""
+    waits = []
+    monkeypatch.setattr(pretrain.time, "sleep", waits.append)
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            pretrain.main(["--config", TINY, "--set", "moe.ep_size=3", "--set", f"log.dir={tmp_path / 'run'}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        label = "error" if rank == "0" else "error (rank 1)"
+        assert f"pretrain.py: {label}: moe.ep_size 3 does not divide model.num_experts 8" in err
+    assert waits == [pretrain.CONFIG_ERROR_GRACE_S]
+
+
 def test_launcher_rejects_bad_input_before_work(tmp_path):
     proc = launch(tmp_path / "run", "--set", "moe.ep_size=3", check=False)
     assert proc.returncode != 0
