@@ -51,6 +51,39 @@ def test_recompute_only_where_asked_with_autograd():
     assert remake_for(True) is not None
 
 
+@pytest.mark.parametrize("scope", ["module", "global"])
+def test_recompute_keeps_rows_a_hook_sees(scope):
+    """A forward hook that keeps the experts' input can read it after the step: the rows are then not
+    freed after the first GEMM (freed, a read of them is unchecked), and the results are the same bits."""
+    torch.manual_seed(3)
+    plain = MoELayer(16, 24, 4, 2)
+    again = MoELayer(16, 24, 4, 2, recompute=True)
+    again.load_state_dict(plain.state_dict())
+    x = torch.randn(10, 16)
+    kept = []
+
+    def keep(module, args, out):
+        if module is again.experts:
+            kept.append(args[0])
+
+    handle = (again.experts.register_forward_hook(keep) if scope == "module"
+              else torch.nn.modules.module.register_module_forward_hook(keep))
+    try:
+        results = []
+        for layer in (plain, again):
+            xi = x.clone().requires_grad_()
+            out, aux = layer(xi)
+            (out.square().sum() + aux).backward()
+            results.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+    finally:
+        handle.remove()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    rows = kept[0]
+    assert rows.untyped_storage().nbytes() == rows.numel() * rows.element_size() > 0
+    assert torch.isfinite(rows).all()
+
+
 def test_recompute_type_checked():
     with pytest.raises(TypeError, match="recompute"):
         MoELayer(8, 12, 4, 2, recompute="yes")

@@ -4,6 +4,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from .. import ops
 from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
@@ -28,9 +29,10 @@ class GroupedExperts(nn.Module):
     Optional biases b1 [E, 2F or F], b2 [E, M]. Saved for backward: x, the first GEMM's output
     and the activation, all O(R * (M + F)); given a `Remake` (turbomoe.nn.recompute), the activation
     is remade from the first GEMM's output in backward instead of kept, and x, where the Remake
-    remakes it, is freed after the first GEMM (x must not be read after the call). A row scale s [R] (swiglu,
-    no b2) weighs each row inside the activation, y_r = (s_r a_r) W2 = s_r (a_r W2), and takes its
-    gradient there (from the activation's output gradient and h), with no use of y.
+    remakes it, is freed after the first GEMM unless a forward hook could see it (the caller must
+    not read x after the call). A row scale s [R] (swiglu, no b2) weighs each row inside the
+    activation, y_r = (s_r a_r) W2 = s_r (a_r W2), and takes its gradient there (from the activation's
+    output gradient and h), with no use of y.
     fused_grad_accumulation: w1's and w2's gradients of a backward after the first (their .grad
     kept, micro-batches accumulating) are added into .grad inside the weight-gradient GEMMs
     (grouped_mm's grad_into_w: a hook on the weight itself then sees no gradient; post-accumulate
@@ -78,7 +80,7 @@ class GroupedExperts(nn.Module):
         groups_R = row_groups(offs_E, x_RM.shape[0]) if b1 is not None else None
         fused = self.fused_grad_accumulation
         h = grouped_mm(x_RM, w1, counts_E, self.gmm_backend, offs_E, grad_into_w=fused)
-        if remake is not None:  # the rows, remade in backward, need not outlive the first GEMM
+        if remake is not None and not self._hooked():  # rows remade in backward need not outlive this GEMM
             remake.release(x_RM)
         if groups_R is not None:
             h = add_group_bias(h, b1, groups_R)
@@ -89,6 +91,12 @@ class GroupedExperts(nn.Module):
         if groups_R is not None:
             y = add_group_bias(y, b2, groups_R)
         return y
+
+    def _hooked(self) -> bool:
+        """Whether a forward hook (this module's or a global one) sees x and may keep it: x's memory is
+        then not freed under it (a read of a freed storage is not checked: it may crash)."""
+        return bool(self._forward_pre_hooks or self._forward_hooks or nn_module._global_forward_pre_hooks
+                    or nn_module._global_forward_hooks)
 
     @property
     def scales_rows(self) -> bool:

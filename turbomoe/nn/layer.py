@@ -31,6 +31,8 @@ class MoELayer(nn.Module):
     recompute=True keeps less for backward: the expert rows and the activation are remade from what
     the router and the activation keep anyway (turbomoe.nn.recompute; eager, and not inside another
     saved-tensor policy such as activation checkpointing, which recomputes the whole layer already).
+    The rows' memory is then freed right after the first GEMM, unless a forward hook on `experts` (or
+    a global one) could keep them.
     fused_grad_accumulation=True: over micro-batches, the experts' weight gradients are added into
     their .grad inside the weight-gradient GEMMs (see GroupedExperts for what hooks then see).
     """

@@ -55,7 +55,8 @@ class Remake:
     def release(self, t: torch.Tensor):
         """Frees t's memory now if t is registered here, was stored as its recipe (so the backward
         remakes it and reads nothing of t) and owns its whole storage (no other tensor's bytes go with
-        it). The caller must not read t afterwards: its storage is empty, so any read fails loudly."""
+        it). Nothing may read t afterwards: its storage is empty, and a read of it is not checked (it
+        may crash), so callers free only tensors that no hook or user code could have kept."""
         if not any(s is t for s in self.stored):
             return
         storage = t.untyped_storage()
