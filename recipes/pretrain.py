@@ -701,16 +701,14 @@ def main(argv=None):
         train(cfg, args, resume, samples)
     except ConfigError as e:
         rank = int(os.environ.get("RANK", "0"))
-        if rank != 0 and not e.every_rank:
+        defer = rank != 0 and not e.every_rank
+        if defer:
             # Every rank finds the same error, and a launcher kills all ranks as soon as one fails: had
             # this one left first, rank 0 could be killed before it printed (seen with 2 GPUs, the user
             # got no message). So wait for rank 0 to print and fail (the launcher then kills this rank),
             # and print too if still here.
             time.sleep(CONFIG_ERROR_GRACE_S)
-        if rank == 0 or e.every_rank:
-            print(f"pretrain.py: error: {e}", file=sys.stderr)
-        else:
-            print(f"pretrain.py: error (rank {rank}): {e}", file=sys.stderr)
+        print(f"pretrain.py: error{f' (rank {rank})' if defer else ''}: {e}", file=sys.stderr)
         sys.exit(2)
 
 

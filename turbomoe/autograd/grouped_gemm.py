@@ -54,6 +54,12 @@ def _sm(device_index: int) -> int:
     return compute_capability(device_index)
 
 
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks: recompute's, activation
+    checkpointing's) are active here: the saved tensors may then come back as other tensors, made anew."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def _device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
@@ -242,7 +248,7 @@ class GroupedMM(torch.autograd.Function):
         # Under saved-tensor hooks x may come back made anew (recompute's remade rows): the backward then
         # makes w's gradient first and frees x before x's gradient, its size, is made. Otherwise x's
         # gradient first, so that what consumes it (an all-to-all) can start while w's runs.
-        ctx.w_grad_first = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        ctx.w_grad_first = saved_tensor_hooks_active()
         return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
     @staticmethod

@@ -19,6 +19,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from ..autograd.grouped_gemm import saved_tensor_hooks_active
+
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
@@ -89,7 +91,7 @@ def remake_for(enabled: bool) -> Optional[Remake]:
     saved-tensor hooks active (an outer policy such as activation checkpointing decides then)."""
     if not (enabled and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return None
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    if saved_tensor_hooks_active():
         return None
     return Remake()
 
