@@ -9,6 +9,7 @@
 #                                                  # layer timing, tensor parallel 2 with expert parallel 2
 #   bash scripts/gpu_megatron_deepspeed.sh expert_tp  # two GPUs: tensor parallel 2 with expert tensor
 #                                                  # parallelism alone
+#   bash scripts/gpu_megatron_deepspeed.sh layer   # one GPU: the layer timing alone
 # MBS: micro-batch size (default 8; also the global batch: one data-parallel rank). LAYER=0: no layer timing;
 # LAYER_EXPERTS: the expert counts it times (default "16 32").
 # NLAYERS, HIDDEN, HEADS, SEQ, EXPERTS: the GPT's layers, hidden size, heads, sequence length and experts
@@ -149,9 +150,11 @@ case "$MODE" in
     pair tp2_ep2 2 $TP2_EP2 ;;
   expert_tp)  # two GPUs: TP 2 with expert tensor parallelism alone
     pair tp2_expert_tp 2 $TP2_ETP ;;
-  *) echo "usage: $0 1gpu|2gpu|both|expert_tp"; exit 2 ;;
+  layer)  # one GPU: the MoE layer alone (how much of a step the MoE layers can take)
+    layer 0 ;;
+  *) echo "usage: $0 1gpu|2gpu|both|expert_tp|layer"; exit 2 ;;
 esac
-python3 "$ROOT/scripts/megatron_deepspeed.py" summary "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+[ ${#SUMMARY[@]} -gt 0 ] && python3 "$ROOT/scripts/megatron_deepspeed.py" summary "${SUMMARY[@]}" | tee "$OUT/summary.txt"
 [ -f "$OUT/layer.log" ] && tail -4 "$OUT/layer.log"
 [ -n "${PROFILE:-}" ] && python3 "$ROOT/scripts/megatron_deepspeed.py" trace "$OUT"/trace_* | tee "$OUT/trace_summary.txt"
 date -u
