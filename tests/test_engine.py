@@ -97,7 +97,17 @@ def test_engine_errors(tmp_path):
         engine.generate(ids, 2, eos_token_id="7")
     with pytest.raises(ValueError, match="attention_mask must be a tensor"):
         engine.generate(ids, 2, attention_mask=[[1, 1, 1]])
+    # the default pad (a finished row's next input) is the first EOS id: one past the vocabulary is refused
+    # up front, not an index error once a row stops
+    with pytest.raises(ValueError, match="the default is eos_token_id's first id, 101: pass pad_token_id"):
+        engine.generate(ids, 2, eos_token_id=[101, 5])
+    with pytest.raises(ValueError, match="sampling needs temperature > 0"):
+        engine.generate(ids, 2, do_sample=True, temperature="hot")
+    with pytest.raises(ValueError, match="at least one row and one token per row, got shape"):
+        engine.generate(torch.ones(0, 3, dtype=torch.long), 2)
     assert engine.cache is None
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['max_bach'\]"):
+        load(path, device="cpu", max_bach=2)
     # eos as a numpy integer, a 0-d or 1-d tensor or a tuple: the same stops as a list
     import numpy as np
     eos = int(engine.generate(ids, 3)[0, 4])
@@ -118,6 +128,24 @@ def test_engine_errors(tmp_path):
         load(other, device="cpu")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load(str(tmp_path), device="cpu")
+
+
+def test_cache_made_as_calls_need_it(tmp_path, monkeypatch):
+    """The KV cache holds the batch's bucket and prompt + new tokens rounded up to CACHE_SLOTS_STEP
+    (at most max_batch x max_seq_len), and is made again larger when a call needs more: the tokens stay
+    transformers' through every size."""
+    from turbomoe.inference import engine as engine_mod
+    monkeypatch.setattr(engine_mod, "CACHE_SLOTS_STEP", 16)
+    hf, path = hf_model(tmp_path, 6)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=8)  # max_seq_len: the model's 64
+    g = torch.Generator().manual_seed(6)
+    for lengths, new, size in (((3, ), 5, (1, 16)), ((11, 4, 7), 12, (4, 32)), ((5, ), 4, (4, 32)),
+                               ((20, 9), 30, (4, 64))):
+        ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+        want = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        assert torch.equal(engine.generate(ids, new, attention_mask=mask, pad_token_id=0), want), lengths
+        assert (engine.cache_rows, engine.cache_len) == size
+        assert engine.cache[0][0].shape == (size[0], 2, size[1], 12)
 
 
 def test_engine_takes_the_models_experts(tmp_path):
@@ -169,6 +197,27 @@ def test_generate_cli(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+    # A directory without tokenizer files (transformers' save_pretrained): a usage error, not an empty prompt.
+    with pytest.raises(SystemExit) as e:
+        main([path, "--prompt", "a"])
+    assert e.value.code == 2 and "has no tokenizer" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([out, "--prompt", "abc", "--max-new-tokens", "62"])
+    assert e.value.code == 2 and "exceeds the model's max_position_embeddings 64" in capsys.readouterr().err
+    # It stops at generation_config.json's EOS ids too (chat models list more than the tokenizer's one).
+    config = json.load(open(os.path.join(out, "generation_config.json")))
+    stops = [256, int(ids[1])]
+    json.dump({**config, "eos_token_id": stops}, open(os.path.join(out, "generation_config.json"), "w"))
+    main([out, "--prompt", "abc", "--max-new-tokens", "5", "--device", "cpu"])
+    last = next(i for i, t in enumerate(ids.tolist()) if t in stops)
+    text = AutoTokenizer.from_pretrained(out).decode(ids[:last + 1], skip_special_tokens=True)
+    assert capsys.readouterr().out.endswith(text + "\n")
+    # Sampling prints what a generator seeded --seed gives (the warm-up calls take generators of their own).
+    main([out, "--prompt", "abc", "--max-new-tokens", "5", "--device", "cpu", "--sample", "--seed", "3"])
+    sampled = engine.generate(torch.tensor([[97, 98, 99]]), 5, do_sample=True, eos_token_id=stops, pad_token_id=256,
+                              generator=torch.Generator().manual_seed(3))[0, 3:]
+    text = AutoTokenizer.from_pretrained(out).decode(sampled, skip_special_tokens=True)
+    assert capsys.readouterr().out.endswith(text + "\n")
 
 
 @pytest.mark.gpu

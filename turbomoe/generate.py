@@ -3,17 +3,34 @@
     python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--sample
         --temperature 0.8 --top-p 0.95] [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0]
 
-The tokenizer is the directory's (transformers' AutoTokenizer). Prints the continuation, then the
-prefill and decode times and the decode tokens/s (the first call of a batch size also captures its
-CUDA graph: reported apart).
+The tokenizer is the directory's (transformers' AutoTokenizer); generation stops at the EOS ids of the
+directory's generation_config.json and the tokenizer's. Prints the continuation, then the prefill and
+decode times and the decode tokens/s (the first call of a batch size also captures its CUDA graph:
+reported apart). With --sample, the text is what Engine.generate gives with a generator seeded --seed.
 """
 import argparse
+import json
+import os
 import sys
 import time
 
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def eos_ids(model_dir: str, tok) -> list:
+    """The EOS ids to stop at: generation_config.json's (a model may list several, as Qwen3's chat models
+    do) and then the tokenizer's, each once."""
+    ids = []
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos]
+    ids.append(tok.eos_token_id)
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def main(argv=None):
@@ -43,30 +60,43 @@ def main(argv=None):
         check_model_dir(args.model_dir)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
+    if not any(os.path.isfile(os.path.join(args.model_dir, f)) for f in TOKENIZER_FILES):
+        # AutoTokenizer would not fail: it makes an empty tokenizer that turns any prompt into no tokens
+        p.error(f"{args.model_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save one beside the model")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    eos = eos_ids(args.model_dir, tok)
+    if tok.pad_token_id is None and eos:
+        tok.pad_token_id = eos[0]
     batch = tok(args.prompt, return_tensors="pt", padding=True)
     B, T = batch["input_ids"].shape
-    engine = load(args.model_dir, device=args.device, dtype=DTYPES.get(args.dtype), max_batch=max(B, 1),
-                  max_seq_len=T + args.max_new_tokens)
-    gen = torch.Generator(device=engine.device).manual_seed(args.seed)
-    kw = dict(attention_mask=batch["attention_mask"], eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-              do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, generator=gen)
+    empty = [i for i, n in enumerate(batch["attention_mask"].sum(1).tolist()) if n == 0]
+    if empty:
+        p.error(f"--prompt number {empty[0] + 1} makes no tokens with {args.model_dir}'s tokenizer")
+    with open(os.path.join(args.model_dir, "config.json")) as f:
+        positions = json.load(f).get("max_position_embeddings")
+    if positions is not None and T + args.max_new_tokens > positions:
+        p.error(f"a prompt of {T} tokens + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+                f"max_position_embeddings {positions}")
+    engine = load(args.model_dir, device=args.device, dtype=DTYPES.get(args.dtype), max_batch=B)
+    kw = dict(attention_mask=batch["attention_mask"], eos_token_id=eos, pad_token_id=tok.pad_token_id,
+              do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
 
-    def timed(n):
+    def timed(n, seed):
+        gen = torch.Generator(device=engine.device).manual_seed(seed)
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = engine.generate(batch["input_ids"], n, **kw)
+        out = engine.generate(batch["input_ids"], n, generator=gen, **kw)
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         return out, time.perf_counter() - t0
 
-    _, warm = timed(min(2, args.max_new_tokens))  # compiles kernels, captures the decode graph of this batch size
-    _, prefill = timed(1)
-    out, total = timed(args.max_new_tokens)
+    # the warm-up compiles kernels and captures the decode graph of this batch size; each call its own
+    # generator, so the text printed is the one a generator seeded --seed gives
+    _, warm = timed(min(2, args.max_new_tokens), args.seed)
+    _, prefill = timed(1, args.seed)
+    out, total = timed(args.max_new_tokens, args.seed)
     for row in out[:, T:]:
         print(tok.decode(row, skip_special_tokens=True))
     steps = out.shape[1] - T - 1

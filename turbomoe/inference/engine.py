@@ -4,8 +4,10 @@
     out = engine.generate(input_ids_BT, max_new_tokens=64, attention_mask=mask_BT)   # [B, T + n]
 
 Prefill runs the whole (left-padded) prompt once; each decode step runs one token per row against
-the cache. The cache is static ([max_batch, G, max_seq_len, D] per layer, allocated on the first
-generate) and a cache slot is the column of the padded sequence, the same for every row, so a step
+the cache. The cache is static between calls ([rows, G, slots, D] per layer: made by the first
+generate for its batch's bucket and its prompt + new tokens rounded up to CACHE_SLOTS_STEP slots, at
+most max_batch x max_seq_len, and made again larger only when a call needs more, so the defaults do not
+reserve max_batch x max_position_embeddings) and a cache slot is the column of the padded sequence, the same for every row, so a step
 writes its keys with one index_copy_ at a device index and attends over every slot under a mask of
 the slots that hold real tokens: no shape depends on the step, and on CUDA the decode step of each
 batch-size bucket is captured once as a CUDA graph and replayed. Rotary positions count each row's
@@ -16,6 +18,7 @@ of the experts in memory: the model's MoE layers and save_pretrained then raise,
 keep_model=True.
 On the CPU the same code runs the reference ops.
 """
+import inspect
 import json
 import numbers
 import operator
@@ -30,12 +33,14 @@ from ..models.qwen3_moe import ExpertsMoved, rotary_cos_sin
 from .moe import SparseMoE
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CACHE_SLOTS_STEP = 256  # the cache's length grows in these steps: fewer remakes (and graph captures)
 
 
 class Engine:
     """model: a turbomoe Qwen3MoeForCausalLM (moe_impl turbomoe or deepspeed) on its device and dtype.
-    max_batch: the largest batch (the last bucket); max_seq_len: prompt + new tokens (default
-    the model's max_position_embeddings); cuda_graphs: capture the decode step per bucket on CUDA;
+    max_batch: the largest batch (the last bucket); max_seq_len: the most prompt + new tokens a call
+    may ask for (default the model's max_position_embeddings; the cache holds only what calls have
+    needed, see the module's docstring); cuda_graphs: capture the decode step per bucket on CUDA;
     keep_model: leave the model whole (its experts then take memory twice), else its MoE blocks move
     into the engine."""
 
@@ -74,15 +79,19 @@ class Engine:
                     del sd[key]
         del sd
         self.cos, self.sin = rotary_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta, self.device)
-        self.cache = None
-        self.graphs = {}
+        self.cache, self.cache_rows, self.cache_len = None, 0, 0
+        self.graphs, self._pool = {}, None
 
     # ---- buffers -------------------------------------------------------------------------------
-    def _allocate(self):
-        """The static KV cache and the decode step's inputs, once (checked arguments first)."""
-        if self.cache is not None:
+    def _allocate(self, rows: int, slots: int):
+        """The KV cache and the decode step's inputs for at least `rows` rows and `slots` slots (checked
+        arguments first): kept while calls fit, else made again at the larger size. The decode graphs
+        hold the old buffers, so they go with them (recaptured on the next decode of each bucket)."""
+        if self.cache is not None and rows <= self.cache_rows and slots <= self.cache_len:
             return
-        cfg, B, L = self.config, self.max_batch, self.max_seq_len
+        B, L = max(rows, self.cache_rows), max(slots, self.cache_len)
+        self.cache, self.graphs, self._pool = None, {}, None  # the old buffers freed before the new ones
+        cfg = self.config
         kw = dict(device=self.device, dtype=self.dtype)
         shape = (B, cfg.num_key_value_heads, L, cfg.head_dim)
         self.cache = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in self.layers]
@@ -90,6 +99,7 @@ class Engine:
         self.tokens = torch.zeros(B, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(B, dtype=torch.long, device=self.device)
         self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.cache_rows, self.cache_len = B, L
 
     # ---- the model -----------------------------------------------------------------------------
     def _forward(self, x_BTH, pos_BT, slots_T, mask_B1TL, L: int):
@@ -133,7 +143,7 @@ class Engine:
         """One token per row at cache slot self.slot; reads self.tokens/positions[:B]."""
         self.valid[:B].index_fill_(1, self.slot, True)
         x = self.embed(self.tokens[:B])[:, None]
-        return self._forward(x, self.positions[:B, None], self.slot, self.valid[:B, None, None, :], self.max_seq_len)
+        return self._forward(x, self.positions[:B, None], self.slot, self.valid[:B, None, None, :], self.cache_len)
 
     def _bucket(self, B: int) -> int:
         return next(b for b in self.buckets if b >= B)
@@ -150,7 +160,7 @@ class Engine:
                 self._decode_step(B)
             torch.cuda.current_stream().wait_stream(s)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=getattr(self, "_pool", None)):
+            with torch.cuda.graph(graph, pool=self._pool):
                 out = self._decode_step(B)
             self._pool = graph.pool()
             self.graphs[B] = (graph, out)
@@ -165,7 +175,8 @@ class Engine:
             raise ValueError("input_ids must be an integer tensor [B, T]")
         B, T = input_ids.shape
         if B < 1 or T < 1:
-            raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
+            raise ValueError(f"input_ids must hold at least one row and one token per row, got shape "
+                             f"{tuple(input_ids.shape)}")
         V = self.config.vocab_size
         lo, hi = input_ids.aminmax()  # one host sync a call, before the prefill
         if lo < 0 or hi >= V:
@@ -197,13 +208,17 @@ class Engine:
         self._check(input_ids, attention_mask, max_new_tokens)
         eos = _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
         pad = _token_ids(pad_token_id, "pad_token_id") if pad_token_id is not None else eos[:1] or [0]
-        if pad_token_id is not None and (len(pad) != 1 or pad[0] >= self.config.vocab_size):
-            raise ValueError(f"pad_token_id must be one id below vocab_size {self.config.vocab_size}, "
-                             f"got {pad_token_id!r}")
-        if do_sample and not (temperature > 0 and 0 < top_p <= 1):
-            raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        self._allocate()
+        V = self.config.vocab_size
+        if len(pad) != 1 or pad[0] >= V:  # a finished row's next input: an id the embedding has
+            given = (f"got {pad_token_id!r}" if pad_token_id is not None else
+                     f"the default is eos_token_id's first id, {pad[0]}: pass pad_token_id")
+            raise ValueError(f"pad_token_id must be one id below vocab_size {V}, {given}")
+        if do_sample and not (_real(temperature) and _real(top_p) and temperature > 0 and 0 < top_p <= 1):
+            raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
         B, T = input_ids.shape
+        Bb = self._bucket(B)
+        steps = -(-(T + max_new_tokens) // CACHE_SLOTS_STEP)
+        self._allocate(Bb, min(self.max_seq_len, steps * CACHE_SLOTS_STEP))
         ids = input_ids.to(self.device, torch.long)
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.to(self.device, torch.bool))
@@ -212,7 +227,6 @@ class Engine:
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         out = [ids]
         logits = self._prefill(ids, mask)
-        Bb = self._bucket(B)
         for step in range(max_new_tokens):
             tok = self._select(logits[:B], do_sample, temperature, top_p, generator)
             tok = torch.where(done, pad, tok)
@@ -240,6 +254,13 @@ class Engine:
             drop = sorted_p.cumsum(-1) - sorted_p >= top_p
             probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _real(value) -> bool:
+    """A real number: a Python or numpy number, or a 0-d real tensor (what the sampling checks compare)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _positive_int(value) -> bool:
@@ -274,11 +295,23 @@ def check_model_dir(model_dir: str):
         raise ValueError(f"{config}: model_type is {model_type!r}; turbomoe.inference serves 'qwen3_moe' models")
 
 
+def _check_keywords(engine_kw: dict):
+    """load's keywords are Engine's and, passed on to every MoE layer, SparseMoE's options."""
+    own = set(inspect.signature(Engine.__init__).parameters) - {"self", "model", "moe_kw"}
+    moe = set(inspect.signature(SparseMoE.__init__).parameters) - {"self", "router_EM", "w1_EMN", "w2_EFM", "k",
+                                                                   "renormalize", "shared_w1_MN", "shared_w2_FM"}
+    unknown = sorted(set(engine_kw) - own - moe)
+    if unknown:
+        raise TypeError(f"load() got unexpected keyword arguments {unknown}; it takes {sorted(own)} and the MoE "
+                        f"layers' options {sorted(moe)}")
+
+
 def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **engine_kw) -> Engine:
     """An Engine for a Hugging Face Qwen3-MoE directory, read by Qwen3MoeForCausalLM.from_pretrained.
     device: default CUDA where available; dtype: default the checkpoint's."""
     from ..models import Qwen3MoeForCausalLM
     check_model_dir(model_dir)
+    _check_keywords(engine_kw)  # before the checkpoint is read
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
     return Engine(model.eval(), **engine_kw)
