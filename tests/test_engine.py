@@ -180,7 +180,8 @@ def test_generate_cli(tmp_path, capsys):
     from turbomoe.models import Qwen3MoeForCausalLM
     _, path = hf_model(tmp_path, 5, vocab_size=257, eos_token_id=256, pad_token_id=256)
     out = os.path.join(tmp_path, "bytes")
-    Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out)
+    from turbomoe.data import ByteTokenizer
+    Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out, tokenizer=ByteTokenizer())
     main([out, "--prompt", "abc", "--max-new-tokens", "5", "--device", "cpu"])
     printed = capsys.readouterr()
     engine = load(out, device="cpu", max_seq_len=8, max_batch=1)

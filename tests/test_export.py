@@ -134,6 +134,10 @@ def test_output_that_holds_the_run_and_a_broken_marker(run, tmp_path):
     for out in (bad, tmp_path, tag):
         with pytest.raises(ExportError, match=f"OUT {out} holds the checkpoint {tag}"):
             export(str(bad), str(out), force=True, progress=False)
+    # nor another checkpoint of the run (its latest, exporting an earlier step), nor anything beside them
+    for out in (bad / "checkpoints" / "global_step6", bad / "checkpoints" / "hf"):
+        with pytest.raises(ExportError, match=f"OUT {out} lies in the run's checkpoint directory"):
+            export(str(bad), str(out), force=True, progress=False)
     proc = subprocess.run([sys.executable, "-m", "turbomoe.export", str(bad), str(bad), "--force"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "holds the checkpoint" in proc.stderr

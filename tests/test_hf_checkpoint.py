@@ -82,14 +82,25 @@ def test_round_trip_through_transformers(tmp_path, name):
     assert type(back).__name__ == "Qwen3MoeForCausalLM"
     with torch.no_grad():
         assert torch.equal(back(ids).logits, expected)
+    # Read from a directory, the model keeps its token ids and generation_config.json; the source has no
+    # tokenizer, so none is written (its vocabulary is not turbomoe's bytes).
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    assert [out_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [
+        src_cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
+    assert (out / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
+    assert not (out / "tokenizer.json").exists()
+    # A model made here (not read from a directory) gets the byte tokenizer where the vocabulary holds it.
+    made = Qwen3MoeForCausalLM(ours.config)
+    made.load_state_dict(ours.state_dict())
+    made.save_pretrained(str(tmp_path / "made"))
     has_tokenizer = ref.config.vocab_size >= ByteTokenizer.vocab_size  # else the byte tokenizer does not fit
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == (
+    assert json.loads((tmp_path / "made" / "generation_config.json").read_text())["eos_token_id"] == (
         ByteTokenizer.eos_id if has_tokenizer else None)
     if has_tokenizer:
-        tok = transformers.AutoTokenizer.from_pretrained(out)
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "made")
         assert tok("héllo\n")["input_ids"] == ByteTokenizer().encode("héllo\n").tolist()
     else:
-        assert not (out / "tokenizer.json").exists()
+        assert not (tmp_path / "made" / "tokenizer.json").exists()
 
 
 def test_fused_expert_layout_and_bf16(tmp_path):
@@ -139,6 +150,30 @@ def test_byte_tokenizer_through_auto_tokenizer(tmp_path, text):
     assert tok.eos_token_id == ByteTokenizer.eos_id and tok.convert_ids_to_tokens(256) == "<|endoftext|>"
 
 
+def test_source_tokenizer_and_token_ids_come_along(tmp_path):
+    """from_pretrained -> save_pretrained keeps the source's tokenizer files, token ids and
+    generation_config.json (a published model's own, not turbomoe's byte tokenizer); a tokenizer passed
+    to save_pretrained wins."""
+    ref = hf_model("untied_bias_mlp_only")
+    ref.config.bos_token_id, ref.config.eos_token_id, ref.config.pad_token_id = 3, 7, 1
+    ref.generation_config.eos_token_id = [7, 9]
+    src = tmp_path / "src"
+    ref.save_pretrained(src)
+    ByteTokenizer().save_pretrained(str(src), model_max_length=64)  # stands in for the model's own tokenizer
+    (src / "tokenizer_config.json").write_text(
+        json.dumps({**json.loads((src / "tokenizer_config.json").read_text()), "marker": "the source's"}))
+    ours = Qwen3MoeForCausalLM.from_pretrained(str(src))
+    ours.save_pretrained(str(tmp_path / "out"))
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (out_cfg["bos_token_id"], out_cfg["eos_token_id"], out_cfg["pad_token_id"]) == (3, 7, 1)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_text() == (src / name).read_text(), name
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [7, 9]
+    ours.save_pretrained(str(tmp_path / "bytes"), tokenizer=ByteTokenizer())
+    assert json.loads((tmp_path / "bytes" / "config.json").read_text())["eos_token_id"] == ByteTokenizer.eos_id
+    assert "marker" not in (tmp_path / "bytes" / "tokenizer_config.json").read_text()
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -174,6 +209,9 @@ def test_missing_and_truncated_shard(sharded):
     (dict(vocab_size=300), r"model.embed_tokens.weight has shape \[263, 24\], but config.json implies \[300, 24\]"),
     (dict(hidden_act="gelu"), "config.json: hidden_act 'gelu'"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "config.json: rope_parameters"),
+    # beside rope_parameters too: transformers applies it (model cards tell users to add it for long contexts)
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+     "config.json: rope_scaling"),
     (dict(use_sliding_window=True, sliding_window=16), "config.json: use_sliding_window"),
     (dict(attention_dropout=0.1), "config.json: attention_dropout"),
     (dict(quantization_config={"quant_method": "fp8"}), r"config.json: fields \['quantization_config'\]"),
@@ -188,6 +226,23 @@ def test_config_errors(sharded, changes, match):
     edit_config(sharded, **changes)
     with pytest.raises(CheckpointError, match=match):
         Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+
+
+def test_tied_config_with_another_lm_head(tmp_path):
+    """tie_word_embeddings true with a stored lm_head.weight: read if it is the embedding, else an error
+    (transformers would use the stored head untied; tying would drop it silently)."""
+    ref = hf_model("tied_sparse_step")
+    src = tmp_path / "tied"
+    ref.save_pretrained(src)
+    state = tensors_of(src)
+    file = next(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, str(src / file),
+              metadata={"format": "pt"})
+    Qwen3MoeForCausalLM.from_pretrained(str(src))
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"] + 1}, str(src / file),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="stored lm_head.weight differs from model.embed_tokens.weight"):
+        Qwen3MoeForCausalLM.from_pretrained(str(src))
 
 
 def test_missing_tensor_and_directory(tmp_path, sharded):
@@ -232,6 +287,20 @@ def test_output_dir_exists_and_failed_write_leaves_nothing(tmp_path, sharded):
     with pytest.raises(RuntimeError, match="disk full"):
         save_dir(str(tmp_path / "half"), model.config, failing(), torch.float32)
     assert sorted(os.listdir(tmp_path)) == ["hf", "out"]  # neither the output nor its temporary directory
+
+    # A write killed mid-way (no exception to clean up after it) leaves its temporary directory; the next
+    # write of the same output from this host removes it once its process is gone, not while it runs.
+    import socket
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stem = f".out.tmp-{socket.gethostname()}-"
+    for pid in (dead, str(os.getppid())):
+        os.makedirs(tmp_path / f"{stem}{pid}")
+        (tmp_path / f"{stem}{pid}" / "shard0.part").write_bytes(b"x")
+    model.save_pretrained(str(out), force=True)
+    assert sorted(os.listdir(tmp_path)) == sorted(["hf", "out", f"{stem}{os.getppid()}"])
 
 
 def test_published_qwen3_30b_a3b_config():

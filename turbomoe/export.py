@@ -234,6 +234,9 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
     if _within(tag_dir, out):
         raise ExportError(f"OUT {out} holds the checkpoint {tag_dir}: writing there would replace it; "
                           "choose another OUT")
+    if _within(out, os.path.dirname(tag_dir)):  # another tag of the run (its `latest`, say) could be replaced
+        raise ExportError(f"OUT {out} lies in the run's checkpoint directory {os.path.dirname(tag_dir)}; "
+                          "choose another OUT")
     if os.path.exists(out) and not force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
     ckpt = RunCheckpoint(tag_dir)

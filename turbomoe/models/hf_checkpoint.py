@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -28,6 +29,10 @@ from .hf_names import to_hf_name
 
 MODEL_TYPE = "qwen3_moe"
 CONFIG = "config.json"
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# What transformers' tokenizers save (any of them); a model read from a directory takes them along.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -78,17 +83,19 @@ def read_config(path: str) -> dict:
 
 
 def _rope_theta(raw: dict, file: str) -> float:
-    """Default (unscaled) rotary embeddings only: transformers 5.x's rope_parameters or 4.x's rope_theta."""
+    """Default (unscaled) rotary embeddings only: transformers 5.x's rope_parameters or 4.x's rope_theta.
+    A rope_scaling is checked beside rope_parameters too: transformers applies one added to a 5.x file
+    (as model cards tell users to do for long contexts)."""
+    scaling = raw.get("rope_scaling")
+    if scaling:
+        if not isinstance(scaling, dict):
+            raise CheckpointError(f"{file}: rope_scaling must be an object, got {scaling!r}")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "default":
+            raise CheckpointError(f"{file}: rope_scaling {scaling} is not supported (only default rotary "
+                                  f"embeddings, rope_type 'default')")
     params = raw.get("rope_parameters")
     if params is None:
-        scaling = raw.get("rope_scaling")
-        if scaling:
-            if not isinstance(scaling, dict):
-                raise CheckpointError(f"{file}: rope_scaling must be an object, got {scaling!r}")
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind != "default":
-                raise CheckpointError(f"{file}: rope_scaling {scaling} is not supported (only default rotary "
-                                      f"embeddings, rope_type 'default')")
         return raw.get("rope_theta", 10000.0)
     if not isinstance(params, dict):
         raise CheckpointError(f"{file}: rope_parameters must be an object, got {params!r}")
@@ -133,15 +140,17 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
         raise CheckpointError(f"{file}: {e}") from e
 
 
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None) -> dict:
-    """ModelConfig -> a config.json that transformers' Qwen3MoeConfig reads."""
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None,
+                 token_ids: Optional[dict] = None) -> dict:
+    """ModelConfig -> a config.json that transformers' Qwen3MoeConfig reads; token_ids (bos, eos and
+    pad, a source config.json's) instead of eos_token_id alone."""
+    ids = token_ids or {"bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None}
     names = {v: k for k, v in _DTYPES.items()}
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": MODEL_TYPE,
             **{k: getattr(cfg, k) for k in _SAME},
             "num_experts": cfg.num_experts, "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_dropout": 0.0,
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "use_sliding_window": False, "sliding_window": None, "dtype": names[dtype],
-            "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None, "use_cache": True}
+            "use_sliding_window": False, "sliding_window": None, "dtype": names[dtype], **ids, "use_cache": True}
 
 
 def config_dtype(raw: dict) -> torch.dtype:
@@ -244,7 +253,7 @@ def _expected_keys(cfg: ModelConfig, our_names: Iterable[str]) -> set:
         keys |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
         keys |= {f"{prefix}.{j}.{p}.weight" for j in range(cfg.num_experts) for p in _OUR_TO_HF_LINEAR.values()}
     if cfg.tie_word_embeddings:
-        keys.add("lm_head.weight")  # written by some tools though tied: the embedding is the one read
+        keys.add("lm_head.weight")  # written by some tools though tied: read only to check it is the embedding
     return keys
 
 
@@ -271,6 +280,13 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
         if shape != expected:
             raise CheckpointError(f"{reader.file_of(key)}: {key} has shape {shape}, but {CONFIG} implies {expected}")
         plan.append((p, key, row, rows))
+    if cfg.tie_word_embeddings and "lm_head.weight" in reader.weight_map:
+        head, embedding = reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")
+        if head.shape != embedding.shape or not torch.equal(head, embedding):
+            raise CheckpointError(f"{reader.path}: {CONFIG} ties the embeddings (tie_word_embeddings true) but the "
+                                  f"stored lm_head.weight differs from model.embed_tokens.weight; set "
+                                  f"tie_word_embeddings to false to load them apart")
+        del head, embedding
     for p, key, row, rows in plan:
         t = reader.get(key, row)
         p.copy_(t if rows is None else t[rows])
@@ -303,6 +319,21 @@ def hf_tensors(model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
         yield to_hf_name(name), p.detach()
 
 
+def _remove_dead_writers(parent: str, stem: str):
+    """Temporary directories of earlier writes to the same output, from this host, whose process is gone
+    (killed mid-write: an exception removes its own): they would hold a shard or more each, forever."""
+    for name in os.listdir(parent):
+        pid = name[len(stem):]
+        if not (name.startswith(stem) and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 @contextlib.contextmanager
 def atomic_dir(out_dir: str, force: bool):
     """Yields a temporary directory beside out_dir that becomes out_dir when the block succeeds."""
@@ -311,7 +342,9 @@ def atomic_dir(out_dir: str, force: bool):
         raise FileExistsError(f"{out_dir} already exists; pass force=True (--force) to replace it")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp{os.getpid()}")
+    stem = f".{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-"
+    _remove_dead_writers(parent, stem)
+    tmp = os.path.join(parent, f"{stem}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     old = None
@@ -371,10 +404,20 @@ def write_weights(out_dir: str, tensors: Iterable[Tuple[str, torch.Tensor]], dty
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
 
 
-def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer=None):
+def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer=None, source: Optional[str] = None):
     """config.json, generation_config.json and the tokenizer: None is the byte tokenizer when the
-    vocabulary holds it, False none (a run on pre-tokenized data)."""
+    vocabulary holds it, False none (a run on pre-tokenized data). source: the Hugging Face directory the
+    model was read from; with tokenizer None its token ids, generation_config.json and tokenizer files
+    come along instead (a vocabulary turbomoe did not make is not given the byte tokenizer)."""
     from ..data import ByteTokenizer
+    if source is not None and tokenizer is None:
+        raw = read_config(source) if os.path.isfile(os.path.join(source, CONFIG)) else {}  # (moved since: ids unknown)
+        with open(os.path.join(out_dir, CONFIG), "w") as f:
+            json.dump(config_to_hf(cfg, dtype, token_ids={k: raw.get(k) for k in TOKEN_IDS}), f, indent=2)
+        for name in ("generation_config.json", *TOKENIZER_FILES):
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+        return
     if tokenizer is None and cfg.vocab_size >= ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
     eos = getattr(tokenizer, "eos_id", getattr(tokenizer, "eos_token_id", None))
@@ -387,14 +430,15 @@ def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer
 
 
 def save_dir(out_dir: str, cfg: ModelConfig, tensors: Iterable[Tuple[str, torch.Tensor]], dtype: torch.dtype,
-             max_shard_size="5GB", force: bool = False, tokenizer=None, progress: Optional[Callable] = None):
-    """A complete Hugging Face directory, written atomically."""
+             max_shard_size="5GB", force: bool = False, tokenizer=None, progress: Optional[Callable] = None,
+             source: Optional[str] = None):
+    """A complete Hugging Face directory, written atomically (source: see write_metadata)."""
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype {dtype} cannot be saved; choose one of {list(_DTYPES.values())}")
     parse_size(max_shard_size)  # before the directory is made
     with atomic_dir(out_dir, force) as tmp:
         write_weights(tmp, tensors, dtype, max_shard_size, progress)
-        write_metadata(tmp, cfg, dtype, tokenizer)
+        write_metadata(tmp, cfg, dtype, tokenizer, source)
 
 
 def default_ep_rank(ep_size: int) -> int:

@@ -228,6 +228,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             raise ValueError(f"ep_size {moe_args.ep_size} does not divide num_experts {cfg.num_experts}")
         self.config = cfg
         self.moe_args = moe_args
+        self.hf_source = None  # the Hugging Face directory its weights were read from: save_pretrained's tokenizer
         self.moe_impl = moe_class(cfg.moe_impl)[1]
         self.model = Qwen3MoeModel(cfg, moe_args)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -322,6 +323,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             if cfg.tie_word_embeddings:  # to_empty gives every parameter a new tensor: tie them again
                 model.lm_head.weight = model.model.embed_tokens.weight
             hf.load_weights(model, reader, ep_rank)
+        model.hf_source = os.path.abspath(path)
         return model.eval()
 
     def load_hf_weights(self, path: str, ep_rank: int = 0):
@@ -330,15 +332,19 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.check_whole()
         with hf.CheckpointReader(path) as reader:
             hf.load_weights(self, reader, ep_rank)
+        self.hf_source = os.path.abspath(path)
 
     def save_pretrained(self, out_dir: str, *, dtype: Optional[torch.dtype] = None, max_shard_size="5GB",
                         force: bool = False, tokenizer=None):
         """Write a directory that transformers' AutoModelForCausalLM and AutoTokenizer load (see hf_checkpoint).
 
-        dtype None keeps the parameters' dtype; tokenizer None writes the byte tokenizer when the vocabulary
-        holds it. An existing out_dir is an error unless force.
+        dtype None keeps the parameters' dtype. tokenizer None: a model read from a Hugging Face directory
+        (from_pretrained, load_hf_weights) takes that directory's tokenizer files, token ids and
+        generation_config.json along; any other gets the byte tokenizer when the vocabulary holds it.
+        An existing out_dir is an error unless force.
         """
         from . import hf_checkpoint as hf
         self.check_whole()
         dtype = dtype or self.lm_head.weight.dtype
-        hf.save_dir(out_dir, self.config, hf.hf_tensors(self), dtype, max_shard_size, force, tokenizer)
+        hf.save_dir(out_dir, self.config, hf.hf_tensors(self), dtype, max_shard_size, force, tokenizer,
+                    source=self.hf_source)
