@@ -111,6 +111,48 @@ def test_expert_parallel_experts_are_refused():
         experts(torch.randn(3, cfg.hidden_size), torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3))
 
 
+def test_more_experts_a_token_than_the_slots_hold_is_refused():
+    """k > ops.MAX_K (Qwen3-Next's default k is 10): an error naming the limit, not the slot tables'."""
+    tt.register()
+    cfg = transformers.Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=12, num_experts_per_tok=10)
+    experts = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
+    experts.config._experts_implementation = "turbomoe"
+    ids = torch.stack([torch.randperm(12)[:10] for _ in range(3)])
+    with pytest.raises(NotImplementedError, match="routes 10 experts a token; .* takes at most 8"):
+        experts(torch.randn(3, 8), ids, torch.rand(3, 10))
+
+
+@pytest.mark.parametrize("family", [qwen3_experts, gpt_oss_experts])
+def test_compiled_experts_against_eager(family):
+    """torch.compile through the experts, forward and backward: nn.Linear-layout weights reach the grouped
+    GEMM as transposed views, and the weight gradient's fake (compile-time) layout must be the one the
+    kernel returns (it was contiguous, and inductor's stride check failed). Compile caches off: a cached
+    graph would not trace the fake again."""
+    torch._dynamo.reset()
+    tt.register()
+    g = torch.Generator().manual_seed(5)
+    experts, cfg = family()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(11, cfg.hidden_size, generator=g)
+    ids, w = routes(11, experts.num_experts, cfg.num_experts_per_tok, g)
+    expected = run(experts, "eager", x, ids, w.float())
+    forward = experts.forward
+    experts.forward = torch.compile(forward)
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+                enable_autograd_cache=False):
+            got = run(experts, "turbomoe", x, ids, w.float())
+    finally:
+        experts.forward = forward
+        torch._dynamo.reset()
+    for a, b in zip(got[:3], expected[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got[3], expected[3]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", [qwen3_experts, mixtral_experts, gpt_oss_experts])

@@ -25,7 +25,7 @@ from . import ops
 from . import reference
 from .autograd.gather import GatherTokens
 from .autograd.gating import TopKGating
-from .autograd.grouped_gemm import GroupedMM, mm_forward
+from .autograd.grouped_gemm import GroupedMM, mm_forward, wgrad_transposed
 from .autograd.scatter import ScatterTokens
 from .autograd.swiglu import SwiGLU
 from .reference import GatingOutput, Slots, as_contiguous, compute_dtype
@@ -265,8 +265,10 @@ def _grouped_mm_backward(dy_RN: torch.Tensor, x_RK: torch.Tensor, w_GKN: torch.T
 
 @_grouped_mm_backward.register_fake
 def _(dy_RN, x_RK, w_GKN, counts_G, offs_G, backend, need_dx, need_dw):
-    return (torch.empty_like(x_RK) if need_dx else x_RK.new_empty(0),
-            w_GKN.new_empty(w_GKN.shape) if need_dw else w_GKN.new_empty(0))
+    G, K, N = w_GKN.shape
+    # dw's layout as GroupedMM.backward makes it: w's transposed view where w is one (nn.Linear weights)
+    dw = w_GKN.new_empty(G, N, K).transpose(1, 2) if wgrad_transposed(w_GKN) else w_GKN.new_empty(G, K, N)
+    return (torch.empty_like(x_RK) if need_dx else x_RK.new_empty(0)), (dw if need_dw else w_GKN.new_empty(0))
 
 
 def _gmm_setup(ctx, inputs, output):

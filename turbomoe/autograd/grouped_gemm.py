@@ -187,6 +187,12 @@ def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
     return _reference_mm(x_RK, w_GKN, counts_G)
 
 
+def wgrad_transposed(w_GKN: torch.Tensor) -> bool:
+    """Whether dw is made in w's transposed layout (each group's [N, K] block seen as [K, N], as
+    nn.Linear weights stacked): then dw = (dy^T x) viewed transposed, with w's strides."""
+    return w_GKN.stride(1) == 1 and w_GKN.stride(2) != 1
+
+
 def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, backend: str,
              offs_G: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
              accumulate: bool = True) -> torch.Tensor:
@@ -277,7 +283,7 @@ class GroupedMM(torch.autograd.Function):
             # made in that layout, dy^T x, so it reaches the parameters without a transposing copy each.
             sink = GroupedMM._sink(ctx)
             like = w_GKN if sink is None else sink[0]
-            transposed = like.stride(1) == 1 and like.stride(2) != 1
+            transposed = wgrad_transposed(like)
             a_RK, b_RN = (dy_RN, x_RK) if transposed else (x_RK, dy_RN)
             if sink is not None:  # the sum in the buffer
                 buf, add, placeholder = sink

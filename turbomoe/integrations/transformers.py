@@ -64,6 +64,9 @@ def turbomoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
     if _flag(self, "has_post_expert_norm"):
         raise NotImplementedError(f"{type(self).__name__} normalises each expert's output; experts_implementation "
                                   f"'turbomoe' does not")
+    if top_k_index.shape[-1] > ops.MAX_K:
+        raise NotImplementedError(f"{type(self).__name__} routes {top_k_index.shape[-1]} experts a token; "
+                                  f"experts_implementation 'turbomoe' takes at most {ops.MAX_K} (its slot tables)")
     E = self.num_experts
     s = ops.assign_slots(top_k_index, top_k_weights, E)  # dropless: rows [0, S*k), expert-contiguous
     x_RH = ops.scatter_tokens(hidden_states, s)
