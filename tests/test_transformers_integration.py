@@ -36,6 +36,18 @@ def routes(S, E, k, g, hot=None):
     return ids, torch.rand(S, k, generator=g, dtype=torch.float64) + 0.1
 
 
+def fp32_case(family, S, seed=5):
+    """A family's experts with random fp32 weights, S tokens and their routes: (experts, x, ids, w)."""
+    g = torch.Generator().manual_seed(seed)
+    experts, cfg = family()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(S, cfg.hidden_size, generator=g)
+    ids, w = routes(S, experts.num_experts, cfg.num_experts_per_tok, g)
+    return experts, x, ids, w.float()
+
+
 def run(experts, impl, x, ids, w):
     experts.config._experts_implementation = impl
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -130,20 +142,14 @@ def test_compiled_experts_against_eager(family):
     graph would not trace the fake again."""
     torch._dynamo.reset()
     tt.register()
-    g = torch.Generator().manual_seed(5)
-    experts, cfg = family()
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    x = torch.randn(11, cfg.hidden_size, generator=g)
-    ids, w = routes(11, experts.num_experts, cfg.num_experts_per_tok, g)
-    expected = run(experts, "eager", x, ids, w.float())
+    experts, x, ids, w = fp32_case(family, 11)
+    expected = run(experts, "eager", x, ids, w)
     forward = experts.forward
     experts.forward = torch.compile(forward)
     try:
         with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
                 enable_autograd_cache=False):
-            got = run(experts, "turbomoe", x, ids, w.float())
+            got = run(experts, "turbomoe", x, ids, w)
     finally:
         experts.forward = forward
         torch._dynamo.reset()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_transformers_integration import gpt_oss_experts, mixtral_experts, qwen3_experts, routes, run  # noqa: E402
+from test_transformers_integration import fp32_case, gpt_oss_experts, mixtral_experts, qwen3_experts, run  # noqa: E402
 
 import turbomoe.integrations.transformers as tt  # noqa: E402
 
@@ -20,14 +20,7 @@ def test_triton_experts_against_eager(family, monkeypatch):
     monkeypatch.setenv("TURBOMOE_BACKEND", "triton")
     monkeypatch.setenv("TURBOMOE_GMM_BACKEND", "triton")
     tt.register()
-    g = torch.Generator().manual_seed(5)
-    experts, cfg = family()
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    x = torch.randn(23, cfg.hidden_size, generator=g)
-    ids, w = routes(23, experts.num_experts, cfg.num_experts_per_tok, g)
-    w = w.float()
+    experts, x, ids, w = fp32_case(family, 23)
     expected = run(experts, "eager", x, ids, w)
     got = run(experts, "turbomoe", x, ids, w)
     for a, b in zip([*got[:3], *got[3]], [*expected[:3], *expected[3]]):
