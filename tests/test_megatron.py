@@ -278,7 +278,8 @@ def test_block_spec_swaps_only_moe_layers():
                                          ("moe_pad_expert_input_to_capacity", True),
                                          ("moe_router_load_balancing_type", "sinkhorn"),
                                          ("expert_tensor_parallel_size", 2),
-                                         ("moe_token_dispatcher_type", "flex")])
+                                         ("moe_token_dispatcher_type", "flex"), ("add_bias_linear", True),
+                                         ("moe_router_topk", 9)])
 def test_unsupported_config_names_the_field(field, value):
     cfg = moe_config(moe_expert_capacity_factor=1.0)
     setattr(cfg, field, value)  # after construction: the config's own checks would stop some first

@@ -34,6 +34,8 @@ def check_config(config):
     if E is None or not 1 <= k <= min(E, MAX_K):
         raise ValueError(f"config.moe_router_topk must be in [1, min(num_moe_experts, {MAX_K})], got {k} with "
                          f"num_moe_experts={E}")
+    if config.add_bias_linear:
+        raise ValueError("turbomoe's Megatron experts have no bias (as GroupedMLP): set config.add_bias_linear=False")
     if (config.expert_tensor_parallel_size or 1) != 1:
         raise ValueError("turbomoe's Megatron-core MoE layer needs config.expert_tensor_parallel_size = 1, got "
                          f"{config.expert_tensor_parallel_size}")
