@@ -17,7 +17,6 @@ import time
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def eos_ids(model_dir: str, tok) -> list:
@@ -56,8 +55,9 @@ def main(argv=None):
 
     from .inference import load
     from .inference.engine import check_model_dir
+    from .models.hf_checkpoint import TOKENIZER_FILES
     try:  # before the tokenizer, which would take a missing directory for a Hub model's name
-        check_model_dir(args.model_dir)
+        config = check_model_dir(args.model_dir)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
     if not any(os.path.isfile(os.path.join(args.model_dir, f)) for f in TOKENIZER_FILES):
@@ -73,8 +73,7 @@ def main(argv=None):
     empty = [i for i, n in enumerate(batch["attention_mask"].sum(1).tolist()) if n == 0]
     if empty:
         p.error(f"--prompt number {empty[0] + 1} makes no tokens with {args.model_dir}'s tokenizer")
-    with open(os.path.join(args.model_dir, "config.json")) as f:
-        positions = json.load(f).get("max_position_embeddings")
+    positions = config.get("max_position_embeddings")
     if positions is not None and T + args.max_new_tokens > positions:
         p.error(f"a prompt of {T} tokens + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                 f"max_position_embeddings {positions}")

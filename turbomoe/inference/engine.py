@@ -285,14 +285,17 @@ def _token_ids(ids, name: str) -> list:
     return out
 
 
-def check_model_dir(model_dir: str):
+def check_model_dir(model_dir: str) -> dict:
+    """A Qwen3-MoE directory's config.json, read (FileNotFoundError or ValueError if it is not one)."""
     config = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
     with open(config) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type != "qwen3_moe":
-        raise ValueError(f"{config}: model_type is {model_type!r}; turbomoe.inference serves 'qwen3_moe' models")
+        raw = json.load(f)
+    if raw.get("model_type") != "qwen3_moe":
+        raise ValueError(f"{config}: model_type is {raw.get('model_type')!r}; turbomoe.inference serves 'qwen3_moe' "
+                         f"models")
+    return raw
 
 
 def _check_keywords(engine_kw: dict):

@@ -14,6 +14,12 @@ _UNSUPPORTED = (  # (config field, value that is supported, why)
 )
 
 
+def check_no_expert_bias(config):
+    """turbomoe's Megatron experts (TurboGroupedMLP) have no biases, as Megatron's GroupedMLP."""
+    if config.add_bias_linear:
+        raise ValueError("turbomoe's Megatron experts have no bias (as GroupedMLP): set config.add_bias_linear=False")
+
+
 def check_config(config):
     """ValueError naming the first field of config that turbomoe's Megatron layer does not cover."""
     if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
@@ -34,8 +40,7 @@ def check_config(config):
     if E is None or not 1 <= k <= min(E, MAX_K):
         raise ValueError(f"config.moe_router_topk must be in [1, min(num_moe_experts, {MAX_K})], got {k} with "
                          f"num_moe_experts={E}")
-    if config.add_bias_linear:
-        raise ValueError("turbomoe's Megatron experts have no bias (as GroupedMLP): set config.add_bias_linear=False")
+    check_no_expert_bias(config)
     if (config.expert_tensor_parallel_size or 1) != 1:
         raise ValueError("turbomoe's Megatron-core MoE layer needs config.expert_tensor_parallel_size = 1, got "
                          f"{config.expert_tensor_parallel_size}")

@@ -34,6 +34,7 @@ from torch.nn.parameter import Parameter
 
 from ..autograd.grouped_gemm import grouped_mm, row_offsets
 from ..autograd.swiglu import swiglu
+from .megatron_config import check_no_expert_bias
 
 
 class TurboGroupedMLP(GroupedMLP):
@@ -46,8 +47,7 @@ class TurboGroupedMLP(GroupedMLP):
         if pg_collection.expt_tp.size() != 1:
             raise ValueError("turbomoe's Megatron experts need expert_tensor_parallel_size = 1, got "
                              f"{pg_collection.expt_tp.size()}")
-        if config.add_bias_linear:
-            raise ValueError("turbomoe's Megatron experts have no bias (as GroupedMLP): set add_bias_linear=False")
+        check_no_expert_bias(config)
         self.num_local_experts, self.gmm_backend = num_local_experts, gmm_backend
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
         self.expert_parallel = config.expert_model_parallel_size > 1

@@ -140,17 +140,15 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
         raise CheckpointError(f"{file}: {e}") from e
 
 
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, eos_token_id: Optional[int] = None,
-                 token_ids: Optional[dict] = None) -> dict:
-    """ModelConfig -> a config.json that transformers' Qwen3MoeConfig reads; token_ids (bos, eos and
-    pad, a source config.json's) instead of eos_token_id alone."""
-    ids = token_ids or {"bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None}
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict) -> dict:
+    """ModelConfig -> a config.json that transformers' Qwen3MoeConfig reads; token_ids: its TOKEN_IDS."""
     names = {v: k for k, v in _DTYPES.items()}
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": MODEL_TYPE,
             **{k: getattr(cfg, k) for k in _SAME},
             "num_experts": cfg.num_experts, "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_dropout": 0.0,
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "use_sliding_window": False, "sliding_window": None, "dtype": names[dtype], **ids, "use_cache": True}
+            "use_sliding_window": False, "sliding_window": None, "dtype": names[dtype],
+            **{k: token_ids.get(k) for k in TOKEN_IDS}, "use_cache": True}
 
 
 def config_dtype(raw: dict) -> torch.dtype:
@@ -413,7 +411,7 @@ def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer
     if source is not None and tokenizer is None:
         raw = read_config(source) if os.path.isfile(os.path.join(source, CONFIG)) else {}  # (moved since: ids unknown)
         with open(os.path.join(out_dir, CONFIG), "w") as f:
-            json.dump(config_to_hf(cfg, dtype, token_ids={k: raw.get(k) for k in TOKEN_IDS}), f, indent=2)
+            json.dump(config_to_hf(cfg, dtype, raw), f, indent=2)
         for name in ("generation_config.json", *TOKENIZER_FILES):
             if os.path.isfile(os.path.join(source, name)):
                 shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
@@ -422,7 +420,7 @@ def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer
         tokenizer = ByteTokenizer()
     eos = getattr(tokenizer, "eos_id", getattr(tokenizer, "eos_token_id", None))
     with open(os.path.join(out_dir, CONFIG), "w") as f:
-        json.dump(config_to_hf(cfg, dtype, eos), f, indent=2)
+        json.dump(config_to_hf(cfg, dtype, {"eos_token_id": eos}), f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}, f, indent=2)
     if tokenizer:
