@@ -11,7 +11,7 @@
 #                                                  # parallelism alone
 #   bash scripts/gpu_megatron_deepspeed.sh layer   # one GPU: the layer timing alone
 # MBS: micro-batch size (default 8; also the global batch: one data-parallel rank). LAYER=0: no layer timing;
-# LAYER_EXPERTS: the expert counts it times (default "16 32").
+# LAYER_EXPERTS: the expert counts it times (default "16 32"); LAYER_PROFILE=1: and prints each layer's kernels.
 # NLAYERS, HIDDEN, HEADS, SEQ, EXPERTS: the GPT's layers, hidden size, heads, sequence length and experts
 # (defaults 4, 1024, 16, 512, 16; ffn 4 x hidden; experts every other layer, Megatron-DeepSpeed's default).
 # REPEAT=N: in 1gpu, 2gpu and expert_tp, each stock / turbomoe pair N times over, alternating.
@@ -115,7 +115,7 @@ train() {  # train NAME GPUS stock|turbo EXTRA_ARGS...: pretrain_gpt.py through 
 
 layer() {  # the MoE layer alone (one process: Megatron's initialize without the launcher), on GPU $1
   (cd "$PEER" && CUDA_VISIBLE_DEVICES=$1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29610 \
-     timeout "${LAYER_TIMEOUT:-150}" python3 "$ROOT/scripts/megatron_deepspeed.py" layer --experts ${LAYER_EXPERTS:-16 32} --tokens 8192 \
+     timeout "${LAYER_TIMEOUT:-150}" python3 "$ROOT/scripts/megatron_deepspeed.py" layer --experts ${LAYER_EXPERTS:-16 32} --tokens 8192 ${LAYER_PROFILE:+--profile} \
      --json "$OUT/layer.json" $GPT $MOE --moe-expert-parallel-size 1) > "$OUT/layer.log" 2>&1
   echo "== layer: exit $?"; date -u
 }
@@ -155,6 +155,6 @@ case "$MODE" in
   *) echo "usage: $0 1gpu|2gpu|both|expert_tp|layer"; exit 2 ;;
 esac
 [ ${#SUMMARY[@]} -gt 0 ] && python3 "$ROOT/scripts/megatron_deepspeed.py" summary "${SUMMARY[@]}" | tee "$OUT/summary.txt"
-[ -f "$OUT/layer.log" ] && tail -4 "$OUT/layer.log"
+[ -f "$OUT/layer.log" ] && { [ -n "${LAYER_PROFILE:-}" ] && grep -A21 "kernel time" "$OUT/layer.log"; sed -n '/^weight gradients/,$p' "$OUT/layer.log"; }
 [ -n "${PROFILE:-}" ] && python3 "$ROOT/scripts/megatron_deepspeed.py" trace "$OUT"/trace_* | tee "$OUT/trace_summary.txt"
 date -u

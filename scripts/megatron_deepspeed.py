@@ -214,6 +214,7 @@ def bench_layer(argv):
     p.add_argument("--experts", type=int, nargs="+", default=[16, 32])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--json")
+    p.add_argument("--profile", action="store_true", help="print each layer's kernels (torch.profiler)")
     args, mds_argv = p.parse_known_args(argv)
     import torch
     sys.argv = ["bench"] + mds_argv
@@ -225,7 +226,7 @@ def bench_layer(argv):
     from deepspeed.moe.layer import MoE as StockMoE
     from turbomoe.integrations import deepspeed as tds
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from timing import interleaved_medians_ms
+    from timing import interleaved_medians_ms, profile_step, reset_grads
     margs = get_args()
     config = core_transformer_config_from_args(margs)
     M = margs.hidden_size
@@ -245,8 +246,12 @@ def bench_layer(argv):
         x = torch.randn(args.tokens, 1, M, device=device, dtype=dtype)  # [s, b, h] as Megatron
         g = torch.randn_like(x)
 
-        def step(layer):
+        def step(layer, reset=False):
+            params = list(layer.parameters())
+
             def run():
+                if reset:  # each step's weight gradients new (else added to the last step's, as in accumulation)
+                    reset_grads(params)
                 xi = x.detach().requires_grad_()
                 out, l_aux, _ = layer(xi)
                 torch.autograd.backward([out, l_aux], [g, torch.ones_like(l_aux)])
@@ -257,14 +262,21 @@ def bench_layer(argv):
             torch.manual_seed(1)
             err.append(layer(x)[0].float())
         rel = ((err[1] - err[0]).norm() / err[0].norm()).item()
-        t_stock, t_turbo = interleaved_medians_ms([step(stock), step(turbo)], warmup=5, iters=30, block=5)
+        t_stock, t_turbo, r_stock, r_turbo = interleaved_medians_ms(
+            [step(stock), step(turbo), step(stock, True), step(turbo, True)], warmup=5, iters=30, block=5)
+        if args.profile and device == "cuda":
+            for name, layer in (("stock", stock), ("turbomoe", turbo)):
+                profile_step(step(layer), f"E={E} {name}", top=20)
         rows.append(dict(E=E, tokens=args.tokens, hidden=M, ffn=margs.ffn_hidden_size, k=margs.topk,
-                         stock_ms=t_stock, turbo_ms=t_turbo, speedup=t_stock / t_turbo, out_rel_err=rel))
+                         stock_ms=t_stock, turbo_ms=t_turbo, speedup=t_stock / t_turbo, stock_reset_ms=r_stock,
+                         turbo_reset_ms=r_turbo, speedup_reset=r_stock / r_turbo, out_rel_err=rel))
         print(json.dumps(rows[-1]), flush=True)
-    print(f"{'E':>4} {'tokens':>7} {'stock ms':>9} {'turbo ms':>9} {'speed-up':>9} {'out rel err':>12}")
+    print("weight gradients added to the last step's (accumulating) | made new each step (reset)")
+    print(f"{'E':>4} {'tokens':>7} {'stock ms':>9} {'turbo ms':>9} {'speed-up':>9} | {'stock ms':>9} {'turbo ms':>9} "
+          f"{'speed-up':>9} {'out rel err':>12}")
     for r in rows:
-        print(f"{r['E']:>4} {r['tokens']:>7} {r['stock_ms']:>9.3f} {r['turbo_ms']:>9.3f} {r['speedup']:>8.2f}x "
-              f"{r['out_rel_err']:>12.2e}")
+        print(f"{r['E']:>4} {r['tokens']:>7} {r['stock_ms']:>9.3f} {r['turbo_ms']:>9.3f} {r['speedup']:>8.2f}x | "
+              f"{r['stock_reset_ms']:>9.3f} {r['turbo_reset_ms']:>9.3f} {r['speedup_reset']:>8.2f}x {r['out_rel_err']:>12.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -31,8 +31,8 @@ def run(layer, x, g):
         out = scatter(*args, **kw)
         return noted(out) if out.shape[1] == x.shape[1] else out
 
-    def act_noted(self, h, row_scale_R=None):
-        return noted(act(self, h, row_scale_R))
+    def act_noted(self, h, row_scale_R=None, bias1=None):
+        return noted(act(self, h, row_scale_R, bias1))
 
     ops.scatter_tokens, GroupedExperts._act = scatter_noted, act_noted
     try:

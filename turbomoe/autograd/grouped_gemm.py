@@ -301,32 +301,10 @@ class GroupedMM(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None
 
 
-class GroupBias(torch.autograd.Function):
-    """y + b[group of row]; db sums each group's rows with fp32 accumulation and no float atomics
-    (a one-hot [G, R] GEMM), so long groups keep bf16 bias gradients accurate and deterministic."""
-
-    @staticmethod
-    def forward(ctx, y_RN, b_GN, groups_R):
-        ctx.save_for_backward(groups_R)
-        ctx.num_groups = b_GN.shape[0]
-        return y_RN + b_GN.index_select(0, groups_R.clamp_max(b_GN.shape[0] - 1))
-
-    @staticmethod
-    def backward(ctx, dy_RN):
-        (groups_R,) = ctx.saved_tensors
-        onehot_GR = groups_R[None, :] == torch.arange(ctx.num_groups, device=groups_R.device)[:, None]
-        return dy_RN, onehot_GR.to(dy_RN.dtype) @ dy_RN, None
-
-
 def row_groups(offs_G: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Group of every row [R] (int64) from the inclusive offsets, on the device; G past sum(counts)."""
     rows = torch.arange(num_rows, device=offs_G.device, dtype=offs_G.dtype)
     return torch.searchsorted(offs_G, rows, right=True)
-
-
-def add_group_bias(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: torch.Tensor) -> torch.Tensor:
-    """y [R, N] + b [G, N] row-wise by group (groups_R from row_groups); differentiable in y and b."""
-    return GroupBias.apply(y_RN, b_GN, groups_R)
 
 
 def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor):

@@ -13,7 +13,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
+from ..autograd.bias_act import bias_act
+from ..autograd.grouped_gemm import grouped_mm, row_groups, row_offsets
 
 
 class _AliasStack(torch.autograd.Function):
@@ -263,9 +264,10 @@ class EqualGroups:
         """blocks: the per-expert tensors that w_ENK stacks, for weight_grad_buffers."""
         return _BatchedLinear.apply(x_ECK, w_ENK, None if blocks is None else stacked_grad_buffer(blocks))
 
-    def add_bias(self, y_ECN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
-        # A separate add: baddbmm with a broadcast bias takes a slow path on the CPU.
-        return y_ECN + b_EN.unsqueeze(1)
+    def add_bias(self, y_ECN: torch.Tensor, b_EN: torch.Tensor, act: str = "none") -> torch.Tensor:
+        """act(y + b[e]) over expert e's rows (bias_act's activations), one pass each way."""
+        return bias_act(y_ECN.reshape(-1, y_ECN.shape[-1]), b_EN, rows_per_group=y_ECN.shape[-2],
+                        act=act).view(y_ECN.shape)
 
 
 class RowGroups:
@@ -286,6 +288,7 @@ class RowGroups:
         return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E, main_grad_GKN=buf_ENK.transpose(1, 2),
                           main_grad_add=add, main_grad_placeholder=False)
 
-    def add_bias(self, y_RN: torch.Tensor, b_EN: torch.Tensor) -> torch.Tensor:
-        # Rows past sum(counts) (unrouted tokens) get no bias gradient from add_group_bias.
-        return add_group_bias(y_RN, b_EN, row_groups(row_offsets(self.counts_E), self.num_rows))
+    def add_bias(self, y_RN: torch.Tensor, b_EN: torch.Tensor, act: str = "none") -> torch.Tensor:
+        """act(y + b[e]) over expert e's rows (bias_act's activations); rows past sum(counts)
+        (unrouted tokens) get no bias."""
+        return bias_act(y_RN, b_EN, row_groups(row_offsets(self.counts_E), self.num_rows), act=act)

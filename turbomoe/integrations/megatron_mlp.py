@@ -36,6 +36,9 @@ from .expert_stack import stack_expert_tensors
 # (Its --onnx-safe erf_gelu is a torch.jit.script function, which DeepSpeed's deep copy of the expert
 # for every local expert cannot copy: MoE experts never hold it.)
 _ACTIVATIONS = ("openai_gelu", "ParallelMLP.__init__.<locals>.swiglu", "ParallelMLP.__init__.<locals>.squared_relu")
+# Those whose bias add and activation run as one pass each way (bias_act): the fused bias-GELU and
+# openai_gelu are both GELU's tanh form, F.gelu its erf form.
+_BIAS_ACT = {"bias_gelu": "gelu_tanh", "openai_gelu": "gelu_tanh", "gelu": "gelu"}
 
 
 def _is(module: nn.Module, name: str) -> bool:
@@ -154,10 +157,12 @@ def grouped_parallel_mlp(experts: List[nn.Module], x: torch.Tensor, groups) -> t
     if group is not None:
         x = _CopyToGroup.apply(x, group)
     h = groups.matmul(x, stack_expert_tensors([[lin.weight] for lin in fc1s]))
-    if col[2]:  # added inside the linear or returned for the activation to add: the same sum
-        h = groups.add_bias(h, stack_expert_tensors([[lin.bias] for lin in fc1s]))
-    # bias_gelu: Megatron's fused bias + GELU, the tanh approximation.
-    h = F.gelu(h, approximate="tanh") if act_key == "bias_gelu" else experts[0].activation_func(h)
+    if col[2] and act_key in _BIAS_ACT:  # added inside the linear or returned for the activation: the same sum
+        h = groups.add_bias(h, stack_expert_tensors([[lin.bias] for lin in fc1s]), _BIAS_ACT[act_key])
+    else:
+        if col[2]:
+            h = groups.add_bias(h, stack_expert_tensors([[lin.bias] for lin in fc1s]))
+        h = experts[0].activation_func(h)
     y = groups.matmul(h, stack_expert_tensors([[lin.weight] for lin in fc2s]))
     if group is not None:
         y = _ReduceFromGroup.apply(y, group)

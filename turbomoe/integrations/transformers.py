@@ -16,7 +16,8 @@ with hand-written backward passes for every op, including the gradient of the ro
 import torch
 
 from .. import ops
-from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
+from ..autograd.bias_act import bias_act
+from ..autograd.grouped_gemm import grouped_mm, row_groups, row_offsets
 from ..autograd.swiglu import swiglu
 
 NAME = "turbomoe"
@@ -29,7 +30,7 @@ def _grouped_linear(x_RK: torch.Tensor, w: torch.Tensor, bias, counts_E: torch.T
     y_RN = grouped_mm(x_RK, w_EKN, counts_E, offs_G=offs_E)
     if bias is None:
         return y_RN
-    return add_group_bias(y_RN, bias, row_groups(offs_E, x_RK.shape[0]))
+    return bias_act(y_RN, bias, row_groups(offs_E, x_RK.shape[0]))
 
 
 def _plain_swiglu(experts) -> bool:

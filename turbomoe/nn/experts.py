@@ -7,7 +7,8 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from .. import ops
-from ..autograd.grouped_gemm import add_group_bias, grouped_mm, row_groups, row_offsets
+from ..autograd.bias_act import bias_act
+from ..autograd.grouped_gemm import grouped_mm, row_groups, row_offsets
 from ..autograd.swiglu import swiglu
 from .recompute import Remake
 
@@ -82,14 +83,18 @@ class GroupedExperts(nn.Module):
         h = grouped_mm(x_RM, w1, counts_E, self.gmm_backend, offs_E, grad_into_w=fused)
         if remake is not None and not self._hooked():  # rows remade in backward need not outlive this GEMM
             remake.release(x_RM)
+        bias1 = None
         if groups_R is not None:
-            h = add_group_bias(h, b1, groups_R)
-        a = self._act(h, row_scale_R)
+            if self.activation == "gelu":  # added in GELU's own pass
+                bias1 = (b1, groups_R)
+            else:
+                h = bias_act(h, b1, groups_R)
+        a = self._act(h, row_scale_R, bias1)
         if remake is not None:
-            remake.add(a, lambda: self._act(h, row_scale_R))  # h is kept by the activation's own backward
+            remake.add(a, lambda: self._act(h, row_scale_R, bias1))  # h is kept by the activation's own backward
         y = grouped_mm(a, w2, counts_E, self.gmm_backend, offs_E, grad_into_w=fused)
         if groups_R is not None:
-            y = add_group_bias(y, b2, groups_R)
+            y = bias_act(y, b2, groups_R)
         return y
 
     def _hooked(self) -> bool:
@@ -103,7 +108,10 @@ class GroupedExperts(nn.Module):
         """Whether forward takes a row scale."""
         return self.activation == "swiglu" and self.b2 is None
 
-    def _act(self, h: torch.Tensor, row_scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _act(self, h: torch.Tensor, row_scale_R: Optional[torch.Tensor] = None, bias1=None) -> torch.Tensor:
+        """bias1: (b1, groups_R), GELU's bias, added in the same pass."""
+        if bias1 is not None:
+            return bias_act(h, *bias1, act="gelu")
         return swiglu(h, row_scale_R) if self.activation == "swiglu" else F.gelu(h)
 
     def extra_repr(self) -> str:

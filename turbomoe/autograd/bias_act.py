@@ -1,0 +1,104 @@
+"""Each expert's bias, and its activation, over the rows of a grouped GEMM's output, in one pass each way:
+
+    y [R, N] (expert e's rows), b [G, N] -> act(y + b[group of row]) [R, N]
+
+The groups: `groups_R` (the dropless rows: row_groups of the counts; rows whose group is >= G, past
+the counts, get no bias and give it no gradient) or `rows_per_group` C (the capacity buffer
+[.., G, C, N] seen as rows: row r is expert (r // C) % G's). act: none, gelu_tanh (Megatron's fused
+bias-GELU), gelu (erf). Math in fp32 (fp64 for fp64), rounded once to y's dtype.
+
+The hand-written backward (CUDA: the Triton kernels) writes z's gradient once and sums it per group
+for b in fp32, in a fixed order (a sum over C, or a one-hot [G, R] GEMM): deterministic, no float
+atomics. It keeps y (not the activation's output) and b. Unfused, the bias add, the activation and
+their backward take four passes each way, and a broadcast add takes PyTorch's strided path.
+CPU tensors, and torch.compile's tracing, take the reference (plain PyTorch).
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.bias_act import ACTS
+from ..reference import compute_dtype
+
+
+def _groups(R: int, G: int, groups_R: Optional[torch.Tensor], rows_per_group: Optional[int], device) -> torch.Tensor:
+    if groups_R is not None:
+        return groups_R
+    return torch.arange(R, device=device) // max(rows_per_group, 1) % max(G, 1)
+
+
+def _act(z: torch.Tensor, act: str) -> torch.Tensor:
+    return z if act == "none" else F.gelu(z, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def bias_act_reference(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optional[torch.Tensor] = None,
+                       rows_per_group: Optional[int] = None, act: str = "none") -> torch.Tensor:
+    """The spec: the bias through a one-hot [R, G] GEMM (no bias past the groups; its gradient a
+    deterministic GEMM), in the compute dtype."""
+    c = compute_dtype(y_RN.dtype)
+    G = b_GN.shape[0]
+    onehot_RG = _groups(y_RN.shape[0], G, groups_R, rows_per_group, y_RN.device)[:, None] == torch.arange(
+        G, device=y_RN.device)
+    return _act(y_RN.to(c) + onehot_RG.to(c) @ b_GN.to(c), act).to(y_RN.dtype)
+
+
+class BiasAct(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, y_RN, b_GN, groups_R, rows_per_group, act):
+        from ..kernels.bias_act import bias_act_forward
+        ctx.save_for_backward(None if act == "none" else y_RN, b_GN, groups_R)
+        ctx.rows_per_group, ctx.act = rows_per_group, act
+        return bias_act_forward(y_RN, b_GN, groups_R, rows_per_group, act)
+
+    @staticmethod
+    def backward(ctx, dout_RN):
+        from ..kernels.bias_act import bias_act_backward
+        y_RN, b_GN, groups_R = ctx.saved_tensors
+        dout_RN = dout_RN.contiguous()
+        dz_RN = dout_RN if ctx.act == "none" else bias_act_backward(y_RN, b_GN, groups_R, ctx.rows_per_group,
+                                                                    ctx.act, dout_RN)
+        db_GN = None
+        if ctx.needs_input_grad[1]:
+            G, N = b_GN.shape
+            if ctx.rows_per_group is not None:
+                C = ctx.rows_per_group
+                db_GN = dz_RN.view(dz_RN.shape[0] // max(G * C, 1), G, C, N).sum((0, 2), dtype=torch.float32).to(b_GN.dtype)
+            else:
+                onehot_GR = groups_R[None, :] == torch.arange(G, device=groups_R.device)[:, None]
+                db_GN = onehot_GR.to(dz_RN.dtype) @ dz_RN
+        return dz_RN if ctx.needs_input_grad[0] else None, db_GN, None, None, None
+
+
+def check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act):
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {ACTS}, got {act!r}")
+    if y_RN.dim() != 2 or b_GN.dim() != 2 or y_RN.shape[1] != b_GN.shape[1]:
+        raise ValueError(f"y must be [R, N] and b [G, N], got {tuple(y_RN.shape)} and {tuple(b_GN.shape)}")
+    if y_RN.dtype != b_GN.dtype or not y_RN.is_floating_point():
+        raise TypeError(f"y and b must share one float dtype, got {y_RN.dtype} and {b_GN.dtype}")
+    if (groups_R is None) == (rows_per_group is None):
+        raise ValueError("give the rows' groups either as groups_R or as rows_per_group, not both")
+    if groups_R is not None:
+        if groups_R.shape != y_RN.shape[:1] or groups_R.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"groups_R must be an int [R] = [{y_RN.shape[0]}], got {groups_R.dtype} "
+                             f"{tuple(groups_R.shape)}")
+    elif not (isinstance(rows_per_group, int) and rows_per_group >= 0
+              and (y_RN.shape[0] % (rows_per_group * b_GN.shape[0]) == 0 if rows_per_group * b_GN.shape[0]
+                   else y_RN.shape[0] == 0)):
+        raise ValueError(f"rows_per_group must be an int C with R = blocks x G x C, got C = {rows_per_group!r}, "
+                         f"R = {y_RN.shape[0]}, G = {b_GN.shape[0]}")
+    for name, t in (("b", b_GN), ("groups_R", groups_R)):
+        if t is not None and t.device != y_RN.device:
+            raise ValueError(f"{name} is on {t.device}, y on {y_RN.device}")
+
+
+def bias_act(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optional[torch.Tensor] = None,
+             rows_per_group: Optional[int] = None, act: str = "none") -> torch.Tensor:
+    """act(y + b[group of row]) [R, N]; differentiable in y and b (see the module doc)."""
+    check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act)
+    if y_RN.is_cuda and not torch.compiler.is_compiling():
+        return BiasAct.apply(y_RN.contiguous(), b_GN.contiguous(),
+                             None if groups_R is None else groups_R.contiguous(), rows_per_group, act)
+    return bias_act_reference(y_RN, b_GN, groups_R, rows_per_group, act)
