@@ -57,20 +57,25 @@ def op_table(step, top, steps=5):
         print(f"  {e.self_cpu_time_total / steps:16.1f} {e.count / steps:10.1f}  {e.key[:90]}")
 
 
-def report(name, step, top):
-    host = issue_us(step)
-    n_kernels, gpu_us = kernel_count(step)
-    print(f"{name}: host issue {host:.0f} us/step, {n_kernels} GPU ops, GPU busy {gpu_us:.0f} us/step")
-    op_table(step, top)
+def python_table(step, top, steps=20):
+    """cProfile's table of the Python functions (own time, most first) over `steps` steps."""
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(20):
+    for _ in range(steps):
         step()
     prof.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
     print("\n".join(s.getvalue().splitlines()[:top + 12]))
+
+
+def report(name, step, top):
+    host = issue_us(step)
+    n_kernels, gpu_us = kernel_count(step)
+    print(f"{name}: host issue {host:.0f} us/step, {n_kernels} GPU ops, GPU busy {gpu_us:.0f} us/step")
+    op_table(step, top)
+    python_table(step, top)
 
 
 def launch_costs():
