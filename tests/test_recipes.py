@@ -470,14 +470,17 @@ def test_resume_on_another_layout_continues_the_run(full_run, tmp_path, ranks, e
     """The 2-rank, ep_size 2 run's step-4 checkpoint resumed on 1 rank (every expert) and on 4 (two
     experts each), a step's samples kept: the run goes on as the uninterrupted one, its weights, every
     expert and Adam's moments reassembled (step 5's loss, a function of the weights alone, is equal to
-    the last bit; then only the gradients' summation order differs), and its step-8 checkpoint holds
-    what the uninterrupted run's does."""
+    fp32's rounding: an expert's rows are other GEMM shapes on another layout, and CPU BLAS need not
+    give a row the same bits at another row count (MKL on an AMD EPYC did not for 1-3 rows, 2026-11-28);
+    then the gradients' summation order differs too), and its step-8 checkpoint holds what the
+    uninterrupted run's does."""
     launch(tmp_path, "--resume", str(full_run / "checkpoints" / "global_step4"), "--set", f"moe.ep_size={ep_size}",
            "--set", batch, ranks=ranks)
     ref = {r["step"]: r for r in records(full_run, "train")}
     got = records(tmp_path, "train")
     assert [r["step"] for r in got] == [5, 6, 7, 8]
-    assert got[0]["loss"] == ref[5]["loss"] and got[0]["expert_load_per_layer"] == ref[5]["expert_load_per_layer"]
+    assert got[0]["loss"] == pytest.approx(ref[5]["loss"], rel=1e-6, abs=0)
+    assert got[0]["expert_load_per_layer"] == ref[5]["expert_load_per_layer"]
     for r in got:
         assert r["lr"] == ref[r["step"]]["lr"]
         assert abs(r["loss"] - ref[r["step"]]["loss"]) < 2e-4, r["step"]

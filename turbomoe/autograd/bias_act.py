@@ -11,7 +11,9 @@ The hand-written backward (CUDA: the Triton kernels) writes z's gradient once an
 for b in fp32, in a fixed order (a sum over C, or a one-hot [G, R] GEMM): deterministic, no float
 atomics. It keeps y (not the activation's output) and b. Unfused, the bias add, the activation and
 their backward take four passes each way, and a broadcast add takes PyTorch's strided path.
-CPU tensors, and torch.compile's tracing, take the reference (plain PyTorch).
+CPU tensors, and torch.compile's tracing, take the same Function with its math in PyTorch.
+`bias_act_reference` is the spec the tests hold both to (a one-hot GEMM for the bias, autograd's
+backward).
 """
 from typing import Optional
 
@@ -43,32 +45,58 @@ def bias_act_reference(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optiona
     return _act(y_RN.to(c) + onehot_RG.to(c) @ b_GN.to(c), act).to(y_RN.dtype)
 
 
+def _biased(y_RN, b_GN, groups_R, rows_per_group) -> torch.Tensor:
+    """z = y + b[group of row] in the compute dtype, the PyTorch form: a broadcast over the capacity
+    buffer's [blocks, G, C, N] view, or a gather by groups_R (which torch.compile fuses into the add)."""
+    c = compute_dtype(y_RN.dtype)
+    (R, N), G = y_RN.shape, b_GN.shape[0]
+    if rows_per_group is not None:
+        C = rows_per_group
+        return (y_RN.to(c).view(R // max(G * C, 1), G, C, N) + b_GN.to(c)[:, None]).view(R, N)
+    if G == 0:
+        return y_RN.to(c)
+    bias_RN = b_GN.to(c).index_select(0, groups_R.clamp(0, G - 1))
+    return y_RN.to(c) + torch.where((groups_R < G)[:, None], bias_RN, 0)
+
+
 class BiasAct(torch.autograd.Function):
+    """kernels: the Triton kernels (CUDA tensors, or the CPU under TRITON_INTERPRET=1), else the same
+    math in PyTorch (the CPU, fp64, torch.compile's tracing)."""
 
     @staticmethod
-    def forward(ctx, y_RN, b_GN, groups_R, rows_per_group, act):
+    def forward(ctx, y_RN, b_GN, groups_R, rows_per_group, act, kernels):
         from ..kernels.bias_act import bias_act_forward
         ctx.save_for_backward(None if act == "none" else y_RN, b_GN, groups_R)
-        ctx.rows_per_group, ctx.act = rows_per_group, act
-        return bias_act_forward(y_RN, b_GN, groups_R, rows_per_group, act)
+        ctx.rows_per_group, ctx.act, ctx.kernels = rows_per_group, act, kernels
+        if kernels:
+            return bias_act_forward(y_RN, b_GN, groups_R, rows_per_group, act)
+        return _act(_biased(y_RN, b_GN, groups_R, rows_per_group), act).to(y_RN.dtype)
 
     @staticmethod
     def backward(ctx, dout_RN):
         from ..kernels.bias_act import bias_act_backward
         y_RN, b_GN, groups_R = ctx.saved_tensors
         dout_RN = dout_RN.contiguous()
-        dz_RN = dout_RN if ctx.act == "none" else bias_act_backward(y_RN, b_GN, groups_R, ctx.rows_per_group,
-                                                                    ctx.act, dout_RN)
+        if ctx.act == "none":
+            dz_RN = dout_RN
+        elif ctx.kernels:
+            dz_RN = bias_act_backward(y_RN, b_GN, groups_R, ctx.rows_per_group, ctx.act, dout_RN)
+        else:
+            z_RN = _biased(y_RN, b_GN, groups_R, ctx.rows_per_group)
+            dz_RN = torch.ops.aten.gelu_backward(dout_RN.to(z_RN.dtype), z_RN,
+                                                 approximate="tanh" if ctx.act == "gelu_tanh" else "none")
+            dz_RN = dz_RN.to(y_RN.dtype)
         db_GN = None
         if ctx.needs_input_grad[1]:
             G, N = b_GN.shape
             if ctx.rows_per_group is not None:
                 C = ctx.rows_per_group
-                db_GN = dz_RN.view(dz_RN.shape[0] // max(G * C, 1), G, C, N).sum((0, 2), dtype=torch.float32).to(b_GN.dtype)
+                dz_BGCN = dz_RN.view(dz_RN.shape[0] // max(G * C, 1), G, C, N)
+                db_GN = dz_BGCN.sum((0, 2), dtype=compute_dtype(dz_RN.dtype)).to(b_GN.dtype)
             else:
                 onehot_GR = groups_R[None, :] == torch.arange(G, device=groups_R.device)[:, None]
                 db_GN = onehot_GR.to(dz_RN.dtype) @ dz_RN
-        return dz_RN if ctx.needs_input_grad[0] else None, db_GN, None, None, None
+        return dz_RN if ctx.needs_input_grad[0] else None, db_GN, None, None, None, None
 
 
 def check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act):
@@ -98,7 +126,7 @@ def bias_act(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optional[torch.Te
              rows_per_group: Optional[int] = None, act: str = "none") -> torch.Tensor:
     """act(y + b[group of row]) [R, N]; differentiable in y and b (see the module doc)."""
     check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act)
-    if y_RN.is_cuda and not torch.compiler.is_compiling():
-        return BiasAct.apply(y_RN.contiguous(), b_GN.contiguous(),
-                             None if groups_R is None else groups_R.contiguous(), rows_per_group, act)
-    return bias_act_reference(y_RN, b_GN, groups_R, rows_per_group, act)
+    # fp64 (gradcheck) in PyTorch: the kernels compute in fp32
+    kernels = y_RN.is_cuda and y_RN.dtype != torch.float64 and not torch.compiler.is_compiling()
+    return BiasAct.apply(y_RN.contiguous(), b_GN.contiguous(), None if groups_R is None else groups_R.contiguous(),
+                         rows_per_group, act, kernels)
