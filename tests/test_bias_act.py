@@ -103,6 +103,21 @@ def test_errors(bad, match):
         bias_act(kw.pop("y"), kw.pop("b"), **kw)
 
 
+def test_autocast_casts_the_bias_as_linear_does():
+    """fp32 biases beside 16-bit rows under torch.autocast: the bias in the rows' dtype, its gradient
+    back in fp32 (as F.linear's bias there); outside autocast a dtype mismatch is an error."""
+    y = torch.randn(6, 5, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(3, 5, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bias_act(y, b, rows_per_group=2, act="gelu")
+    out.float().sum().backward()
+    want = bias_act(y.detach(), b.detach().to(torch.bfloat16), rows_per_group=2, act="gelu")
+    assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), want)
+    assert b.grad.dtype == torch.float32 and y.grad.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="share one float dtype"):
+        bias_act(y, b, rows_per_group=2)
+
+
 def test_compiles_without_graph_breaks():
     """Under torch.compile the Function traces in its PyTorch form: the same values, no graph break."""
     torch._dynamo.reset()

@@ -124,7 +124,10 @@ def check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act):
 
 def bias_act(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optional[torch.Tensor] = None,
              rows_per_group: Optional[int] = None, act: str = "none") -> torch.Tensor:
-    """act(y + b[group of row]) [R, N]; differentiable in y and b (see the module doc)."""
+    """act(y + b[group of row]) [R, N]; differentiable in y and b (see the module doc). Under
+    torch.autocast b is cast to y's dtype, as F.linear casts its bias there."""
+    if b_GN.dtype != y_RN.dtype and torch.is_autocast_enabled(y_RN.device.type):
+        b_GN = b_GN.to(y_RN.dtype)
     check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act)
     # fp64 (gradcheck) in PyTorch: the kernels compute in fp32
     kernels = y_RN.is_cuda and y_RN.dtype != torch.float64 and not torch.compiler.is_compiling()
