@@ -277,18 +277,22 @@ class RowGroups:
     def __init__(self, counts_E: torch.Tensor, num_rows: int):
         self.counts_E = counts_E
         self.num_rows = num_rows
+        self.offs_E = row_offsets(counts_E)  # once for the layer's GEMMs and biases (a launch each fewer)
+        self._groups_R = None
 
     def matmul(self, x_RK: torch.Tensor, w_ENK: torch.Tensor,
                blocks: Optional[List[List[torch.Tensor]]] = None) -> torch.Tensor:
         """blocks: the per-expert tensors that w_ENK stacks, for weight_grad_buffers."""
         sink = None if blocks is None else stacked_grad_buffer(blocks)
         if sink is None:
-            return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E)
+            return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E, offs_G=self.offs_E)
         buf_ENK, add = sink
-        return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E, main_grad_GKN=buf_ENK.transpose(1, 2),
-                          main_grad_add=add, main_grad_placeholder=False)
+        return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E, offs_G=self.offs_E,
+                          main_grad_GKN=buf_ENK.transpose(1, 2), main_grad_add=add, main_grad_placeholder=False)
 
     def add_bias(self, y_RN: torch.Tensor, b_EN: torch.Tensor, act: str = "none") -> torch.Tensor:
         """act(y + b[e]) over expert e's rows (bias_act's activations); rows past sum(counts)
         (unrouted tokens) get no bias."""
-        return bias_act(y_RN, b_EN, row_groups(row_offsets(self.counts_E), self.num_rows), act=act)
+        if self._groups_R is None:  # the second bias reuses the first's
+            self._groups_R = row_groups(self.offs_E, self.num_rows)
+        return bias_act(y_RN, b_EN, self._groups_R, act=act)
