@@ -267,7 +267,7 @@ def bench_layer(argv):
         if args.profile and device == "cuda":
             for name, layer in (("stock", stock), ("turbomoe", turbo)):
                 profile_step(step(layer), f"E={E} {name}", top=20)
-                host_phases(layer, x, g, f"E={E} {name}")
+                host_phases(layer, x, g, step(layer), f"E={E} {name}")
         rows.append(dict(E=E, tokens=args.tokens, hidden=M, ffn=margs.ffn_hidden_size, k=margs.topk,
                          stock_ms=t_stock, turbo_ms=t_turbo, speedup=t_stock / t_turbo, stock_reset_ms=r_stock,
                          turbo_reset_ms=r_turbo, speedup_reset=r_stock / r_turbo, out_rel_err=rel))
@@ -283,9 +283,10 @@ def bench_layer(argv):
             json.dump(rows, f, indent=1)
 
 
-def host_phases(layer, x, g, label):
+def host_phases(layer, x, g, run, label):
     """The host's time to issue the forward and the backward of one step onto an idle GPU (median
-    of 5), and where they wait for the GPU (torch's sync debug mode: each synchronizing call)."""
+    of 5), where they wait for the GPU (torch's sync debug mode: each synchronizing call), and the
+    host's op and Python tables of run (the step: forward and backward)."""
     import time
     import warnings
     import torch
@@ -305,21 +306,15 @@ def host_phases(layer, x, g, label):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            xi = x.detach().requires_grad_()
-            out, l_aux, _ = layer(xi)
-            torch.autograd.backward([out, l_aux], [g, torch.ones_like(l_aux)])
+            run()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [f"{w.filename.split('/')[-1]}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     print(f"{label}: host issue forward {statistics.median(fwd) * 1e3:.2f} ms, backward "
           f"{statistics.median(bwd) * 1e3:.2f} ms; {len(syncs)} synchronizing calls {syncs[:12]}")
-
-    def step():
-        out, l_aux, _ = layer(x.detach().requires_grad_())
-        torch.autograd.backward([out, l_aux], [g, torch.ones_like(l_aux)])
     from profile_host import op_table, python_table
-    op_table(step, 25)
-    python_table(step, 25)
+    op_table(run, 25)
+    python_table(run, 25)
 
 
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+).*?"

@@ -157,11 +157,10 @@ def grouped_parallel_mlp(experts: List[nn.Module], x: torch.Tensor, groups) -> t
     if group is not None:
         x = _CopyToGroup.apply(x, group)
     h = groups.matmul(x, stack_expert_tensors([[lin.weight] for lin in fc1s]))
-    if col[2] and act_key in _BIAS_ACT:  # added inside the linear or returned for the activation: the same sum
-        h = groups.add_bias(h, stack_expert_tensors([[lin.bias] for lin in fc1s]), _BIAS_ACT[act_key])
-    else:
-        if col[2]:
-            h = groups.add_bias(h, stack_expert_tensors([[lin.bias] for lin in fc1s]))
+    fused = _BIAS_ACT.get(act_key) if col[2] else None  # the activation in the bias's pass
+    if col[2]:  # added inside the linear or returned for the activation to add: the same sum
+        h = groups.add_bias(h, stack_expert_tensors([[lin.bias] for lin in fc1s]), fused or "none")
+    if fused is None:
         h = experts[0].activation_func(h)
     y = groups.matmul(h, stack_expert_tensors([[lin.weight] for lin in fc2s]))
     if group is not None:

@@ -40,7 +40,8 @@ def _biased_row(y_ptr, b_ptr, g_ptr, row, cols, ok, N, G, rows_per_group, HAS_GR
     else:
         g = (row // rows_per_group) % G
     y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + g * N + cols, mask=ok & (cols * 0 + g < G), other=0.0).to(tl.float32)  # g >= G: no bias
+    # g >= G: no bias. (g < G broadcast to the block: the interpreter takes no scalar in a mask.)
+    b = tl.load(b_ptr + g * N + cols, mask=ok & (cols * 0 + g < G), other=0.0).to(tl.float32)
     return y + b
 
 
