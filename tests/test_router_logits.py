@@ -41,6 +41,27 @@ def test_matches_fp32_linear(S, M, E, dtype, w_dtype, device):
         assert rel_err(xa.grad, xc.grad) < 1e-5 and rel_err(wa.grad, wc.grad) < 1e-5
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E", [8, 64])  # the split's kernels' range, and cuBLAS's beyond it
+def test_compiled_gradients_equal_eager(device, E):
+    """Traced by torch.compile (dynamo traces the Function's forward and backward), the logits and both
+    gradients are eager's. (A Function of turbomoe's once traced wrong on the GPU machine's torch 2.11
+    only: turbomoe.autograd.bias_act.)"""
+    torch.manual_seed(E)
+    x, w = torch.randn(33, 64, device=device).bfloat16(), torch.randn(E, 64, device=device)
+    g = torch.randn(33, E, device=device)
+    grads = []
+    for fn in (fp32_logits, torch.compile(fp32_logits, backend="aot_eager", fullgraph=True)):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xa, wa)
+        out.backward(g)
+        grads.append((out.detach(), xa.grad, wa.grad))
+    torch._dynamo.reset()
+    for got, want in zip(grads[1], grads[0]):
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
 def test_gradcheck():
     torch.manual_seed(0)
     x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
