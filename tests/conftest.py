@@ -11,6 +11,23 @@ HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
+
+def pytest_collection_modifyitems(config, items):
+    """TURBOMOE_TEST_SHARD=i/n keeps every n-th collected test from the i-th (1-based), so that
+    scripts/gpu_tests.sh can split the GPU suite over calls of the device machine (ten minutes each:
+    the whole suite took more on 2026-11-28). Deterministic, as xdist's workers need."""
+    shard = os.environ.get("TURBOMOE_TEST_SHARD")
+    if not shard:
+        return
+    try:
+        i, n = (int(v) for v in shard.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"TURBOMOE_TEST_SHARD must be i/n, got {shard!r}") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"TURBOMOE_TEST_SHARD must be i/n with 1 <= i <= n, got {shard!r}")
+    config.hook.pytest_deselected(items=[t for j, t in enumerate(items) if j % n != i - 1])
+    items[:] = [t for j, t in enumerate(items) if j % n == i - 1]
+
 def require_cuda_backend():
     """For a test of the cuda backend: skip where the machine cannot build it (no nvcc), but fail
     where it has nvcc and the build failed: a broken kernel must not pass as a skipped test."""
