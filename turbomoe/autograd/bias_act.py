@@ -130,10 +130,10 @@ def bias_act(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optional[torch.Te
         b_GN = b_GN.to(y_RN.dtype)
     check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act)
     if torch.compiler.is_compiling():
-        # plain ops, differentiated by AOTAutograd. Through the Function here, the GPU machine's
-        # torch 2.11 traced a zero output (tests/test_bias_act.py, 2026-11-28; right on 2.13; the
-        # Function applied alone traced right there: cause not found). The one-hot GEMM keeps the
-        # bias's gradient a GEMM: an index_select's would be atomic adds.
+        # plain ops, differentiated by AOTAutograd. Through the Function, the GPU machine's torch
+        # 2.11 traced a zero output where inputs need gradients (tests/test_bias_act.py, 2026-11-28;
+        # right on 2.13; cause not found). The one-hot GEMM keeps the bias's gradient a GEMM: an
+        # index_select's would be atomic adds.
         return bias_act_reference(y_RN, b_GN, groups_R, rows_per_group, act)
     # fp64 (gradcheck) in PyTorch: the kernels compute in fp32
     kernels = y_RN.is_cuda and y_RN.dtype != torch.float64
