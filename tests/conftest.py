@@ -11,7 +11,6 @@ HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
-
 def pytest_collection_modifyitems(config, items):
     """TURBOMOE_TEST_SHARD=i/n keeps every n-th collected test from the i-th (1-based), so that
     scripts/gpu_tests.sh can split the GPU suite over calls of the device machine (ten minutes each:
@@ -27,6 +26,7 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"TURBOMOE_TEST_SHARD must be i/n with 1 <= i <= n, got {shard!r}")
     config.hook.pytest_deselected(items=[t for j, t in enumerate(items) if j % n != i - 1])
     items[:] = [t for j, t in enumerate(items) if j % n == i - 1]
+
 
 def require_cuda_backend():
     """For a test of the cuda backend: skip where the machine cannot build it (no nvcc), but fail

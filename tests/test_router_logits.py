@@ -41,7 +41,6 @@ def test_matches_fp32_linear(S, M, E, dtype, w_dtype, device):
         assert rel_err(xa.grad, xc.grad) < 1e-5 and rel_err(wa.grad, wc.grad) < 1e-5
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("E", [8, 64])  # the split's kernels' range, and cuBLAS's beyond it
 def test_compiled_gradients_equal_eager(device, E):
@@ -61,6 +60,7 @@ def test_compiled_gradients_equal_eager(device, E):
     for got, want in zip(grads[1], grads[0]):
         assert got is not None
         torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
 
 def test_gradcheck():
     torch.manual_seed(0)
