@@ -240,8 +240,11 @@ def bench_layer(argv):
                   top2_2nd_expert_sampling=margs.moe_top2_2nd_expert_sampling)
         torch.manual_seed(0)
         stock = StockMoE(M, ParallelMLP(config, moe=True), **kw).to(device, dtype)
-        turbo = tds.MoE(M, ParallelMLP(config, moe=True), **kw).to(device, dtype)
+        turbo = tds.MoE(M, ParallelMLP(config, moe=True), **kw, fused_grad_accumulation=False).to(device, dtype)
         turbo.load_state_dict(stock.state_dict())
+        # the same with the experts' weight gradients added into .grad inside their GEMMs when accumulating
+        fused = tds.MoE(M, ParallelMLP(config, moe=True), **kw, fused_grad_accumulation=True).to(device, dtype)
+        fused.load_state_dict(stock.state_dict())
         assert turbo.deepspeed_moe.expert_fast_path == "megatron", "the grouped path did not recognise ParallelMLP"
         x = torch.randn(args.tokens, 1, M, device=device, dtype=dtype)  # [s, b, h] as Megatron
         g = torch.randn_like(x)
@@ -262,21 +265,24 @@ def bench_layer(argv):
             torch.manual_seed(1)
             err.append(layer(x)[0].float())
         rel = ((err[1] - err[0]).norm() / err[0].norm()).item()
-        t_stock, t_turbo, r_stock, r_turbo = interleaved_medians_ms(
-            [step(stock), step(turbo), step(stock, True), step(turbo, True)], warmup=5, iters=30, block=5)
+        t_stock, t_turbo, t_fused, r_stock, r_turbo = interleaved_medians_ms(
+            [step(stock), step(turbo), step(fused), step(stock, True), step(turbo, True)], warmup=5, iters=30, block=5)
         if args.profile and device == "cuda":
-            for name, layer in (("stock", stock), ("turbomoe", turbo)):
+            for name, layer in (("stock", stock), ("turbomoe", turbo), ("turbomoe fused_grad_accumulation", fused)):
                 profile_step(step(layer), f"E={E} {name}", top=20)
                 host_phases(layer, x, g, step(layer), f"E={E} {name}")
         rows.append(dict(E=E, tokens=args.tokens, hidden=M, ffn=margs.ffn_hidden_size, k=margs.topk,
-                         stock_ms=t_stock, turbo_ms=t_turbo, speedup=t_stock / t_turbo, stock_reset_ms=r_stock,
+                         stock_ms=t_stock, turbo_ms=t_turbo, speedup=t_stock / t_turbo, fused_ms=t_fused,
+                         speedup_fused=t_stock / t_fused, stock_reset_ms=r_stock,
                          turbo_reset_ms=r_turbo, speedup_reset=r_stock / r_turbo, out_rel_err=rel))
         print(json.dumps(rows[-1]), flush=True)
-    print("weight gradients added to the last step's (accumulating) | made new each step (reset)")
-    print(f"{'E':>4} {'tokens':>7} {'stock ms':>9} {'turbo ms':>9} {'speed-up':>9} | {'stock ms':>9} {'turbo ms':>9} "
-          f"{'speed-up':>9} {'out rel err':>12}")
+    print("weight gradients added to the last step's (accumulating; fused: turbomoe with fused_grad_accumulation) "
+          "| made new each step (reset)")
+    print(f"{'E':>4} {'tokens':>7} {'stock ms':>9} {'turbo ms':>9} {'speed-up':>9} {'fused ms':>9} {'speed-up':>9} | "
+          f"{'stock ms':>9} {'turbo ms':>9} {'speed-up':>9} {'out rel err':>12}")
     for r in rows:
-        print(f"{r['E']:>4} {r['tokens']:>7} {r['stock_ms']:>9.3f} {r['turbo_ms']:>9.3f} {r['speedup']:>8.2f}x | "
+        print(f"{r['E']:>4} {r['tokens']:>7} {r['stock_ms']:>9.3f} {r['turbo_ms']:>9.3f} {r['speedup']:>8.2f}x "
+              f"{r['fused_ms']:>9.3f} {r['speedup_fused']:>8.2f}x | "
               f"{r['stock_reset_ms']:>9.3f} {r['turbo_reset_ms']:>9.3f} {r['speedup_reset']:>8.2f}x {r['out_rel_err']:>12.2e}")
     if args.json:
         with open(args.json, "w") as f:

@@ -61,6 +61,35 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 
+class _Taken(list):
+    gemm: list
+
+
+@pytest.fixture
+def grads_in_place_taken(monkeypatch):
+    """A list that gets the shape of each stack of expert .grad tensors that
+    expert_stack.grads_in_place hands back to add a stacked gradient into (the path taken); its .gemm
+    those handed to a weight-gradient GEMM (fused_grad_accumulation)."""
+    from turbomoe.integrations import expert_stack
+    taken, real, real_call = _Taken(), expert_stack.grads_in_place, expert_stack.GradsInPlace.__call__
+    taken.gemm = []
+
+    def spy(node):
+        g = real(node)
+        if g is not None:
+            taken.append(g.shape)
+        return g
+
+    def spy_call(self):
+        g = real_call(self)
+        if g is not None:
+            taken.gemm.append(g.shape)
+        return g
+    monkeypatch.setattr(expert_stack, "grads_in_place", spy)
+    monkeypatch.setattr(expert_stack.GradsInPlace, "__call__", spy_call)
+    return taken
+
+
 def rts_keep_frequencies(assign, S, C, seeds, **kw):
     """Fraction of seeds in which each of S routes to one over-full expert is kept; checks that
     exactly C are kept every time."""

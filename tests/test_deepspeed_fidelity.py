@@ -384,6 +384,8 @@ def test_bad_arguments_raise():
             tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=16, k=k)
     with pytest.raises(TypeError, match="norm_topk_prob must be a bool"):
         tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=E, norm_topk_prob="yes")
+    with pytest.raises(TypeError, match="fused_grad_accumulation must be a bool"):
+        tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=E, fused_grad_accumulation=1)
     with pytest.raises(ValueError, match="noisy_gate_policy"):
         tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=E, noisy_gate_policy="Gaussian")
     _, turbo = make_pair("mlp", k=1)
@@ -392,6 +394,36 @@ def test_bad_arguments_raise():
     _, turbo = make_pair("mlp", k=1, min_capacity=8)
     with pytest.raises(ValueError, match="min_capacity"):
         turbo(torch.randn(4, M))
+
+
+@pytest.mark.parametrize("expert", ["mlp", "swiglu"])
+@pytest.mark.parametrize("kw", [dict(k=2), dict(k=2, drop_tokens=False)])
+@pytest.mark.parametrize("route", ["argument", "environment"])
+def test_fused_grad_accumulation_matches_unfused(grads_in_place_taken, monkeypatch, expert, kw, route):
+    """fused_grad_accumulation (the argument, or TURBOMOE_FUSED_GRAD_ACCUMULATION=1 for code that builds
+    the layer unchanged): three micro-batches accumulating into .grad (float64), every gradient as the
+    unfused layer's sums; from the second, each expert weight stack's gradient added into the experts'
+    .grad in place."""
+    if route == "environment":
+        monkeypatch.setenv("TURBOMOE_FUSED_GRAD_ACCUMULATION", "1")
+    kw = dict(hidden_size=M, num_experts=E, min_capacity=0, **kw)
+    plain = tds.MoE(expert=EXPERTS[expert](), **kw, fused_grad_accumulation=False).double()
+    fused = tds.MoE(expert=EXPERTS[expert](), **kw, **({"fused_grad_accumulation": True} if route == "argument" else {}))
+    fused.load_state_dict(plain.state_dict())
+    fused.double()
+    assert fused.deepspeed_moe.fused_grad_accumulation and not plain.deepspeed_moe.fused_grad_accumulation
+    for i in range(3):
+        x = torch.randn(64, M, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        for layer in (plain, fused):
+            torch.manual_seed(5)
+            out, l_aux, _ = layer(x)
+            (out.square().sum() + l_aux).backward()
+    # after the first micro-batch, each stack's gradient added in place: unfused by one add (2 or 4
+    # stacks); fused, the weights' (2 stacks) inside their GEMMs, an mlp's biases by one add
+    stacks = 2 if expert == "swiglu" else 4
+    assert len(grads_in_place_taken) == 2 * 2 * stacks and len(grads_in_place_taken.gemm) == 2 * 2
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-12, name
 
 
 def count_host_syncs(layer, x) -> int:

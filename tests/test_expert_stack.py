@@ -1,9 +1,11 @@
 """Stacked expert weights (turbomoe.integrations.expert_stack): weight gradients sent straight into
-an optimizer's flat buffers (weight_grad_buffers), against autograd's own gradients."""
+an optimizer's flat buffers (weight_grad_buffers), or added into the experts' .grad in place when
+micro-batches accumulate, against autograd's own gradients."""
 import pytest
 import torch
 from torch import nn
 
+from conftest import rel_err
 from turbomoe.integrations.deepspeed_experts import SwiGLUExpert, grouped_mlp
 from turbomoe.integrations.expert_stack import EqualGroups, RowGroups, pack_expert_params, weight_grad_buffers
 
@@ -148,3 +150,128 @@ def test_equal_groups_run_each_leading_block_in_place(lead, C):
     got, want = torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)
     for a, b in zip((y, ) + got, (ref, ) + want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def kind_experts(kind, seed, device="cpu", dtype=torch.float64):
+    """Packed experts: bias-free SwiGLU (two weight stacks) or Linear-GELU-Linear with biases (two
+    weight and two bias stacks)."""
+    torch.manual_seed(seed)
+    if kind == "swiglu":
+        experts = nn.ModuleList([SwiGLUExpert(M, F) for _ in range(E)])
+    else:
+        experts = nn.ModuleList([nn.Sequential(nn.Linear(M, F), nn.GELU(), nn.Linear(F, M)) for _ in range(E)])
+    experts = experts.to(device, dtype)
+    pack_expert_params(experts)
+    return experts
+
+
+def micro_batch(kind, experts, layout, seed, fused=False, **backward_kw):
+    """One forward and backward of the grouped experts on fresh rows: expert-contiguous rows (an expert
+    with none, 3 rows past the groups) or the capacity buffer with two blocks of source ranks -> (x, dy)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = next(experts.parameters())
+    shape = (40, M) if layout == "rows" else (2, E, 5, M)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(w).requires_grad_()
+    if layout == "rows":
+        groups = RowGroups(torch.tensor([9, 0, 20, 8], dtype=torch.int32, device=w.device), x.shape[0], fused)
+    else:
+        groups = EqualGroups(fused)
+    y = grouped_mlp(kind, experts, x, groups)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(w)
+    y.backward(dy, **backward_kw)
+    return x, dy
+
+
+def one_by_one(experts, layout, x, dy):
+    """The same micro-batch through each expert module apart (autograd's own accumulation), in float64
+    on the CPU."""
+    x, dy = x.detach().cpu().double(), dy.cpu().double()
+    if layout == "rows":
+        rows = torch.split(x[:37], [9, 0, 20, 8])
+        torch.cat([e(r) for e, r in zip(experts, rows)]).backward(dy[:37])
+    else:
+        torch.stack([e(x[:, i]) for i, e in enumerate(experts)], 1).backward(dy)
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", torch.float64, 1e-12),
+                                              pytest.param("cuda", torch.bfloat16, 2e-2, marks=ON_GPU)])
+@pytest.mark.parametrize("layout", ["rows", "capacity"])
+@pytest.mark.parametrize("kind", ["swiglu", "mlp"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_accumulating_gradients_added_in_place(grads_in_place_taken, fused, kind, layout, device, dtype, tol):
+    """Micro-batches accumulating into .grad: from the second on, each stack's gradient is added into
+    its experts' .grad at once, the same tensors; post-accumulate hooks still run for every parameter
+    every micro-batch. Without fusion (one add per stack) the bits of autograd's adds per parameter
+    (the same experts with a hook on every weight, which keeps autograd's way); with it (the weights'
+    gradient added inside the GEMM) rounded once; both equal to autograd's sums one expert at a time
+    (float64 on the CPU; on a GPU the bf16 kernels against that)."""
+    taken = grads_in_place_taken
+    experts, plain, ref = (kind_experts(kind, 5, device, dtype), kind_experts(kind, 5, device, dtype),
+                           kind_experts(kind, 5))
+    ref.load_state_dict({k: v.double().cpu() for k, v in experts.state_dict().items()})  # bf16's rounding too
+    params, plain_params, ref_params = list(experts.parameters()), list(plain.parameters()), list(ref.parameters())
+    after = []
+    for p, q in zip(params, plain_params):
+        p.register_post_accumulate_grad_hook(lambda p: after.append(p))
+        q.register_hook(lambda g: None)
+    stacks = 2 if kind == "swiglu" else 4
+    for i in range(3):
+        x, dy = micro_batch(kind, experts, layout, 10 + i, fused)
+        micro_batch(kind, plain, layout, 10 + i)
+        one_by_one(ref, layout, x, dy)
+        if i == 0:
+            first = [p.grad for p in params]
+        assert len(taken) == stacks * i and len(after) == len(params) * (i + 1)
+        assert len(taken.gemm) == (2 * i if fused else 0)  # the two weight stacks' GEMMs
+        for p, q, r in zip(params, plain_params, ref_params):
+            assert rel_err(p.grad.cpu().double(), r.grad) < tol
+            assert fused or torch.equal(p.grad, q.grad)
+    assert all(p.grad is g for p, g in zip(params, first))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_gradients_in_place_only_where_autograd_adds_in_place(grads_in_place_taken):
+    """Not taken, and every gradient as autograd makes it: for a stack one of whose tensors has a hook
+    of its own (it sees its gradient), for autograd.grad and backward(inputs=...) without the
+    parameters (.grad untouched), under create_graph (autograd adds out of place), and where the
+    .grad tensors are apart in memory."""
+    taken = grads_in_place_taken
+    experts, ref = kind_experts("mlp", 6), kind_experts("mlp", 6)
+    params, ref_params = list(experts.parameters()), list(ref.parameters())
+    for i in range(2):
+        x, dy = micro_batch("mlp", experts, "rows", 20 + i)
+        one_by_one(ref, "rows", x, dy)
+    taken.clear()
+
+    def check(want_taken):
+        assert len(taken) == want_taken
+        taken.clear()
+        for p, q in zip(params, ref_params):
+            assert rel_err(p.grad, q.grad) < 1e-12
+    seen = []
+    handle = experts[2][0].weight.register_hook(lambda g: seen.append(g.shape))
+    x, dy = micro_batch("mlp", experts, "rows", 30)
+    one_by_one(ref, "rows", x, dy)
+    handle.remove()
+    check(3)  # the other three stacks
+    assert seen == [experts[2][0].weight.shape]
+
+    before = [p.grad.clone() for p in params]
+    x = torch.randn(40, M, dtype=torch.float64, requires_grad=True)
+    y = grouped_mlp("mlp", experts, x, RowGroups(torch.tensor([9, 0, 20, 8], dtype=torch.int32), 40))
+    torch.autograd.grad(y.sum(), [x], retain_graph=True)
+    y.sum().backward(inputs=[x])
+    assert len(taken) == 0 and all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+    x, dy = micro_batch("mlp", experts, "rows", 31, create_graph=True)
+    one_by_one(ref, "rows", x, dy)
+    check(0)
+
+    for p in params:  # each .grad its own tensor
+        p.grad = p.grad.clone()
+    x, dy = micro_batch("mlp", experts, "rows", 32)
+    one_by_one(ref, "rows", x, dy)
+    check(0)

@@ -26,7 +26,7 @@ CPU, triton where it runs there (TRITON_INTERPRET=1) and takes the dtype, else r
 Force one with backend= or TURBOMOE_GMM_BACKEND.
 """
 import os
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -249,8 +249,8 @@ class GroupedMM(torch.autograd.Function):
         ctx.backend, ctx.main_grad = backend, main_grad_GKN  # written in backward, so not saved
         ctx.main_grad_add, ctx.main_grad_placeholder = main_grad_add, main_grad_placeholder
         # The leaf itself: under saved-tensor hooks (recompute's) the unpacked w is another tensor, not w
-        # with its .grad.
-        ctx.grad_into_w = w_GKN if grad_into_w and w_GKN.is_leaf else None
+        # with its .grad. Or the caller's callable.
+        ctx.grad_into_w = grad_into_w if callable(grad_into_w) else w_GKN if grad_into_w and w_GKN.is_leaf else None
         # Under saved-tensor hooks x may come back made anew (recompute's remade rows): the backward then
         # makes w's gradient first and frees x before x's gradient, its size, is made. Otherwise x's
         # gradient first, so that what consumes it (an all-to-all) can start while w's runs.
@@ -265,6 +265,9 @@ class GroupedMM(torch.autograd.Function):
         if ctx.main_grad is not None:
             return ctx.main_grad, ctx.main_grad_add, ctx.main_grad_placeholder
         w = ctx.grad_into_w
+        if callable(w):
+            buf = w()
+            return None if buf is None else (buf, True, False)
         if w is not None and _accumulates_into_grad(w):
             g = w.grad
             if g is not None and g.is_floating_point() and g.shape == w.shape and g.stride() == w.stride():
@@ -327,7 +330,8 @@ def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: tor
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
                backend: Optional[str] = None, offs_G: Optional[torch.Tensor] = None,
                main_grad_GKN: Optional[torch.Tensor] = None, main_grad_add: bool = True,
-               main_grad_placeholder: bool = True, grad_into_w: bool = False) -> torch.Tensor:
+               main_grad_placeholder: bool = True,
+               grad_into_w: Union[bool, Callable[[], Optional[torch.Tensor]]] = False) -> torch.Tensor:
     """y [R, N] with y[rows_g] = x[rows_g] @ w[g]; differentiable in x and w; see the module doc.
 
     offs_G: row_offsets(counts_G), if the caller already has it (one launch fewer per GEMM).
@@ -344,6 +348,9 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     none for w: a hook on w itself (Tensor.register_hook) sees None and cannot change the gradient;
     hooks that run after accumulation (register_post_accumulate_grad_hook) run as usual and read the
     sum in .grad. Without a .grad (the first micro-batch) w's gradient goes through autograd as usual.
+    grad_into_w may instead be a callable that the backward asks for the [G, K, N] tensor to add w's
+    gradient into (w's own layout), or None for autograd's way; w then gets no gradient where it
+    answers one (expert_stack.GradsInPlace: the .grad of per-expert parameters stacked as w).
     """
     check_grouped_mm_args(x_RK, w_GKN, counts_G)
     if main_grad_GKN is not None:

@@ -20,6 +20,7 @@ applied in the experts' activation and the gather sums with weight 1, so the exp
 kept for the weights' gradient.
 """
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -60,9 +61,11 @@ class TurboMOELayer(MOELayer):
     """Stock's MOELayer (same gate and experts submodules) with a forward on turbomoe's ops."""
 
     def __init__(self, gate: nn.Module, experts: nn.Module, ep_group_name: str, ep_size: int,
-                 num_local_experts: int, norm_topk_prob: Optional[bool] = None, recompute: bool = False) -> None:
+                 num_local_experts: int, norm_topk_prob: Optional[bool] = None, recompute: bool = False,
+                 fused_grad_accumulation: bool = False) -> None:
         super().__init__(gate, experts, ep_group_name, ep_size, num_local_experts, use_tutel=False)
         self.recompute = recompute
+        self.fused_grad_accumulation = fused_grad_accumulation
         # None: stock's combine weights (renormalised over the kept routes for k >= 2, raw for k = 1).
         self.norm_topk_prob = gate.k >= 2 if norm_topk_prob is None else norm_topk_prob
         self.expert_fast_path = fast_path_kind(list(experts.deepspeed_experts))
@@ -104,10 +107,12 @@ class TurboMOELayer(MOELayer):
                 # The rows again from x_SM (the router's GEMM keeps it).
                 with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s)) as remake:
                     y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
-                                       RowGroups(s.kept_counts, s.num_rows), remake, row_scale_R)
+                                       RowGroups(s.kept_counts, s.num_rows, self.fused_grad_accumulation), remake,
+                                       row_scale_R)
             elif row_scale_R is not None:
                 y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM.view(E, s.capacity, M),
-                                   EqualGroups(), None, row_scale_R).reshape(E * s.capacity, M)
+                                   EqualGroups(self.fused_grad_accumulation), None,
+                                   row_scale_R).reshape(E * s.capacity, M)
             else:
                 y_RM = self._exchange_and_run_experts(buf_RM, s.capacity)
             if row_scale_R is not None:
@@ -159,7 +164,7 @@ class TurboMOELayer(MOELayer):
             x_GECM = _AllToAll.apply(self.ep_group, x_GECM) if self.ep_size > 1 else x_GECM.contiguous()
         if tp > 1 and expert_tp:
             x_GECM = gather_tokens(x_GECM, dim=2)
-        y_GECM = run_experts(self.experts, self.expert_fast_path, x_GECM)
+        y_GECM = run_experts(self.experts, self.expert_fast_path, x_GECM, self.fused_grad_accumulation)
         if tp > 1 and expert_tp:
             y_GECM = drop_tokens(y_GECM, dim=2)
         with _timed(self, SECOND_ALLTOALL_TIMER, "time_salltoall"):
@@ -178,7 +183,11 @@ class MoE(StockMoE):
     the combine weights are the kept routes' probabilities renormalised to sum 1; None keeps
     stock's choice (yes for k >= 2, no for k = 1). And recompute (as MoELayer's): on the dropless
     grouped path at ep_size 1, the expert rows and the activation are remade in backward instead of
-    kept (turbomoe.nn.recompute).
+    kept (turbomoe.nn.recompute). And fused_grad_accumulation (as MoELayer's; None: the environment's
+    TURBOMOE_FUSED_GRAD_ACCUMULATION=1, for code that builds the layer unchanged): with grouped experts,
+    micro-batches after the first add the experts' weight gradients into their .grad inside the
+    weight-gradient GEMMs (no gradient tensor, no add pass; rounded once, so other bits than autograd's
+    add), where nothing hooks the weights themselves and autograd would add in place.
     """
 
     def __init__(self,
@@ -198,11 +207,15 @@ class MoE(StockMoE):
                  enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True,
                  norm_topk_prob: Optional[bool] = None,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False,
+                 fused_grad_accumulation: Optional[bool] = None) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(num_experts, ops.MAX_K):
             raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got {k!r} "
                              f"with num_experts={num_experts}")
         ops.check_bool("recompute", recompute)
+        if fused_grad_accumulation is None:
+            fused_grad_accumulation = os.environ.get("TURBOMOE_FUSED_GRAD_ACCUMULATION", "0") == "1"
+        ops.check_bool("fused_grad_accumulation", fused_grad_accumulation)
         if norm_topk_prob is not None:
             ops.check_bool("norm_topk_prob", norm_topk_prob)
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
@@ -213,7 +226,7 @@ class MoE(StockMoE):
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
         stock = self.deepspeed_moe
         self.deepspeed_moe = TurboMOELayer(stock.gate, stock.experts, stock.ep_group_name, ep_size,
-                                           self.num_local_experts, norm_topk_prob, recompute)
+                                           self.num_local_experts, norm_topk_prob, recompute, fused_grad_accumulation)
 
 
 def _new_turbomoe(cls, *args, **kwargs):

@@ -156,7 +156,8 @@ def fast_path_applies(experts_module: nn.Module, kind: Optional[str], x: torch.T
     return weight.dtype == x.dtype
 
 
-def run_experts(experts_module: nn.Module, kind: Optional[str], x_GECM: torch.Tensor) -> torch.Tensor:
+def run_experts(experts_module: nn.Module, kind: Optional[str], x_GECM: torch.Tensor,
+                fused_grad_accumulation: bool = False) -> torch.Tensor:
     """x [ep, E_local, C, M] (rows from each ep rank, for each local expert) -> same shape.
 
     The grouped path where it applies (on the rows where the all-to-all left them), else the stock
@@ -164,4 +165,4 @@ def run_experts(experts_module: nn.Module, kind: Optional[str], x_GECM: torch.Te
     """
     if not fast_path_applies(experts_module, kind, x_GECM):
         return experts_module(x_GECM)
-    return grouped_mlp(kind, experts_module.deepspeed_experts, x_GECM, EqualGroups())
+    return grouped_mlp(kind, experts_module.deepspeed_experts, x_GECM, EqualGroups(fused_grad_accumulation))

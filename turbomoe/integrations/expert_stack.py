@@ -5,7 +5,9 @@ files); `pack_expert_params` moves them into one flat buffer in module order (as
 so that `stack_expert_tensors` sees expert e's weight as block e of an [E, N, K] view, not a copy
 made every step. `EqualGroups` runs a GEMM per expert on the capacity buffer [.., E, C, K] (batched),
 `RowGroups` on expert-contiguous rows [R, K] with the counts on the device (grouped);
-`weight_grad_buffers` sends their weight gradients straight into given (fp32) buffers.
+`weight_grad_buffers` sends their weight gradients straight into given (fp32) buffers. When
+micro-batches accumulate into the experts' .grad, a stack's gradient is added to them in one add
+(`grads_in_place`), or with `fused_grad_accumulation` inside the weight-gradient GEMM.
 """
 import contextlib
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -19,25 +21,83 @@ from ..autograd.grouped_gemm import grouped_mm, row_groups, row_offsets
 
 class _AliasStack(torch.autograd.Function):
     """Per-expert blocks of tensors that lie at a fixed stride in one storage, seen as one
-    [E, rows, *rest] tensor without a copy; the backward splits the gradient back per tensor."""
+    [E, rows, *rest] tensor without a copy; the backward splits the gradient back per tensor, or,
+    where the tensors' .grad are added into in place and lie as the tensors do, adds it to them at
+    once (one add for all experts, where autograd would add each apart: a launch and its host time
+    each)."""
 
     @staticmethod
     def forward(ctx, shape, stride, block_rows, *tensors):
         ctx.block_rows, ctx.num_tensors = block_rows, len(tensors)
+        ctx.tensors = tensors  # the leaves themselves, for their .grad (saved-tensor hooks could swap them)
         ctx.set_materialize_grads(False)  # no gradient (sent to weight_grad_buffers): no zeros made and split
         first = tensors[0]
         return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, stride)
 
     @staticmethod
     def backward(ctx, grad):
-        if grad is None:
-            return (None, ) * (3 + ctx.num_tensors)
+        nothing = (None, ) * (3 + ctx.num_tensors)
+        if grad is None:  # the GEMM added it into the .grad itself (grads_in_place), or none flowed
+            return nothing
+        sums = grads_in_place(ctx)
+        if sums is not None:
+            sums.add_(grad)
+            return nothing
         rows = ctx.block_rows
         if len(set(rows)) == 1:  # blocks of equal rows ([w1; w3], or one tensor): one unbind, not E splits
             pieces = grad.reshape(-1, rows[0], *grad.shape[2:]).unbind(0)
         else:
             pieces = [p for block in grad.unbind(0) for p in block.split(rows, 0)]
         return (None, None, None, *pieces)
+
+
+def grads_in_place(node) -> Optional[torch.Tensor]:
+    """The .grad of the tensors that the _AliasStack node stacked, seen as one tensor as the stack
+    sees them, where the running backward will add into every one of them in place and they lie so
+    (as the first backward leaves them: autograd keeps the split's views of one gradient); else None.
+
+    In place: backward() reaches each tensor's AccumulateGrad (not autograd.grad, nor inputs= without
+    it), no create_graph (autograd then adds out of place), and no hook on the tensor itself (it
+    could change the gradient; it sees none when we add). Adding there, the gradient skips
+    AccumulateGrad, whose post-accumulate hooks and node hooks still run after and read the sum."""
+    if torch.is_grad_enabled():
+        return None
+    grads = []
+    for t, (acc, _) in zip(node.tensors, node.next_functions):
+        if acc is None or not t.is_leaf:  # (a non-leaf's .grad is not its gradient's home)
+            return None
+        g = t.grad
+        if (g is None or t._backward_hooks or g.dtype != t.dtype or g.shape != t.shape or g.stride() != t.stride()
+                or not torch._C._will_engine_execute_node(acc)):
+            return None
+        grads.append(g)
+    per = len(node.block_rows)
+    blocks = [grads[i:i + per] for i in range(0, len(grads), per)]
+    stride = _alias_stride_cached(blocks)
+    if stride is None:
+        return None
+    first = grads[0]
+    return first.as_strided(*_stacked_layout(blocks, stride), first.storage_offset())
+
+
+class GradsInPlace:
+    """Callable for a weight-gradient GEMM's backward: the .grad that the stacked weight w's gradient
+    can be added into there (grads_in_place), transposed to the GEMM's view of w, or None. Made only
+    where w is the stack's own output (no cast between)."""
+
+    def __init__(self, node, transpose: bool):
+        self.node, self.transpose = node, transpose
+
+    @staticmethod
+    def of(w_ENK: torch.Tensor, transpose: bool = False) -> Optional["GradsInPlace"]:
+        if torch.compiler.is_compiling():  # a copy there (stack_expert_tensors), not the stack
+            return None
+        node = w_ENK.grad_fn
+        return GradsInPlace(node, transpose) if type(node) is _AliasStack._backward_cls else None
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        g = grads_in_place(self.node)
+        return g.transpose(1, 2) if g is not None and self.transpose else g
 
 
 def _alias_stride(blocks: List[List[torch.Tensor]]) -> Optional[int]:
@@ -212,13 +272,16 @@ class _BatchedLinear(torch.autograd.Function):
     Its backward computes dw in w's own [E, N, K] layout: autograd's bmm would return it transposed,
     and every expert parameter's gradient would then be copied to make it contiguous. The blocks'
     products are summed in the GEMM's epilogue (baddbmm): rounded once a block, as micro-batches are.
-    With a sink (weight_grad_buffers), dw goes there instead, on the side stream.
+    With a sink (weight_grad_buffers), dw goes there instead, on the side stream; with fused (gradient-
+    accumulation fusion), where the experts' .grad can take it in place (GradsInPlace), it is added there
+    in the epilogue (beta 1).
     """
 
     @staticmethod
-    def forward(ctx, x, w_ENK, sink):
+    def forward(ctx, x, w_ENK, sink, fused):
         ctx.save_for_backward(x, w_ENK)
         ctx.sink = sink
+        ctx.grads_in_place = GradsInPlace.of(w_ENK) if sink is None and fused else None
         x_BECK = _blocks(x)
         y_BECN = x.new_empty(x_BECK.shape[:-1] + w_ENK.shape[1:2])
         for x_ECK, y_ECN in zip(x_BECK, y_BECN):
@@ -238,16 +301,24 @@ class _BatchedLinear(torch.autograd.Function):
         if ctx.sink is not None:
             _weight_grad_aside(dy_BECN, x_BECK, ctx.sink)
         elif ctx.needs_input_grad[1]:
-            dw = _batched_dw(dy_BECN, x_BECK)
-        return dx, dw, None
+            grads_ENK = ctx.grads_in_place() if ctx.grads_in_place is not None else None
+            if grads_ENK is None:
+                dw = _batched_dw(dy_BECN, x_BECK)
+            else:
+                _batched_dw(dy_BECN, x_BECK, grads_ENK)
+        return dx, dw, None, None
 
 
-def _batched_dw(dy_BECN: torch.Tensor, x_BECK: torch.Tensor) -> torch.Tensor:
-    """dw [E, N, K] = sum over blocks b of dy[b]^T x[b], the sum in the GEMM's epilogue."""
-    dw_ENK = torch.bmm(dy_BECN[0].transpose(1, 2), x_BECK[0])
-    for dy_ECN, x_ECK in zip(dy_BECN[1:], x_BECK[1:]):
-        dw_ENK.baddbmm_(dy_ECN.transpose(1, 2), x_ECK)
-    return dw_ENK
+def _batched_dw(dy_BECN: torch.Tensor, x_BECK: torch.Tensor, into_ENK: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dw [E, N, K] = sum over blocks b of dy[b]^T x[b], the sum in the GEMM's epilogue; with into_ENK
+    (of the inputs' dtype) added to it there (beta 1: rounded once) and returned."""
+    blocks = zip(dy_BECN, x_BECK)
+    if into_ENK is None:
+        dy_ECN, x_ECK = next(blocks)
+        into_ENK = torch.bmm(dy_ECN.transpose(1, 2), x_ECK)
+    for dy_ECN, x_ECK in blocks:
+        into_ENK.baddbmm_(dy_ECN.transpose(1, 2), x_ECK)
+    return into_ENK
 
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:
@@ -257,12 +328,16 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
 
 class EqualGroups:
     """Expert e owns x[.., e, :, :] of x [.., E, C, K] (the capacity buffer, with a leading dim of
-    source ranks after the all-to-all): batched GEMMs."""
+    source ranks after the all-to-all): batched GEMMs. fused_grad_accumulation: as RowGroups'."""
+
+    def __init__(self, fused_grad_accumulation: bool = False):
+        self.fused_grad_accumulation = fused_grad_accumulation
 
     def matmul(self, x_ECK: torch.Tensor, w_ENK: torch.Tensor,
                blocks: Optional[List[List[torch.Tensor]]] = None) -> torch.Tensor:
         """blocks: the per-expert tensors that w_ENK stacks, for weight_grad_buffers."""
-        return _BatchedLinear.apply(x_ECK, w_ENK, None if blocks is None else stacked_grad_buffer(blocks))
+        return _BatchedLinear.apply(x_ECK, w_ENK, None if blocks is None else stacked_grad_buffer(blocks),
+                                    self.fused_grad_accumulation)
 
     def add_bias(self, y_ECN: torch.Tensor, b_EN: torch.Tensor, act: str = "none") -> torch.Tensor:
         """act(y + b[e]) over expert e's rows (bias_act's activations), one pass each way."""
@@ -272,10 +347,17 @@ class EqualGroups:
 
 class RowGroups:
     """Expert e owns counts[e] consecutive rows of x [R, K] (the dropless layout): grouped GEMMs
-    with the counts on the device, so no host sync."""
+    with the counts on the device, so no host sync.
 
-    def __init__(self, counts_E: torch.Tensor, num_rows: int):
+    fused_grad_accumulation: where the stacked weights' experts already hold a .grad that the running
+    backward adds into (micro-batches accumulating; grads_in_place), the weight-gradient GEMM adds
+    into it in its epilogue: no gradient tensor and no add pass. The sums are rounded once, so their
+    bits differ from autograd's gradient-then-add (which, without it, the stack still makes as one
+    add for all experts)."""
+
+    def __init__(self, counts_E: torch.Tensor, num_rows: int, fused_grad_accumulation: bool = False):
         self.counts_E = counts_E
+        self.fused_grad_accumulation = fused_grad_accumulation
         self.num_rows = num_rows
         self.offs_E = row_offsets(counts_E)  # once for the layer's GEMMs and biases (a launch each fewer)
         self._groups_R = None
@@ -285,7 +367,8 @@ class RowGroups:
         """blocks: the per-expert tensors that w_ENK stacks, for weight_grad_buffers."""
         sink = None if blocks is None else stacked_grad_buffer(blocks)
         if sink is None:
-            return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E, offs_G=self.offs_E)
+            into = GradsInPlace.of(w_ENK, transpose=True) if self.fused_grad_accumulation else None
+            return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E, offs_G=self.offs_E, grad_into_w=into or False)
         buf_ENK, add = sink
         return grouped_mm(x_RK, w_ENK.transpose(1, 2), self.counts_E, offs_G=self.offs_E,
                           main_grad_GKN=buf_ENK.transpose(1, 2), main_grad_add=add, main_grad_placeholder=False)
