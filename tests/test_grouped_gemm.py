@@ -401,15 +401,14 @@ def test_gpu_cuda_graph_new_counts(backend, monkeypatch):
 
 def check_grad_into_w(R, K, N, G, dtype, device, backend, zero_groups=(), tol=1e-12):
     """grad_into_w: three micro-batches; the first hands w its gradient through autograd, the next
-    two add into that same .grad tensor inside the GEMM, equal to the sum autograd makes (a hook on
-    w sees no gradient then; its post-accumulate-grad hooks run every time); autograd.grad and
-    backward(inputs=[x]) leave .grad alone."""
+    two add into that same .grad tensor inside the GEMM, equal to the sum autograd makes (its
+    post-accumulate-grad hooks run every time); autograd.grad and backward(inputs=[x]) leave .grad
+    alone; a hook on w itself, or create_graph, take autograd's way (the hook sees the gradient)."""
     gen = torch.Generator().manual_seed(R + 3 * K + N + G)
     counts = random_counts(R, G, gen, zero_groups).to(device)
     w = torch.randn(G, K, N, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
     w_ref = w.detach().clone().requires_grad_()
-    hooks, after = [], []
-    w.register_hook(lambda g: hooks.append(g is not None))
+    after = []
     w.register_post_accumulate_grad_hook(lambda p: after.append(p.grad.clone()))
     batches = [(torch.randn(R, K, generator=gen, dtype=torch.float64).to(device, dtype),
                 torch.randn(R, N, generator=gen, dtype=torch.float64).to(device, dtype)) for _ in range(3)]
@@ -418,7 +417,7 @@ def check_grad_into_w(R, K, N, G, dtype, device, backend, zero_groups=(), tol=1e
         grouped_mm(x, w_ref, counts, backend=backend).backward(dy)
         if i == 0:
             first = w.grad
-    assert w.grad is first and hooks == [True, False, False]  # added in place after the first
+    assert w.grad is first  # added in place after the first
     assert rel_err(w.grad, w_ref.grad) < tol and len(after) == 3 and torch.equal(after[-1], w.grad)
     before = w.grad.clone()
     x, dy = batches[0]
@@ -428,12 +427,24 @@ def check_grad_into_w(R, K, N, G, dtype, device, backend, zero_groups=(), tol=1e
     assert torch.equal(gw, gw_ref) and torch.equal(w.grad, before)
     grouped_mm(x, w, counts, backend=backend, grad_into_w=True).backward(dy, inputs=[x])
     assert torch.equal(w.grad, before)
+    hooks = []
+    handle = w.register_hook(lambda g: hooks.append(g is not None))
+    grouped_mm(x, w, counts, backend=backend, grad_into_w=True).backward(dy)
+    grouped_mm(x, w_ref, counts, backend=backend).backward(dy)
+    handle.remove()
+    assert hooks == [True] and w.grad is first and rel_err(w.grad, w_ref.grad) < tol
+    grouped_mm(x, w, counts, backend=backend, grad_into_w=True).backward(dy, create_graph=True)
+    grouped_mm(x, w_ref, counts, backend=backend).backward(dy)
+    assert w.grad is not first and rel_err(w.grad.detach(), w_ref.grad) < tol
+    w.grad = w_ref.grad = None  # create_graph's reference cycle
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
 def test_reference_grad_into_w():
     check_grad_into_w(41, 8, 12, 4, torch.float64, "cpu", "reference", zero_groups=(2,))
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1000, 256, 384, 8, (3, 5)), (4099, 72, 48, 2, ())])

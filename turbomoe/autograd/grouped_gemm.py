@@ -268,7 +268,8 @@ class GroupedMM(torch.autograd.Function):
         if callable(w):
             buf = w()
             return None if buf is None else (buf, True, False)
-        if w is not None and _accumulates_into_grad(w):
+        # (create_graph: autograd adds out of place, a differentiable sum; a hook on w could change its gradient)
+        if w is not None and not torch.is_grad_enabled() and not w._backward_hooks and _accumulates_into_grad(w):
             g = w.grad
             if g is not None and g.is_floating_point() and g.shape == w.shape and g.stride() == w.stride():
                 return g, True, False
@@ -345,9 +346,10 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     accumulates into it runs (micro-batches accumulating; not autograd.grad), w's gradient is added
     into that .grad inside the weight-gradient GEMM (no separate gradient and no add after it:
     autograd's AccumulateGrad reads and writes .grad and reads the new gradient), and autograd gets
-    none for w: a hook on w itself (Tensor.register_hook) sees None and cannot change the gradient;
-    hooks that run after accumulation (register_post_accumulate_grad_hook) run as usual and read the
-    sum in .grad. Without a .grad (the first micro-batch) w's gradient goes through autograd as usual.
+    none for w; hooks that run after accumulation (register_post_accumulate_grad_hook) run as usual and
+    read the sum in .grad. Without a .grad (the first micro-batch), with a hook on w itself
+    (Tensor.register_hook: it sees the gradient) or under create_graph (autograd then adds out of place),
+    w's gradient goes through autograd as usual.
     grad_into_w may instead be a callable that the backward asks for the [G, K, N] tensor to add w's
     gradient into (w's own layout), or None for autograd's way; w then gets no gradient where it
     answers one (expert_stack.GradsInPlace: the .grad of per-expert parameters stacked as w).

@@ -36,8 +36,8 @@ class GroupedExperts(nn.Module):
     output gradient and h), with no use of y.
     fused_grad_accumulation: w1's and w2's gradients of a backward after the first (their .grad
     kept, micro-batches accumulating) are added into .grad inside the weight-gradient GEMMs
-    (grouped_mm's grad_into_w: a hook on the weight itself then sees no gradient; post-accumulate
-    hooks run and read the sum).
+    (grouped_mm's grad_into_w: not where a hook on the weight itself or create_graph needs autograd's
+    gradient; post-accumulate hooks run and read the sum).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
