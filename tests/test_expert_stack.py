@@ -237,7 +237,8 @@ def test_gradients_in_place_only_where_autograd_adds_in_place(grads_in_place_tak
     """Not taken, and every gradient as autograd makes it: for a stack one of whose tensors has a hook
     of its own (it sees its gradient), for autograd.grad and backward(inputs=...) without the
     parameters (.grad untouched), under create_graph (autograd adds out of place), and where the
-    .grad tensors are apart in memory."""
+    .grad tensors are apart in memory or in one buffer at no one stride; taken where they lie in one
+    buffer in parameter order."""
     taken = grads_in_place_taken
     experts, ref = kind_experts("mlp", 6), kind_experts("mlp", 6)
     params, ref_params = list(experts.parameters()), list(ref.parameters())
@@ -275,3 +276,18 @@ def test_gradients_in_place_only_where_autograd_adds_in_place(grads_in_place_tak
     x, dy = micro_batch("mlp", experts, "rows", 32)
     one_by_one(ref, "rows", x, dy)
     check(0)
+
+    def one_buffer(order):  # the .grad as views of one flat buffer, parameters in the given order
+        flat = torch.cat([p.grad.reshape(-1) for p in order])
+        offset = 0
+        for p in order:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+    one_buffer(params[::-1])  # experts in reverse order: the stacks' .grad at no one stride
+    x, dy = micro_batch("mlp", experts, "rows", 33)
+    one_by_one(ref, "rows", x, dy)
+    check(0)
+    one_buffer(params)  # in parameter order, as an optimizer's flat gradients: every stack
+    x, dy = micro_batch("mlp", experts, "rows", 34)
+    one_by_one(ref, "rows", x, dy)
+    check(4)
