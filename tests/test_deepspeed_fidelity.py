@@ -408,7 +408,8 @@ def test_fused_grad_accumulation_matches_unfused(grads_in_place_taken, monkeypat
         monkeypatch.setenv("TURBOMOE_FUSED_GRAD_ACCUMULATION", "1")
     kw = dict(hidden_size=M, num_experts=E, min_capacity=0, **kw)
     plain = tds.MoE(expert=EXPERTS[expert](), **kw, fused_grad_accumulation=False).double()
-    fused = tds.MoE(expert=EXPERTS[expert](), **kw, **({"fused_grad_accumulation": True} if route == "argument" else {}))
+    chosen = {"fused_grad_accumulation": True} if route == "argument" else {}  # else the environment's
+    fused = tds.MoE(expert=EXPERTS[expert](), **kw, **chosen)
     fused.load_state_dict(plain.state_dict())
     fused.double()
     assert fused.deepspeed_moe.fused_grad_accumulation and not plain.deepspeed_moe.fused_grad_accumulation

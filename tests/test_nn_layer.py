@@ -331,7 +331,7 @@ def check_fused_grad_accumulation(device, dtype, tol, **kw):
         GroupedMM._sink = staticmethod(real)
     for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
         assert rel(p.grad, q.grad) < tol, name
-    weights = [fused.experts.w1.shape, fused.experts.w2.shape, fused.shared_expert.w1.shape, fused.shared_expert.w2.shape]
+    weights = [w.shape for e in (fused.experts, fused.shared_expert) for w in (e.w1, e.w2)]
     assert sorted(s for s in sinks if s is not None) == sorted(weights * 2), sinks  # micro-batches 2 and 3
 
 

@@ -22,9 +22,9 @@ from ..autograd.grouped_gemm import grouped_mm, row_groups, row_offsets
 class _AliasStack(torch.autograd.Function):
     """Per-expert blocks of tensors that lie at a fixed stride in one storage, seen as one
     [E, rows, *rest] tensor without a copy; the backward splits the gradient back per tensor, or,
-    where the tensors' .grad are added into in place and lie as the tensors do, adds it to them at
-    once (one add for all experts, where autograd would add each apart: a launch and its host time
-    each)."""
+    where the tensors' .grad are added into in place and can be seen as one such tensor too
+    (grads_in_place), adds it to them at once (one add for all experts, where autograd would add
+    each apart: a launch and its host time each)."""
 
     @staticmethod
     def forward(ctx, shape, stride, block_rows, *tensors):
@@ -52,10 +52,11 @@ class _AliasStack(torch.autograd.Function):
 
 
 def grads_in_place(node) -> Optional[torch.Tensor]:
-    """The .grad of the tensors that the _AliasStack node stacked, seen as one tensor as the stack
-    sees them, where the running backward will add into every one of them in place and they lie as
-    the tensors do, in one storage (as the first backward leaves them: autograd keeps the split's
-    views of one gradient); else None.
+    """The .grad of the tensors that the _AliasStack node stacked, seen as one [E, rows, *rest] tensor,
+    where the running backward will add into every one of them in place and they lie so: in one
+    storage, each block's back to back, the blocks at one stride (as the first backward leaves them:
+    autograd keeps the split's views of one gradient; or an optimizer's flat buffer in parameter
+    order); else None.
 
     In place: backward() reaches each tensor's AccumulateGrad (not autograd.grad, nor inputs= without
     it), no create_graph (autograd then adds out of place), and no hook on the tensor itself (it
@@ -79,7 +80,7 @@ def grads_in_place(node) -> Optional[torch.Tensor]:
         offsets.append(g.storage_offset())
         one_base = one_base and g._base is base
     # One storage (views of one base share it; else compare), each block's .grad back to back, the
-    # blocks at one stride: _alias_stride's layout, without its walk over the storages (~4x the time).
+    # blocks at one stride: _alias_stride's layout, read from the offsets (it reads every storage).
     if not one_base:
         storage = first_grad.untyped_storage().data_ptr()
         if any(t.grad.untyped_storage().data_ptr() != storage for t in tensors):
