@@ -60,8 +60,8 @@ def grads_in_place(node) -> Optional[torch.Tensor]:
 
     In place: backward() reaches each tensor's AccumulateGrad (not autograd.grad, nor inputs= without
     it), no create_graph (autograd then adds out of place), and no hook on the tensor itself (it
-    could change the gradient; it sees none when we add). Adding there, the gradient skips
-    AccumulateGrad, whose post-accumulate hooks and node hooks still run after and read the sum."""
+    must see, and may change, the gradient). Adding there, the gradient skips AccumulateGrad, whose
+    post-accumulate hooks and node hooks still run after and read the sum."""
     if torch.is_grad_enabled():
         return None
     tensors = node.tensors
