@@ -76,13 +76,45 @@ def test_reference_gradcheck():
 
 
 def test_no_bias_past_the_groups():
-    """Rows past the counts (group G) pass through unbiased and give b no gradient."""
+    """Rows past the counts (group G) are zero out and pass no gradient, to b or to y."""
     y = torch.zeros(4, 3, requires_grad=True)
     b = torch.ones(2, 3, requires_grad=True)
     out = bias_act(y, b, groups_of([1, 1], 4))
     out.sum().backward()
     assert torch.equal(out.detach(), torch.tensor([[1.0] * 3, [1.0] * 3, [0.0] * 3, [0.0] * 3]))
     assert torch.equal(b.grad, torch.ones(2, 3))
+    assert torch.equal(y.grad, torch.tensor([[1.0] * 3, [1.0] * 3, [0.0] * 3, [0.0] * 3]))
+
+
+def check_non_finite_past_the_groups(fn, device, dtype, act):
+    """Rows past the counts hold what a grouped GEMM leaves there (any bits: NaN, Inf), and so may
+    their output gradient: the grouped rows' output and gradients as with finite rows, zero past them
+    (2026-11-29: a one-hot GEMM's 0 x NaN made b's gradient NaN, on a GPU now and then)."""
+    counts, R, N = [3, 0, 4], 10, 37
+    gen = torch.Generator().manual_seed(len(act) + 7)
+    y = torch.randn(R, N, generator=gen, dtype=torch.float64)
+    dout = torch.randn(R, N, generator=gen, dtype=torch.float64)
+    b = torch.randn(len(counts), N, generator=gen, dtype=torch.float64)
+    g = groups_of(counts, R)
+    grads = []
+    for past in (0.0, float("nan"), float("inf")):
+        yp, dp = y.clone(), dout.clone()
+        yp[7:, ::2], yp[7:, 1::2], dp[8:] = past, -past, past
+        yt, bt = yp.to(device, dtype).requires_grad_(), b.to(device, dtype).requires_grad_()
+        out = fn(yt, bt, g.to(device), None, act)
+        out.backward(dp.to(device, dtype))
+        assert torch.equal(out[:7], grads[0][0][:7]) if grads else True
+        grads.append((out.detach(), yt.grad, bt.grad))
+    for out, dy, db in grads:
+        assert torch.isfinite(db).all() and torch.equal(db, grads[0][2])
+        assert torch.equal(dy[:7], grads[0][1][:7]) and not dy[7:].any() and not out[7:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTS)
+def test_non_finite_rows_past_the_groups(dtype, act):
+    check_non_finite_past_the_groups(torch_form, "cpu", dtype, act)
+    check_non_finite_past_the_groups(lambda y, b, g, C, act: bias_act_reference(y, b, g, C, act), "cpu", dtype, act)
 
 
 @pytest.mark.parametrize("bad, match", [

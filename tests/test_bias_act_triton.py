@@ -14,6 +14,7 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 
 from test_bias_act import ACTS, EQUAL_CASES, ROW_CASES, groups_of  # noqa: E402
 from test_bias_act import check as check_form  # noqa: E402
+from test_bias_act import check_non_finite_past_the_groups  # noqa: E402
 from turbomoe.autograd.bias_act import BiasAct, bias_act  # noqa: E402
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -39,6 +40,12 @@ def test_row_groups(dtype, act, counts, R, N):
 @pytest.mark.parametrize("blocks, G, C, N", EQUAL_CASES)
 def test_equal_groups(dtype, act, blocks, G, C, N):
     check(blocks * G * C, N, G, dtype, act, C=C)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTS)
+def test_non_finite_rows_past_the_groups(dtype, act):
+    check_non_finite_past_the_groups(kernels, DEV, dtype, act)
 
 
 def test_equal_and_row_groups_same_bits():

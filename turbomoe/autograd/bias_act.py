@@ -3,9 +3,10 @@
     y [R, N] (expert e's rows), b [G, N] -> act(y + b[group of row]) [R, N]
 
 The groups: `groups_R` (the dropless rows: row_groups of the counts; rows whose group is >= G, past
-the counts, get no bias and give it no gradient) or `rows_per_group` C (the capacity buffer
-[.., G, C, N] seen as rows: row r is expert (r // C) % G's). act: none, gelu_tanh (Megatron's fused
-bias-GELU), gelu (erf). Math in fp32 (fp64 for fp64), rounded once to y's dtype.
+the counts, are zero out and pass no gradient, to b or to y: a grouped GEMM leaves them unspecified,
+NaN too, which a one-hot GEMM's 0 x NaN would carry into b's gradient) or `rows_per_group` C (the
+capacity buffer [.., G, C, N] seen as rows: row r is expert (r // C) % G's). act: none, gelu_tanh
+(Megatron's fused bias-GELU), gelu (erf). Math in fp32 (fp64 for fp64), rounded once to y's dtype.
 
 The hand-written backward (CUDA: the Triton kernels) writes z's gradient once and sums it per group
 for b in fp32, in a fixed order (a sum over C, or a one-hot [G, R] GEMM): deterministic, no float
@@ -40,23 +41,23 @@ def bias_act_reference(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optiona
     deterministic GEMM), in the compute dtype."""
     c = compute_dtype(y_RN.dtype)
     G = b_GN.shape[0]
-    onehot_RG = _groups(y_RN.shape[0], G, groups_R, rows_per_group, y_RN.device)[:, None] == torch.arange(
-        G, device=y_RN.device)
-    return _act(y_RN.to(c) + onehot_RG.to(c) @ b_GN.to(c), act).to(y_RN.dtype)
+    group_R1 = _groups(y_RN.shape[0], G, groups_R, rows_per_group, y_RN.device)[:, None]
+    z_RN = y_RN.to(c) + (group_R1 == torch.arange(G, device=y_RN.device)).to(c) @ b_GN.to(c)
+    return _act(torch.where(group_R1 < G, z_RN, 0), act).to(y_RN.dtype)  # past the groups: 0, no gradient
 
 
 def _biased(y_RN, b_GN, groups_R, rows_per_group) -> torch.Tensor:
-    """z = y + b[group of row] in the compute dtype, the PyTorch form: a broadcast over the capacity
-    buffer's [blocks, G, C, N] view, or a gather by groups_R."""
+    """z = y + b[group of row] in the compute dtype (0 past the groups), the PyTorch form: a broadcast
+    over the capacity buffer's [blocks, G, C, N] view, or a gather by groups_R."""
     c = compute_dtype(y_RN.dtype)
     (R, N), G = y_RN.shape, b_GN.shape[0]
     if rows_per_group is not None:
         C = rows_per_group
         return (y_RN.to(c).view(R // max(G * C, 1), G, C, N) + b_GN.to(c)[:, None]).view(R, N)
     if G == 0:
-        return y_RN.to(c)
+        return y_RN.new_zeros(y_RN.shape, dtype=c)
     bias_RN = b_GN.to(c).index_select(0, groups_R.clamp(0, G - 1))
-    return y_RN.to(c) + torch.where((groups_R < G)[:, None], bias_RN, 0)
+    return torch.where((groups_R < G)[:, None], y_RN.to(c) + bias_RN, 0)
 
 
 class BiasAct(torch.autograd.Function):
@@ -77,15 +78,19 @@ class BiasAct(torch.autograd.Function):
         from ..kernels.bias_act import bias_act_backward
         y_RN, b_GN, groups_R = ctx.saved_tensors
         dout_RN = dout_RN.contiguous()
-        if ctx.act == "none":
+        if ctx.act == "none" and groups_R is None:
             dz_RN = dout_RN
-        elif ctx.kernels:
+        elif ctx.kernels:  # (act none: a pass that zeroes the rows past the groups)
             dz_RN = bias_act_backward(y_RN, b_GN, groups_R, ctx.rows_per_group, ctx.act, dout_RN)
         else:
-            z_RN = _biased(y_RN, b_GN, groups_R, ctx.rows_per_group)
-            dz_RN = torch.ops.aten.gelu_backward(dout_RN.to(z_RN.dtype), z_RN,
-                                                 approximate="tanh" if ctx.act == "gelu_tanh" else "none")
-            dz_RN = dz_RN.to(y_RN.dtype)
+            dz_RN = dout_RN
+            if ctx.act != "none":
+                z_RN = _biased(y_RN, b_GN, groups_R, ctx.rows_per_group)
+                dz_RN = torch.ops.aten.gelu_backward(dout_RN.to(z_RN.dtype), z_RN,
+                                                     approximate="tanh" if ctx.act == "gelu_tanh" else "none")
+                dz_RN = dz_RN.to(y_RN.dtype)
+            if groups_R is not None:
+                dz_RN = torch.where((groups_R < b_GN.shape[0])[:, None], dz_RN, 0)
         db_GN = None
         if ctx.needs_input_grad[1]:
             G, N = b_GN.shape

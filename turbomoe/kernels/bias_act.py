@@ -2,7 +2,9 @@
 
     g(r) = groups[r]              the dropless rows (row_groups of the counts), or
     g(r) = (r // C) % G           the capacity buffer [.., G, C, N] seen as rows;
-    a row whose group is >= G (unrouted rows past the counts) gets no bias.
+    a row whose group is >= G (unrouted rows past the counts) is zero out and its gradient zero: a
+    grouped GEMM leaves such rows unspecified (any bits, NaN too), and the bias's gradient (a one-hot
+    GEMM over all rows) would take 0 x NaN from them.
 
     act  none | gelu_tanh (Megatron's fused bias-GELU) | gelu (erf)
     gelu_tanh(z) = z sig(2u), u = sqrt(2/pi) (z + 0.044715 z^3)     (0.5 (1 + tanh u) = sig(2u))
@@ -11,6 +13,7 @@
 
 fp32 math, one rounding to y's dtype. Forward: one read of y, one write; backward: one read of y and
 of the output's gradient, one write of z's (the gradient of y, and per group of b): the memory floor.
+With act none the backward only zeroes the rows past the groups (one read, one write).
 The bias gradient, a sum over each group's rows, is the caller's (autograd/bias_act.py).
 """
 import torch
@@ -33,16 +36,21 @@ def _normal_cdf(z):
 
 
 @triton.jit
-def _biased_row(y_ptr, b_ptr, g_ptr, row, cols, ok, N, G, rows_per_group, HAS_GROUPS: tl.constexpr):
-    """z = y[row, cols] + b[g(row), cols] in fp32."""
+def _group(g_ptr, row, G, rows_per_group, HAS_GROUPS: tl.constexpr):
+    """g(row); >= G past the groups."""
     if HAS_GROUPS:
-        g = tl.load(g_ptr + row).to(tl.int64)
-    else:
-        g = (row // rows_per_group) % G
+        return tl.load(g_ptr + row).to(tl.int64)
+    return (row // rows_per_group) % G
+
+
+@triton.jit
+def _biased_row(y_ptr, b_ptr, g, row, cols, ok, N, G):
+    """z = y[row, cols] + b[g, cols] in fp32; in_group: g < G, broadcast to the block (the interpreter
+    takes no scalar in a mask)."""
+    in_group = cols * 0 + g < G
     y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
-    # g >= G: no bias. (g < G broadcast to the block: the interpreter takes no scalar in a mask.)
-    b = tl.load(b_ptr + g * N + cols, mask=ok & (cols * 0 + g < G), other=0.0).to(tl.float32)
-    return y + b
+    b = tl.load(b_ptr + g * N + cols, mask=ok & in_group, other=0.0).to(tl.float32)  # g >= G: no bias
+    return y + b, in_group
 
 
 @triton.jit
@@ -51,12 +59,13 @@ def _bias_act_fwd_kernel(y_ptr, b_ptr, g_ptr, out_ptr, N, G, rows_per_group,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    z = _biased_row(y_ptr, b_ptr, g_ptr, row, cols, ok, N, G, rows_per_group, HAS_GROUPS)
+    g = _group(g_ptr, row, G, rows_per_group, HAS_GROUPS)
+    z, in_group = _biased_row(y_ptr, b_ptr, g, row, cols, ok, N, G)
     if ACT == "gelu_tanh":
         z = z * _tanh_sig(z)
     elif ACT == "gelu":
         z = z * _normal_cdf(z)
-    tl.store(out_ptr + row * N + cols, z.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * N + cols, tl.where(in_group, z, 0.0).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -65,14 +74,19 @@ def _bias_act_bwd_kernel(y_ptr, b_ptr, g_ptr, dout_ptr, dz_ptr, N, G, rows_per_g
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    z = _biased_row(y_ptr, b_ptr, g_ptr, row, cols, ok, N, G, rows_per_group, HAS_GROUPS)
+    g = _group(g_ptr, row, G, rows_per_group, HAS_GROUPS)
     dout = tl.load(dout_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
-    if ACT == "gelu_tanh":  # 2 sqrt(2/pi) = 1.5957691216057308, 3 * 0.044715 = 0.134145
-        s = _tanh_sig(z)
-        grad = s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)
-    else:  # 1 / sqrt(2 pi) = 0.3989422804014327
-        grad = _normal_cdf(z) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
-    tl.store(dz_ptr + row * N + cols, (dout * grad).to(dz_ptr.dtype.element_ty), mask=ok)
+    if ACT == "none":  # (y_ptr is dout's: not read)
+        dz, in_group = dout, cols * 0 + g < G
+    else:
+        z, in_group = _biased_row(y_ptr, b_ptr, g, row, cols, ok, N, G)
+        if ACT == "gelu_tanh":  # 2 sqrt(2/pi) = 1.5957691216057308, 3 * 0.044715 = 0.134145
+            s = _tanh_sig(z)
+            grad = s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)
+        else:  # 1 / sqrt(2 pi) = 0.3989422804014327
+            grad = _normal_cdf(z) + z * 0.3989422804014327 * tl.exp(-0.5 * z * z)
+        dz = dout * grad
+    tl.store(dz_ptr + row * N + cols, tl.where(in_group, dz, 0.0).to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 def _launch(kernel, y_RN, b_GN, groups_R, rows_per_group, act, *tensors):
@@ -92,7 +106,8 @@ def bias_act_forward(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R, rows_per_
 
 def bias_act_backward(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R, rows_per_group, act: str,
                       dout_RN: torch.Tensor) -> torch.Tensor:
-    """The gradient of z = y + b[g(r)] (act != none), in y's dtype."""
+    """The gradient of z = y + b[g(r)], in dout's dtype, zero past the groups; y is None with act none."""
+    y_RN = dout_RN if y_RN is None else y_RN
     dz = torch.empty_like(y_RN)
     _launch(_bias_act_bwd_kernel, y_RN, b_GN, groups_R, rows_per_group, act, dout_RN, dz)
     return dz
