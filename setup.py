@@ -17,8 +17,9 @@ EXTRAS = {
 }
 # Everything the test suite touches: the integrations, the recipes, Megatron's indexed datasets, and
 # transformers (>= 5): the model's forward is checked against Hugging Face's Qwen3-MoE, exported models
-# are loaded with it, and its models run on turbomoe's experts.
-EXTRAS["dev"] = sorted({"pytest", "numpy", *EXTRAS["train"], *EXTRAS["megatron"], *EXTRAS["export"],
+# are loaded with it, and its models run on turbomoe's experts. pytest-xdist runs the interpreted
+# Triton tests a process per core (scripts/test.sh).
+EXTRAS["dev"] = sorted({"pytest", "pytest-xdist", "numpy", *EXTRAS["train"], *EXTRAS["megatron"], *EXTRAS["export"],
                         *EXTRAS["transformers"]})
 
 setup(

@@ -8,5 +8,7 @@ python -m pytest -q tests --ignore-glob='tests/*_triton.py' "$@"
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   python -m pytest -q tests/*_triton.py "$@"
 else
-  TRITON_INTERPRET=1 python -m pytest -q tests/*_triton.py "$@"
+  # a process per core (pytest-xdist): the interpreter is single-threaded numpy (2 cores: 887 -> 479 s,
+  # 2026-11-29). The first pass stays serial: its launcher tests' ranks want the cores.
+  TRITON_INTERPRET=1 python -m pytest -q -n auto tests/*_triton.py "$@"
 fi
