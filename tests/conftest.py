@@ -61,6 +61,46 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return (a - b).norm().item() / (denom if denom > 0 else 1.0)
 
 
+class PoisonPast(torch.autograd.Function):
+    """apply(t, n): rows n.. of t, and of its gradient, set to NaN: what a grouped GEMM may leave past
+    the counts (unspecified: it does not write them) and may be handed there."""
+
+    @staticmethod
+    def forward(ctx, t, n):
+        ctx.n = n
+        t = t.clone()
+        t[n:] = float("nan")
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g[ctx.n:] = float("nan")
+        return g, None
+
+
+def check_rows_past_unread(monkeypatch, make, poison, hidden, device, dtype, routed=37, rows=40):
+    """make() -> (module, forward(x [rows, hidden]) -> y), its grouped GEMMs over `routed` rows; poison
+    (monkeypatch) makes them PoisonPast's. Two micro-batches accumulating, without and with the poison:
+    the routed rows' outputs and input gradients and the parameters' gradients the same bits, finite."""
+    runs = []
+    for poisoned in (False, True):
+        module, forward = make()
+        if poisoned:
+            poison(monkeypatch)
+        outs = []
+        for seed in (21, 22):
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(rows, hidden, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+            y = forward(x)
+            y.backward(torch.randn(y.shape, generator=gen, dtype=torch.float64).to(device, dtype))
+            outs += [y.detach()[:routed], x.grad[:routed]]
+        runs.append(outs + [p.grad for p in module.parameters()])
+        monkeypatch.undo()
+    for a, b in zip(*runs):
+        assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
 class _Taken(list):
     gemm: list
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import rel_err
+from conftest import PoisonPast, check_rows_past_unread, rel_err
 from turbomoe.integrations.deepspeed_experts import SwiGLUExpert, grouped_mlp
 from turbomoe.integrations.expert_stack import EqualGroups, RowGroups, pack_expert_params, weight_grad_buffers
 
@@ -291,3 +291,28 @@ def test_gradients_in_place_only_where_autograd_adds_in_place(grads_in_place_tak
     x, dy = micro_batch("mlp", experts, "rows", 34)
     one_by_one(ref, "rows", x, dy)
     check(4)
+
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float64), pytest.param("cuda", torch.bfloat16, marks=ON_GPU)])
+@pytest.mark.parametrize("kind", ["swiglu", "mlp"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_rows_past_the_counts_never_reach_the_results(monkeypatch, fused, kind, device, dtype):
+    """Every grouped GEMM's input, output and their gradients NaN past the counts (the 3 rows no route
+    fills), micro-batches accumulating: the routed rows' outputs and input gradients and every
+    parameter's gradient the bits of the run without, finite (2026-11-29: the biases' gradients took
+    NaN from there, bias_act)."""
+    counts = torch.tensor([9, 0, 20, 8], dtype=torch.int32, device=device)
+
+    def make():
+        experts = kind_experts(kind, 5, device, dtype)
+        return experts, lambda x: grouped_mlp(kind, experts, x, RowGroups(counts, x.shape[0], fused))
+
+    def poison(monkeypatch):
+        matmul = RowGroups.matmul
+
+        def poisoned(self, x_RK, w_ENK, blocks=None):
+            n = int(self.counts_E.sum())
+            return PoisonPast.apply(matmul(self, PoisonPast.apply(x_RK, n), w_ENK, blocks), n)
+        monkeypatch.setattr(RowGroups, "matmul", poisoned)
+    check_rows_past_unread(monkeypatch, make, poison, M, device, dtype)

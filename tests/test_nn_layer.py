@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import require_cuda_backend
+from conftest import PoisonPast, check_rows_past_unread, require_cuda_backend
 from turbomoe import reference
 from turbomoe.nn import GroupedExperts, MoELayer, TopKRouter
 
@@ -348,3 +348,34 @@ def test_cpu_fused_grad_accumulation(recompute):
 @pytest.mark.parametrize("recompute", [False, True])
 def test_gpu_fused_grad_accumulation(dtype, recompute):
     check_fused_grad_accumulation("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2, recompute=recompute)
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float64),
+                                          pytest.param("cuda", torch.bfloat16, marks=[pytest.mark.gpu, gpu])])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_grouped_experts_rows_past_the_counts_never_reach_the_results(monkeypatch, fused, activation, device, dtype):
+    """GroupedExperts with biases, each grouped GEMM's input, output and their gradients NaN past the
+    counts (3 rows no route fills), two micro-batches accumulating: the routed rows' outputs and input
+    gradients and the parameters' gradients the bits of the run without, finite (2026-11-29: the
+    biases' gradients took NaN from there, bias_act)."""
+    import turbomoe.nn.experts as experts_module
+    counts = torch.tensor([9, 0, 20, 8], dtype=torch.int32, device=device)
+
+    def make():
+        torch.manual_seed(3)
+        experts = GroupedExperts(4, 16, 24, activation, bias=True, device=device, dtype=dtype,
+                                 fused_grad_accumulation=fused)
+        with torch.no_grad():
+            for b in (experts.b1, experts.b2):
+                b.uniform_(-1, 1)
+        return experts, lambda x: experts(x, counts)
+
+    def poison(monkeypatch):
+        gmm = experts_module.grouped_mm
+
+        def poisoned(x_RK, w, counts_E, *args, **kw):
+            n = int(counts_E.sum())
+            return PoisonPast.apply(gmm(PoisonPast.apply(x_RK, n), w, counts_E, *args, **kw), n)
+        monkeypatch.setattr(experts_module, "grouped_mm", poisoned)
+    check_rows_past_unread(monkeypatch, make, poison, 16, device, dtype)
