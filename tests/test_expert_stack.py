@@ -293,7 +293,6 @@ def test_gradients_in_place_only_where_autograd_adds_in_place(grads_in_place_tak
     check(4)
 
 
-
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.float64), pytest.param("cuda", torch.bfloat16, marks=ON_GPU)])
 @pytest.mark.parametrize("kind", ["swiglu", "mlp"])
 @pytest.mark.parametrize("fused", [False, True])

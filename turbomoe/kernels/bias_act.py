@@ -106,7 +106,8 @@ def bias_act_forward(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R, rows_per_
 
 def bias_act_backward(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R, rows_per_group, act: str,
                       dout_RN: torch.Tensor) -> torch.Tensor:
-    """The gradient of z = y + b[g(r)], in dout's dtype, zero past the groups; y is None with act none."""
+    """The gradient of z = y + b[g(r)], in y's dtype, zero past the groups; y is None with act none
+    (dout's dtype then)."""
     y_RN = dout_RN if y_RN is None else y_RN
     dz = torch.empty_like(y_RN)
     _launch(_bias_act_bwd_kernel, y_RN, b_GN, groups_R, rows_per_group, act, dout_RN, dz)
