@@ -36,21 +36,22 @@ def _normal_cdf(z):
 
 
 @triton.jit
-def _group(g_ptr, row, G, rows_per_group, HAS_GROUPS: tl.constexpr):
-    """g(row); >= G past the groups."""
+def _group(g_ptr, row, cols, G, rows_per_group, HAS_GROUPS: tl.constexpr):
+    """g(row), >= G past the groups, and in_group: g < G broadcast to the block (the interpreter takes
+    no scalar in a mask)."""
     if HAS_GROUPS:
-        return tl.load(g_ptr + row).to(tl.int64)
-    return (row // rows_per_group) % G
+        g = tl.load(g_ptr + row).to(tl.int64)
+    else:
+        g = (row // rows_per_group) % G
+    return g, cols * 0 + g < G
 
 
 @triton.jit
-def _biased_row(y_ptr, b_ptr, g, row, cols, ok, N, G):
-    """z = y[row, cols] + b[g, cols] in fp32; in_group: g < G, broadcast to the block (the interpreter
-    takes no scalar in a mask)."""
-    in_group = cols * 0 + g < G
+def _biased_row(y_ptr, b_ptr, g, in_group, row, cols, ok, N):
+    """z = y[row, cols] + b[g, cols] in fp32."""
     y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + g * N + cols, mask=ok & in_group, other=0.0).to(tl.float32)  # g >= G: no bias
-    return y + b, in_group
+    return y + b
 
 
 @triton.jit
@@ -59,8 +60,8 @@ def _bias_act_fwd_kernel(y_ptr, b_ptr, g_ptr, out_ptr, N, G, rows_per_group,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    g = _group(g_ptr, row, G, rows_per_group, HAS_GROUPS)
-    z, in_group = _biased_row(y_ptr, b_ptr, g, row, cols, ok, N, G)
+    g, in_group = _group(g_ptr, row, cols, G, rows_per_group, HAS_GROUPS)
+    z = _biased_row(y_ptr, b_ptr, g, in_group, row, cols, ok, N)
     if ACT == "gelu_tanh":
         z = z * _tanh_sig(z)
     elif ACT == "gelu":
@@ -74,12 +75,12 @@ def _bias_act_bwd_kernel(y_ptr, b_ptr, g_ptr, dout_ptr, dz_ptr, N, G, rows_per_g
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    g = _group(g_ptr, row, G, rows_per_group, HAS_GROUPS)
+    g, in_group = _group(g_ptr, row, cols, G, rows_per_group, HAS_GROUPS)
     dout = tl.load(dout_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
     if ACT == "none":  # (y_ptr is dout's: not read)
-        dz, in_group = dout, cols * 0 + g < G
+        dz = dout
     else:
-        z, in_group = _biased_row(y_ptr, b_ptr, g, row, cols, ok, N, G)
+        z = _biased_row(y_ptr, b_ptr, g, in_group, row, cols, ok, N)
         if ACT == "gelu_tanh":  # 2 sqrt(2/pi) = 1.5957691216057308, 3 * 0.044715 = 0.134145
             s = _tanh_sig(z)
             grad = s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)
