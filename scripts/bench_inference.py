@@ -8,7 +8,8 @@ shuffle   index shuffling (routing + counts + expert-contiguous permutation) at 
           sort) and FBGEMM's torch.ops.fbgemm.index_shuffling (from bf16 scores)
 layer     the decode MoE layer at T = 1, 8, 16, 64, 256 tokens, bf16: Qwen3-30B-A3B's (E 128, k 8,
           M 2048, F 768, softmax, renormalised) and a Llama-4-Scout TP8 shard (E 16, k 1, M 5120,
-          F 1024, sigmoid, input pre-scaled, one shared expert); turbomoe's SparseMoE in each mode vs
+          F 1024, sigmoid, input pre-scaled, one shared expert); turbomoe's SparseMoE in each mode (and
+          "tuned": auto with the few-rows tilings measured on this GPU, SparseMoE.tune) vs
           plain PyTorch (topk, sort, index_select, torch._grouped_mm, index_add_), transformers' own
           block (eager: it syncs with the host) and the floor: bytes of the weights the step must
           read (experts with tokens, the shared expert, the router) over the measured copy bandwidth
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from turbomoe import csrc  # noqa: E402
 from turbomoe.inference import SparseMoE, index_shuffling  # noqa: E402
+from turbomoe.inference.tiling import tile_space  # noqa: E402
 from turbomoe.kernels.shuffling import index_shuffling as triton_shuffling  # noqa: E402
 from timing import capture_graph, require_gpu  # noqa: E402
 
@@ -245,6 +247,16 @@ def bench_layer(args, log, bandwidth):
         dev = dict(device="cuda", dtype=torch.bfloat16)
         router, sets = layer_weights(cfg, g)
         moes = {mode: layer_moes(cfg, router, sets, mode) for mode in ("auto", "few_rows", "grouped", "dense")}
+        moes["tuned"] = layer_moes(cfg, router, sets, "auto")  # auto, the few-rows tilings measured here
+        t0 = time.perf_counter()
+        blocks = {}
+        table = moes["tuned"][0].tune(args.layer_tokens, report=blocks)
+        tune_s = time.perf_counter() - t0
+        log(f"  {name}: the block in the tune, us on the rule's / the chosen tilings: "
+            + json.dumps({T: [round(us, 2) for us in pair] for T, pair in blocks.items()}))
+        for m in moes["tuned"][1:]:
+            m.few_rows_tiles = dict(table)
+        log(f"  {name}: tuned in {tune_s:.0f} s, tilings " + json.dumps({T: [tile_name(t) for t in pair] for T, pair in table.items()}))
         try:
             hf = [hf_block(name, cfg, router, *ws) for ws in sets]
         except Exception as e:  # noqa: BLE001
@@ -310,27 +322,11 @@ def bench_stages(args, log, device="cuda"):
     return rows
 
 
-def tile_space(T: int, K: int):
-    """The few-rows GEMMs' tilings swept (Tiles: block_m, block_n, split, block_k, warps, stages, swap,
-    tma): one-row tiles at T = 1 (TMA or per-thread loads); beyond, up to 8 rows on the CUDA cores at
-    T <= 8, 16 rows through tl.dot, and from T = 32 16 or 32 with the weights as the MMA's M side;
-    N tiles of 32 (CUDA-core tiles only), 64 and 128 (not on multi-row CUDA-core tiles: their
-    registers); K split 1-8 ways in 64- or 128-K tiles; 2 or 3 stages. 32-96 tilings a GEMM."""
-    from turbomoe.kernels.few_rows_gemm import Tiles
-    from turbomoe.kernels.launch import next_pow2
-    if T == 1:
-        rows = [(1, False, True), (1, False, False)]
-    else:
-        rows = [(next_pow2(T), False, True)] if T <= 8 else []
-        rows += [(16, False, True)] + ([(16, True, True), (32, True, True)] if T >= 32 else [])
-    for (bm, swap, tma), bn, split, bk, stages in itertools.product(rows, (32, 64, 128), (1, 2, 4, 8), (64, 128), (2, 3)):
-        if K // split < bk or (bn == 32 and bm >= 16) or (bn == 128 and 1 < bm < 16):
-            continue
-        yield Tiles(bm, bn, split, bk, 4, stages, swap, tma)
-
-
 def tile_name(t) -> str:
-    """block_m x block_n x split x block_k x stages, s: swapped MMA operands, p: per-thread weight loads."""
+    """block_m x block_n x split x block_k x stages, s: swapped MMA operands, p: per-thread weight loads;
+    None (a tune that kept the rule): "rule"."""
+    if t is None:
+        return "rule"
     return f"{t.block_m}x{t.block_n}x{t.split}x{t.block_k}x{t.num_stages}" + "s" * t.swap + "p" * (not t.tma)
 
 
@@ -376,7 +372,8 @@ GEN_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe
 
 def bench_generate(args, log, prompt_len=32, new_tokens=64):
     """Tokens/s of generate (prefill + new_tokens greedy steps, all rows to the end) on a random ~1B
-    Qwen3-MoE saved by transformers and read by turbomoe.inference.load."""
+    Qwen3-MoE saved by transformers and read by turbomoe.inference.load (and loaded again with
+    tune=True: the few-rows tilings measured at these batch sizes)."""
     import tempfile
 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -390,6 +387,11 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
     batches = [1, 8] if args.quick else [1, 8, 64]
     engine = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(batches),
                   max_seq_len=prompt_len + new_tokens)
+    t0 = time.perf_counter()
+    tuned = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(batches), buckets=batches,
+                 max_seq_len=prompt_len + new_tokens, tune=True)
+    log(f"  generate: tuned in {time.perf_counter() - t0:.0f} s (load included), tilings "
+        + json.dumps({T: [tile_name(t) for t in pair] for T, pair in tuned.few_rows_tiles.items()}))
     rows = []
 
     def wall(fn):
@@ -405,6 +407,9 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
         engine.generate(ids, new_tokens)  # warm-up: kernels and this bucket's decode graph
         ours, t = min((wall(lambda: engine.generate(ids, new_tokens)) for _ in range(3)), key=lambda o: o[1])
         r["turbomoe_tok_s"] = B * new_tokens / t
+        tuned.generate(ids, new_tokens)
+        theirs, t = min((wall(lambda: tuned.generate(ids, new_tokens)) for _ in range(3)), key=lambda o: o[1])
+        r["turbomoe_tuned_tok_s"] = B * new_tokens / t
         hf_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         with torch.no_grad():
             hf.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)

@@ -108,6 +108,10 @@ def test_engine_errors(tmp_path):
     assert engine.cache is None
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['max_bach'\]"):
         load(path, device="cpu", max_bach=2)
+    with pytest.raises(ValueError, match="tune measures the few-rows kernels on a GPU; device is cpu"):
+        load(path, device="cpu", tune=True)  # refused before the checkpoint is read
+    with pytest.raises(ValueError, match=r"few_rows_tiles\[8\]: invalid tiling"):
+        load(path, device="cpu", few_rows_tiles={8: ((16, 24, 1, 64, 4, 2), (16, 64, 1, 64, 4, 2))})
     # eos as a numpy integer, a 0-d or 1-d tensor or a tuple: the same stops as a list
     import numpy as np
     eos = int(engine.generate(ids, 3)[0, 4])
@@ -237,3 +241,23 @@ def test_cuda_fp32_tokens_equal_cpu(tmp_path, seed):
         got = gpu.generate(ids, 14, attention_mask=mask)
         assert torch.equal(got.cpu(), want), (got, want)
     assert gpu.graphs  # the decode steps ran from CUDA graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tuned_tiles_tokens_equal_cpu(tmp_path):
+    """Engine(tune=True) measures the few-rows tilings at each bucket and every MoE layer takes the
+    table; its greedy fp32 tokens are the CPU path's; a table passed back gives the same bits."""
+    _, path = hf_model(tmp_path, 2)
+    cpu = load(path, device="cpu", dtype=torch.float32, max_batch=8, max_seq_len=48)
+    gpu = load(path, device="cuda", dtype=torch.float32, max_batch=8, max_seq_len=48, buckets=(1, 4), tune=True)
+    table = gpu.few_rows_tiles
+    assert sorted(table) == [1, 4, 8] and all(m.few_rows_tiles == table for m in gpu.moes.values())
+    again = load(path, device="cuda", dtype=torch.float32, max_batch=8, max_seq_len=48, buckets=(1, 4),
+                 few_rows_tiles=json.loads(json.dumps(table)))  # a table kept as JSON
+    g = torch.Generator().manual_seed(2)
+    for lengths in ((6, ), (7, 3, 11), (5, 9, 2, 4, 8)):
+        ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+        got = gpu.generate(ids, 14, attention_mask=mask)
+        assert torch.equal(got.cpu(), cpu.generate(ids, 14, attention_mask=mask))
+        assert torch.equal(again.generate(ids, 14, attention_mask=mask), got)

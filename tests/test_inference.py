@@ -1,6 +1,8 @@
 """turbomoe.inference: the CPU path (reference and dense modes) against a token-by-token fp64 oracle,
 input errors, and on a GPU the CUDA index shuffling and the SparseMoE block in bf16, eager and
 replayed from a CUDA graph."""
+import json
+
 import pytest
 import torch
 
@@ -98,3 +100,26 @@ def test_sparse_moe_cuda_graph(T):
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, moe(x), rtol=0, atol=0)
+
+
+def test_tile_table_checked():
+    """few_rows_tiles: Tiles or their fields (a JSON round trip), token counts as ints or their
+    strings; anything else refused with the entry named."""
+    from turbomoe.inference import SparseMoE
+    from turbomoe.inference.tiling import check_tile_table
+    from turbomoe.kernels.few_rows_gemm import Tiles
+    table = {1: (Tiles(1, 64, 4, 64, 4, 2), Tiles(1, 64, 8, 64, 4, 2)),
+             64: (Tiles(16, 128, 2, 64, 4, 2, False, True), Tiles(32, 128, 1, 128, 4, 2, True, True))}
+    assert check_tile_table(json.loads(json.dumps(table))) == table
+    assert check_tile_table({"3": [None, None]}) == {3: (None, None)}  # the rule's tilings at 3 tokens
+    assert check_tile_table(None) == {}
+    for bad, match in (([1, 2], "must be a dict"), ({0: table[1]}, "keys must be token counts >= 1"),
+                       ({"x": table[1]}, "few_rows_tiles\\['x'\\]"), ({2: table[1][:1]}, "a pair of Tiles"),
+                       ({2: ((16, 48, 1, 64, 4, 2), table[1][1])}, "invalid tiling"),
+                       ({2: ((16, 64, 0, 64, 4, 2), table[1][1])}, "invalid tiling"),
+                       ({2: ((8, 64, 1, 64, 4, 2, True), table[1][1])}, "swapped MMA operands need block_m >= 16")):
+        with pytest.raises(ValueError, match=match):
+            check_tile_table(bad)
+    w1, w2 = torch.randn(3, 8, 12), torch.randn(3, 6, 8)
+    with pytest.raises(ValueError, match="invalid tiling"):
+        SparseMoE(torch.randn(3, 8), w1, w2, 1, few_rows_tiles={2: ((16, 48, 1, 64, 4, 2), table[1][1])})

@@ -181,3 +181,86 @@ def test_dependent_launch_same_bits(T, monkeypatch):
     pdl_eager, pdl_graph = run(True)
     for a, b, c, d in zip(plain_eager, plain_graph, pdl_eager, pdl_graph):
         assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+
+
+def _tune_case(T):
+    from turbomoe.inference import SparseMoE
+    router, w1, w2, (sw1, sw2) = moe_weights(5, 48, 32, True, seed=T, device=DEVICE)
+    return SparseMoE(router, w1, w2, 2, shared_w1_MN=sw1, shared_w2_FM=sw2, mode="few_rows")
+
+
+def _tune_candidates(T, K):
+    from turbomoe.kernels.few_rows_gemm import Tiles
+    stages = 1 if DEVICE == "cpu" else 2
+    return [Tiles(16, 16, split, 16, 4, stages, swap) for split in (1, 2) for swap in (False, True)]
+
+
+@pytest.mark.parametrize("T, rule_fastest, pair_block_us", [(1, True, None), (3, False, 1.0), (19, False, 2.0),
+                                                           (6, False, 1.95)])
+def test_tune_few_rows_keeps_the_fastest_pair(T, rule_fastest, pair_block_us, monkeypatch):
+    """SparseMoE.tune times the rule and each candidate of both GEMMs (each run), keeps the pair of
+    least summed time where the whole block is faster on it by more than the margin (3%: the rule's
+    block takes 2.0 here; else the rule: None), reports the block's times, and the block then runs
+    those tilings, against the float64 oracle."""
+    from turbomoe.kernels import few_rows_gemm
+    from turbomoe.kernels.few_rows_gemm import UP_MAX_SPLIT, few_rows_tiles
+    moe = _tune_case(T)
+    G, M, N1 = moe.w1.shape
+    rules = {"up": few_rows_tiles(T, 3 * T, G, N1, M, moe.w1.device, UP_MAX_SPLIT, True),
+             "down": few_rows_tiles(T, 3 * T, G, M, 32, moe.w1.device)}
+    cost = {("up", _tune_candidates(T, M)[3]): 2.0, ("down", _tune_candidates(T, M)[1]): 1.0}
+    timed = []
+
+    def timer(op, tiles, fn):
+        out = fn()
+        assert torch.isfinite(out).all()
+        timed.append((op, tiles))
+        if op == "layer":
+            return 2.0 if tiles is None else pair_block_us
+        return 0.5 if rule_fastest and tiles == rules[op] else cost.get((op, tiles), 9.0)
+    report = {}
+    table = moe.tune([T], candidates=_tune_candidates, timer=timer, report=report)
+    pair = (_tune_candidates(T, M)[3], _tune_candidates(T, M)[1])
+    want = (rules["up"], rules["down"]) if rule_fastest else pair if pair_block_us == 1.0 else (None, None)
+    assert table == {T: want} and moe.few_rows_tiles is table
+    assert report == ({} if rule_fastest else {T: (2.0, pair_block_us)})
+    assert [t for op, t in timed if op == "layer"] == ([] if rule_fastest else [None, pair] * 3)
+    ups = [t for op, t in timed if op == "up"]
+    assert set(ups) == {rules["up"], *_tune_candidates(T, M)} and len(ups) == len(set(ups))
+    assert {t for op, t in timed if op == "down"} == {rules["down"], *_tune_candidates(T, 32)}
+    used = []
+    for name in ("few_rows_up", "few_rows_down"):
+        kernel = getattr(few_rows_gemm, name)
+        monkeypatch.setattr(few_rows_gemm, name, lambda *a, kernel=kernel, **kw: used.append(kw["tiles"]) or kernel(*a, **kw))
+    check_moe(T, 5, 2, 48, 32, "softmax", False, True, False, "few_rows", DEVICE, seed=T, few_rows_tiles=table)
+    assert used[:2] == list(want)  # None: the rule's, chosen in the kernels
+
+
+def test_tune_few_rows_errors():
+    moe = _tune_case(4)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="on a GPU; the experts are on cpu"):
+            moe.tune([4])
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="token counts must be positive ints"):
+            moe.tune([bad], timer=lambda op, tiles, fn: 1.0)
+    assert moe.few_rows_tiles == {}
+    grouped = _tune_case(4)
+    grouped.mode = "grouped"  # token counts that do not run few_rows are not tuned
+    assert grouped.tune([4], timer=lambda op, tiles, fn: 1.0) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times the kernels on a GPU")
+def test_tune_few_rows_on_gpu():
+    """The default timer on a GPU (CUDA graphs, cold L2) over every fourth tiling of the space (the
+    whole space compiles for minutes): the chosen tilings run the block to the oracle's output, with
+    the same bits on every call."""
+    from turbomoe.inference import SparseMoE
+    from turbomoe.inference.tiling import tile_space
+    router, w1, w2, (sw1, sw2) = moe_weights(16, 512, 128, True, seed=5, device="cuda", dtype=torch.bfloat16)
+    moe = SparseMoE(router, w1, w2, 1, "sigmoid", False, sw1, sw2, prescale=True)
+    table = moe.tune([1, 7, 40, 100000], candidates=lambda T, K: list(tile_space(T, K))[::4])  # 100000: grouped
+    assert sorted(table) == [1, 7, 40]
+    for T in (1, 7, 40):
+        check_moe(T, 16, 1, 512, 128, "sigmoid", False, True, True, "auto", "cuda", torch.bfloat16, tol=2e-2,
+                  seed=5, few_rows_tiles=table)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..models.hf_names import to_hf_state_dict
 from ..models.qwen3_moe import ExpertsMoved, rotary_cos_sin
 from .moe import SparseMoE
+from .tiling import check_tile_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CACHE_SLOTS_STEP = 256  # the cache's length grows in these steps: fewer remakes (and graph captures)
@@ -42,10 +43,11 @@ class Engine:
     may ask for (default the model's max_position_embeddings; the cache holds only what calls have
     needed, see the module's docstring); cuda_graphs: capture the decode step per bucket on CUDA;
     keep_model: leave the model whole (its experts then take memory twice), else its MoE blocks move
-    into the engine."""
+    into the engine; tune: measure the few-rows GEMMs' tilings at each bucket's decode step on this GPU
+    (SparseMoE.tune, on the first MoE layer; every MoE layer then uses its table, few_rows_tiles)."""
 
     def __init__(self, model, max_batch: int = 64, max_seq_len: Optional[int] = None, cuda_graphs: bool = True,
-                 buckets: Sequence[int] = BUCKETS, keep_model: bool = False, **moe_kw):
+                 buckets: Sequence[int] = BUCKETS, keep_model: bool = False, tune: bool = False, **moe_kw):
         model.check_whole()
         cfg = model.config
         self.config = cfg
@@ -61,6 +63,8 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        if tune and self.device.type != "cuda":
+            raise ValueError(f"tune measures the few-rows kernels on a GPU; the model is on {self.device}")
         inner = model.model
         self.embed, self.norm, self.lm_head = inner.embed_tokens, inner.norm, model.lm_head
         self.layers = list(inner.layers)
@@ -78,9 +82,19 @@ class Engine:
                 for key in [key for key in sd if key.startswith(prefix)]:
                     del sd[key]
         del sd
+        if tune and self.moes:  # a decode step of bucket b runs b tokens through each MoE layer
+            table = next(iter(self.moes.values())).tune(self.buckets)
+            for moe in self.moes.values():
+                moe.few_rows_tiles = dict(table)
         self.cos, self.sin = rotary_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta, self.device)
         self.cache, self.cache_rows, self.cache_len = None, 0, 0
         self.graphs, self._pool = {}, None
+
+    @property
+    def few_rows_tiles(self) -> dict:
+        """The MoE layers' tile table (SparseMoE.few_rows_tiles): what tune chose, to pass to a later
+        load(..., few_rows_tiles=...) for the same kernels and bits."""
+        return dict(next(iter(self.moes.values())).few_rows_tiles) if self.moes else {}
 
     # ---- buffers -------------------------------------------------------------------------------
     def _allocate(self, rows: int, slots: int):
@@ -316,5 +330,8 @@ def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **eng
     check_model_dir(model_dir)
     _check_keywords(engine_kw)  # before the checkpoint is read
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if engine_kw.get("tune") and device.type != "cuda":
+        raise ValueError(f"tune measures the few-rows kernels on a GPU; device is {device}")
+    check_tile_table(engine_kw.get("few_rows_tiles"))
     model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
     return Engine(model.eval(), **engine_kw)

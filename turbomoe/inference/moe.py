@@ -34,6 +34,7 @@ from ..autograd.grouped_gemm import _reference_mm, choose_gmm_backend, mm_forwar
 from ..autograd.swiglu import swiglu_reference
 from ..ops import check_routing
 from .shuffling import index_shuffling, shuffle_backend
+from .tiling import check_tile_table, check_token_counts, tune_few_rows
 
 MODES = ("auto", "few_rows", "grouped", "dense", "reference")
 # The router's GEMV kernel up to T * E * M products (a program a logit: each re-reads its token's
@@ -59,7 +60,8 @@ class SparseMoE(nn.Module):
                  score_func: str = "softmax", renormalize: bool = False, shared_w1_MN: Optional[torch.Tensor] = None,
                  shared_w2_FM: Optional[torch.Tensor] = None, prescale: bool = False, mode: str = "auto",
                  backend: Optional[str] = None, gmm_backend: Optional[str] = None,
-                 few_rows_per_expert: int = FEW_ROWS_PER_EXPERT, dense_max: int = 0):
+                 few_rows_per_expert: int = FEW_ROWS_PER_EXPERT, dense_max: int = 0,
+                 few_rows_tiles: Optional[dict] = None):
         super().__init__()
         E, M, N2 = w1_EMN.shape
         if router_EM.shape != (E, M) or w2_EFM.shape != (E, N2 // 2, M) or N2 % 2:
@@ -83,6 +85,7 @@ class SparseMoE(nn.Module):
         self.shared, self.prescale, self.mode = shared_w1_MN is not None, prescale, mode
         self.backend, self.gmm_backend = backend, gmm_backend
         self.few_rows_per_expert, self.dense_max = few_rows_per_expert, dense_max
+        self.few_rows_tiles = check_tile_table(few_rows_tiles)
         self.register_buffer("router", router_EM.contiguous(), persistent=False)
         self.register_buffer("w1", w1_EMN.contiguous(), persistent=False)
         self.register_buffer("w2", w2_EFM.contiguous(), persistent=False)
@@ -100,6 +103,15 @@ class SparseMoE(nn.Module):
                    for j in range(num_experts)]
         down = [w(f"experts.{j}.down_proj.weight").t() for j in range(num_experts)]
         return cls(w("gate.weight"), torch.stack(gate_up), torch.stack(down), k, renormalize=renormalize, **kw)
+
+    def tune(self, token_counts, **kw) -> dict:
+        """Measures the few-rows GEMMs' tilings at those of token_counts that run few_rows (on this
+        GPU, this layer's weights: turbomoe.inference.tiling) and uses the fastest from then on.
+        Returns the table (few_rows_tiles), which a later SparseMoE or load() can be given."""
+        tokens = [T for T in check_token_counts(token_counts)
+                  if self.choose_mode(self.w1.new_empty(T, self.w1.shape[1])) == "few_rows"]
+        self.few_rows_tiles.update(tune_few_rows(self, tokens, **kw))
+        return self.few_rows_tiles
 
     def choose_mode(self, x_TM: torch.Tensor) -> str:
         if self.mode != "auto":
@@ -137,10 +149,11 @@ class SparseMoE(nn.Module):
             return reference.gather_tokens(y, r.slots, weights)
         if mode == "few_rows":  # the gather, split sums and combine folded into three launches
             from ..kernels.few_rows_gemm import combine, few_rows_down, few_rows_up
+            up_tiles, down_tiles = self.few_rows_tiles.get(T, (None, None))  # None: few_rows_tiles' rule
             h = few_rows_up(x_TM, r.row_routes, r.slots.shape[1], self.w1, r.counts, T,
-                            r.scores if self.prescale else None)
-            return combine(few_rows_down(h, self.w2, r.counts, T), r.slots, None if self.prescale else r.scores,
-                           x_TM.dtype)
+                            r.scores if self.prescale else None, tiles=up_tiles)
+            return combine(few_rows_down(h, self.w2, r.counts, T, tiles=down_tiles), r.slots,
+                           None if self.prescale else r.scores, x_TM.dtype)
         impl = ops._impl(ops.choose_backend(x_TM, self.backend, self.num_experts + self.shared))
         rows = torch.empty(R, M, dtype=x_TM.dtype, device=x_TM.device)
         impl.push_rows(x_TM, r.slots, rows, r.counts, None, scores_SK=r.scores if self.prescale else None)
