@@ -112,6 +112,13 @@ def test_engine_errors(tmp_path):
         load(path, device="cpu", tune=True)  # refused before the checkpoint is read
     with pytest.raises(ValueError, match=r"few_rows_tiles\[8\]: invalid tiling"):
         load(path, device="cpu", few_rows_tiles={8: ((16, 24, 1, 64, 4, 2), (16, 64, 1, 64, 4, 2))})
+    # a tile table set on the engine reaches every MoE layer; a bad one changes nothing
+    engine.few_rows_tiles = {"4": [None, None]}
+    assert engine.few_rows_tiles == {4: (None, None)}
+    assert engine.moes and all(m.few_rows_tiles == {4: (None, None)} for m in engine.moes.values())
+    with pytest.raises(ValueError, match=r"few_rows_tiles\[2\]: invalid tiling"):
+        engine.few_rows_tiles = {2: ((16, 48, 1, 64, 4, 2), None)}
+    assert all(m.few_rows_tiles == {4: (None, None)} for m in engine.moes.values())
     # eos as a numpy integer, a 0-d or 1-d tensor or a tuple: the same stops as a list
     import numpy as np
     eos = int(engine.generate(ids, 3)[0, 4])
@@ -198,7 +205,10 @@ def test_generate_cli(tmp_path, capsys):
     for argv, message in (([str(tmp_path / "nope"), "--prompt", "a"], "nope is not a Hugging Face model directory"),
                           ([out, "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
                           ([out, "--prompt", ""], "--prompt must not be empty"),
-                          ([out, "--prompt", "a", "--sample", "--temperature", "0"], "--sample needs --temperature > 0")):
+                          ([out, "--prompt", "a", "--sample", "--temperature", "0"], "--sample needs --temperature > 0"),
+                          ([out, "--prompt", "a", "--device", "cpu", "--tune"], "--tune and --tiles choose the GPU"),
+                          ([out, "--prompt", "a", "--device", "cpu", "--tiles", str(tmp_path / "t.json")],
+                           "the device is cpu")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
@@ -261,3 +271,41 @@ def test_cuda_tuned_tiles_tokens_equal_cpu(tmp_path):
         got = gpu.generate(ids, 14, attention_mask=mask)
         assert torch.equal(got.cpu(), cpu.generate(ids, 14, attention_mask=mask))
         assert torch.equal(again.generate(ids, 14, attention_mask=mask), got)
+    assert gpu.graphs
+    gpu.few_rows_tiles = {}  # the rule's tilings: the decode graphs captured on the tuned ones are dropped
+    assert not gpu.graphs and all(m.few_rows_tiles == {} for m in gpu.moes.values())
+    assert torch.equal(gpu.generate(ids, 14, attention_mask=mask).cpu(), cpu.generate(ids, 14, attention_mask=mask))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_generate_cli_tune_and_tile_file(tmp_path, capsys):
+    """python -m turbomoe.generate --tune --tiles FILE keeps the measured table in FILE under this GPU,
+    the model's shape and dtype; --tiles FILE alone reads it back: the same greedy text."""
+    from turbomoe.data import ByteTokenizer
+    from turbomoe.generate import main
+    from turbomoe.inference.tiling import read_tile_file, tile_key
+    from turbomoe.models import Qwen3MoeForCausalLM
+    _, path = hf_model(tmp_path, 5, vocab_size=257, eos_token_id=256, pad_token_id=256)
+    out, tiles = os.path.join(tmp_path, "bytes"), str(tmp_path / "tiles.json")
+    Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out, tokenizer=ByteTokenizer())
+    argv = [out, "--prompt", "abc", "--prompt", "de", "--max-new-tokens", "6", "--dtype", "fp32"]
+    main(argv)
+    plain = capsys.readouterr().out
+    main(argv + ["--tiles", tiles])
+    assert "holds no tile table" in capsys.readouterr().err
+    main(argv + ["--tune", "--tiles", tiles])
+    printed = capsys.readouterr()
+    assert "tuned the few-rows tilings in" in printed.err and printed.out == plain
+    config = json.load(open(os.path.join(out, "config.json")))
+    key = tile_key(torch.cuda.get_device_name(), config["num_experts"], config["num_experts_per_tok"],
+                   config["hidden_size"], config["moe_intermediate_size"], torch.float32)
+    assert sorted(read_tile_file(tiles, key)) == [2]  # the batch's bucket
+    main(argv + ["--tiles", tiles])
+    assert capsys.readouterr().out == plain
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as e:  # refused before the load, and left as it was
+        main(argv + ["--tune", "--tiles", str(bad)])
+    assert e.value.code == 2 and "bad.json is not a turbomoe tile file" in capsys.readouterr().err
+    assert bad.read_text() == "{}"

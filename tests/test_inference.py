@@ -2,6 +2,7 @@
 input errors, and on a GPU the CUDA index shuffling and the SparseMoE block in bf16, eager and
 replayed from a CUDA graph."""
 import json
+import os
 
 import pytest
 import torch
@@ -123,3 +124,35 @@ def test_tile_table_checked():
     w1, w2 = torch.randn(3, 8, 12), torch.randn(3, 6, 8)
     with pytest.raises(ValueError, match="invalid tiling"):
         SparseMoE(torch.randn(3, 8), w1, w2, 1, few_rows_tiles={2: ((16, 48, 1, 64, 4, 2), table[1][1])})
+
+
+def test_tile_file(tmp_path):
+    """Tile files: a table per (GPU, layer shape, dtype), read back as written; writing updates that
+    key's token counts and leaves other keys' tables; a missing file or key reads None; anything not a
+    tile file is refused, naming the file."""
+    from turbomoe.inference.tiling import read_tile_file, tile_key, write_tile_file
+    from turbomoe.kernels.few_rows_gemm import Tiles
+    path = str(tmp_path / "tiles.json")
+    h200 = tile_key("NVIDIA H200", 128, 8, 2048, 768, torch.bfloat16)
+    h100 = tile_key("NVIDIA H100 80GB HBM3", 128, 8, 2048, 768, torch.bfloat16)
+    assert h200 == {"gpu": "NVIDIA H200", "experts": [128, 8, 2048, 768], "dtype": "bfloat16"}
+    assert read_tile_file(path, h200) is None
+    a = {8: (Tiles(16, 64, 1, 64, 4, 2), Tiles(16, 128, 8, 64, 4, 2)), 1: (None, None)}
+    write_tile_file(path, h200, a)
+    write_tile_file(path, h100, {8: (None, None)})
+    assert read_tile_file(path, h200) == a and read_tile_file(path, h100) == {8: (None, None)}
+    b = {8: (None, None), 64: (Tiles(16, 64, 1, 128, 4, 2, True, True), Tiles(16, 128, 1, 64, 4, 2, True, True))}
+    write_tile_file(path, h200, b)
+    assert read_tile_file(path, h200) == {1: (None, None), **b}
+    assert read_tile_file(path, {**h200, "dtype": "float32"}) is None
+    assert read_tile_file(path, h100) == {8: (None, None)}
+    assert sorted(os.listdir(tmp_path)) == ["tiles.json"]  # no temporary file left
+    for text in ("{", "[]", '{"tables": [{"for": "x", "tiles": {}}]}',
+                 '{"tables": [{"for": {}, "tiles": {"0": [null, null]}}]}'):
+        with open(path, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match="tiles.json is not a turbomoe tile file"):
+            read_tile_file(path, h200)
+        with pytest.raises(ValueError, match="tiles.json is not a turbomoe tile file"):
+            write_tile_file(path, h200, a)
+        assert open(path).read() == text  # not overwritten

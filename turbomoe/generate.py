@@ -2,11 +2,15 @@
 
     python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--sample
         --temperature 0.8 --top-p 0.95] [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0]
+        [--tune] [--tiles FILE]
 
 The tokenizer is the directory's (transformers' AutoTokenizer); generation stops at the EOS ids of the
 directory's generation_config.json and the tokenizer's. Prints the continuation, then the prefill and
 decode times and the decode tokens/s (the first call of a batch size also captures its CUDA graph:
 reported apart). With --sample, the text is what Engine.generate gives with a generator seeded --seed.
+On a GPU, --tune first measures the decode step's few-rows GEMM tilings for this batch size
+(Engine(tune=True)); --tiles FILE reads the table measured for this GPU, model shape and dtype from
+FILE, and after --tune keeps the new one there (turbomoe.inference.tiling's tile files).
 """
 import argparse
 import json
@@ -43,6 +47,9 @@ def main(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     p.add_argument("--device", default=None, help="default: cuda where available")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tune", action="store_true", help="measure the few-rows GEMMs' tilings first (GPU)")
+    p.add_argument("--tiles", metavar="FILE", help="tile file: the table for this GPU and model read from it, "
+                   "and after --tune written to it")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -51,10 +58,15 @@ def main(argv=None):
     if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
         p.error(f"--sample needs --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
 
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if (args.tune or args.tiles) and device.type != "cuda":
+        p.error(f"--tune and --tiles choose the GPU kernels' tilings; the device is {device}")
+
     from transformers import AutoTokenizer
 
     from .inference import load
     from .inference.engine import check_model_dir
+    from .inference.tiling import read_tile_file, tile_key, write_tile_file
     from .models.hf_checkpoint import TOKENIZER_FILES
     try:  # before the tokenizer, which would take a missing directory for a Hub model's name
         config = check_model_dir(args.model_dir)
@@ -77,7 +89,30 @@ def main(argv=None):
     if positions is not None and T + args.max_new_tokens > positions:
         p.error(f"a prompt of {T} tokens + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                 f"max_position_embeddings {positions}")
-    engine = load(args.model_dir, device=args.device, dtype=DTYPES.get(args.dtype), max_batch=B)
+    if args.tiles:  # a file that is not a tile file refused before the load (and a tune's minutes)
+        try:
+            read_tile_file(args.tiles, {})
+        except ValueError as e:
+            p.error(str(e))
+    t0 = time.perf_counter()
+    # one bucket, this batch's: the only decode step this run takes (and the only one --tune measures)
+    engine = load(args.model_dir, device=device, dtype=DTYPES.get(args.dtype), max_batch=B, buckets=(),
+                  tune=args.tune)
+    if args.tune:
+        print(f"tuned the few-rows tilings in {time.perf_counter() - t0:.1f} s (the load included)", file=sys.stderr)
+    if args.tiles:
+        key = tile_key(torch.cuda.get_device_name(device), config["num_experts"], config["num_experts_per_tok"],
+                       config["hidden_size"], config["moe_intermediate_size"], engine.dtype)
+        try:
+            if args.tune:
+                write_tile_file(args.tiles, key, engine.few_rows_tiles)
+            elif (tiles := read_tile_file(args.tiles, key)) is not None:
+                engine.few_rows_tiles = tiles
+            else:
+                print(f"{args.tiles} holds no tile table for {key}: the rule's tilings (--tune measures them)",
+                      file=sys.stderr)
+        except ValueError as e:
+            p.error(str(e))
     kw = dict(attention_mask=batch["attention_mask"], eos_token_id=eos, pad_token_id=tok.pad_token_id,
               do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
 

@@ -83,9 +83,7 @@ class Engine:
                     del sd[key]
         del sd
         if tune and self.moes:  # a decode step of bucket b runs b tokens through each MoE layer
-            table = next(iter(self.moes.values())).tune(self.buckets)
-            for moe in self.moes.values():
-                moe.few_rows_tiles = dict(table)
+            self.few_rows_tiles = next(iter(self.moes.values())).tune(self.buckets)
         self.cos, self.sin = rotary_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta, self.device)
         self.cache, self.cache_rows, self.cache_len = None, 0, 0
         self.graphs, self._pool = {}, None
@@ -95,6 +93,15 @@ class Engine:
         """The MoE layers' tile table (SparseMoE.few_rows_tiles): what tune chose, to pass to a later
         load(..., few_rows_tiles=...) for the same kernels and bits."""
         return dict(next(iter(self.moes.values())).few_rows_tiles) if self.moes else {}
+
+    @few_rows_tiles.setter
+    def few_rows_tiles(self, table: dict):
+        """Every MoE layer on table's tilings (checked) from the next call on; decode graphs captured
+        on the old ones are dropped."""
+        table = check_tile_table(table)
+        for moe in self.moes.values():
+            moe.few_rows_tiles = dict(table)
+        self.graphs = {}
 
     # ---- buffers -------------------------------------------------------------------------------
     def _allocate(self, rows: int, slots: int):

@@ -7,9 +7,12 @@ tilings on the layer's own weights, with the routes of seeded random tokens and 
 (a decode step finds the layer's weights in DRAM), and keeps per token count the pair of tilings
 whose two GEMMs take the least time where the whole layer is then clearly faster. The choice is measured, so two tunings may choose differently:
 pass a table back (SparseMoE(few_rows_tiles=...), load(..., few_rows_tiles=...)) for the same bits
-across loads.
+across loads, or keep it in a tile file (read_tile_file / write_tile_file: tables for any number of
+GPUs and layer shapes, as `python -m turbomoe.generate --tune --tiles FILE` keeps them).
 """
 import itertools
+import json
+import os
 import statistics
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
@@ -199,3 +202,47 @@ def check_tile_table(table) -> TileTable:
                 raise ValueError(f"few_rows_tiles[{T!r}]: swapped MMA operands need block_m >= 16, got {t}")
         out[tokens] = (up, down)
     return out
+
+
+def tile_key(gpu: str, num_experts: int, k: int, hidden: int, expert_hidden: int, dtype: torch.dtype) -> dict:
+    """What a tile table was measured for: the GPU's name, the MoE layer's shape and the dtype."""
+    return {"gpu": gpu, "experts": [num_experts, k, hidden, expert_hidden], "dtype": str(dtype).replace("torch.", "")}
+
+
+def _tile_file_tables(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            tables = json.load(f)["tables"]
+        for entry in tables:
+            check_tile_table(entry["tiles"])
+            if not isinstance(entry["for"], dict):
+                raise TypeError(f"an entry's 'for' is {entry['for']!r}, not a dict")
+    except (OSError, ValueError, KeyError, TypeError) as e:  # json's errors are ValueErrors
+        raise ValueError(f"{path} is not a turbomoe tile file ({type(e).__name__}: {e})") from None
+    return tables
+
+
+def read_tile_file(path: str, key: dict) -> Optional[TileTable]:
+    """The table of a tile file measured for key (tile_key), or None where it holds none (or there is
+    no file); ValueError if the file is not a tile file."""
+    for entry in _tile_file_tables(path):
+        if entry["for"] == key:
+            return check_tile_table(entry["tiles"])
+    return None
+
+
+def write_tile_file(path: str, key: dict, table: TileTable):
+    """Keeps table in the tile file for key: the file's entries for key updated by table's token
+    counts, the other keys' tables left as they are; written whole, then renamed over the file."""
+    tables = _tile_file_tables(path)
+    entry = next((e for e in tables if e["for"] == key), None)
+    if entry is None:
+        entry = {"for": key, "tiles": {}}
+        tables.append(entry)
+    entry["tiles"] = {str(T): pair for T, pair in sorted({**check_tile_table(entry["tiles"]), **table}.items())}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"tables": tables}, f, indent=1)
+    os.replace(tmp, path)
