@@ -309,3 +309,20 @@ def test_generate_cli_tune_and_tile_file(tmp_path, capsys):
         main(argv + ["--tune", "--tiles", str(bad)])
     assert e.value.code == 2 and "bad.json is not a turbomoe tile file" in capsys.readouterr().err
     assert bad.read_text() == "{}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_engine_on_a_device_not_current(tmp_path):
+    """load(device="cuda:1") with cuda:0 current: the Triton kernels launch and the decode graphs are
+    captured on cuda:1 (the engine makes it current inside generate and tune), giving the CPU path's
+    greedy fp32 tokens; cuda:0 stays current."""
+    _, path = hf_model(tmp_path, 3)
+    cpu = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=40)
+    torch.cuda.set_device(0)
+    gpu = load(path, device="cuda:1", dtype=torch.float32, max_batch=4, max_seq_len=40, buckets=(1, ), tune=True)
+    assert sorted(gpu.few_rows_tiles) == [1, 4]
+    ids, mask = left_padded([[5, 9, 2, 7], [3, 1], [8, 8, 4]], pad=0)
+    got = gpu.generate(ids, 12, attention_mask=mask)
+    assert got.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0 and gpu.graphs
+    assert torch.equal(got.cpu(), cpu.generate(ids, 12, attention_mask=mask))

@@ -54,6 +54,8 @@ def test_sparse_moe_errors():
         SparseMoE(r, w1, w2, 2, mode="fast")
     with pytest.raises(ValueError, match=r"x must be \[T, 8\]"):
         SparseMoE(r, w1, w2, 2)(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="x is on meta, the experts on cpu"):
+        SparseMoE(r, w1, w2, 2)(torch.randn(3, 8, device="meta"))
 
 
 @pytest.mark.gpu

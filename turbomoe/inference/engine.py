@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..models.hf_names import to_hf_state_dict
 from ..models.qwen3_moe import ExpertsMoved, rotary_cos_sin
+from ..kernels.launch import on_device
 from .moe import SparseMoE
 from .tiling import check_tile_table
 
@@ -236,6 +237,11 @@ class Engine:
             raise ValueError(f"pad_token_id must be one id below vocab_size {V}, {given}")
         if do_sample and not (_real(temperature) and _real(top_p) and temperature > 0 and 0 < top_p <= 1):
             raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
+        with on_device(self.device):  # the decode graphs are captured on the current device
+            return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator,
+                                  eos, pad[0])
+
+    def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator, eos, pad):
         B, T = input_ids.shape
         Bb = self._bucket(B)
         steps = -(-(T + max_new_tokens) // CACHE_SLOTS_STEP)
@@ -244,7 +250,6 @@ class Engine:
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.to(self.device, torch.bool))
         eos_t = torch.tensor(eos, dtype=torch.long, device=self.device)
-        pad = pad[0]
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         out = [ids]
         logits = self._prefill(ids, mask)

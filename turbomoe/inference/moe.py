@@ -32,6 +32,7 @@ from torch import nn
 from .. import ops, reference
 from ..autograd.grouped_gemm import _reference_mm, choose_gmm_backend, mm_forward, row_offsets
 from ..autograd.swiglu import swiglu_reference
+from ..kernels.launch import on_device
 from ..ops import check_routing
 from .shuffling import index_shuffling, shuffle_backend
 from .tiling import check_tile_table, check_token_counts, tune_few_rows
@@ -110,7 +111,8 @@ class SparseMoE(nn.Module):
         Returns the table (few_rows_tiles), which a later SparseMoE or load() can be given."""
         tokens = [T for T in check_token_counts(token_counts)
                   if self.choose_mode(self.w1.new_empty(T, self.w1.shape[1])) == "few_rows"]
-        self.few_rows_tiles.update(tune_few_rows(self, tokens, **kw))
+        with on_device(self.w1.device):
+            self.few_rows_tiles.update(tune_few_rows(self, tokens, **kw))
         return self.few_rows_tiles
 
     def choose_mode(self, x_TM: torch.Tensor) -> str:
@@ -128,11 +130,17 @@ class SparseMoE(nn.Module):
     def forward(self, x_TM: torch.Tensor) -> torch.Tensor:
         if x_TM.dim() != 2 or x_TM.shape[1] != self.w1.shape[1]:
             raise ValueError(f"x must be [T, {self.w1.shape[1]}], got {tuple(x_TM.shape)}")
+        if x_TM.device != self.w1.device:
+            raise ValueError(f"x is on {x_TM.device}, the experts on {self.w1.device}")
         x_TM = x_TM.contiguous()
         mode = self.choose_mode(x_TM)
         if mode in ("few_rows", "grouped") and not x_TM.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(f"mode {mode!r} runs Triton kernels: it needs CUDA tensors, or TRITON_INTERPRET=1 set "
                                "before turbomoe is imported (the CPU's modes: 'reference', 'dense')")
+        with on_device(x_TM.device):
+            return self._run(x_TM, mode)
+
+    def _run(self, x_TM: torch.Tensor, mode: str) -> torch.Tensor:
         if mode == "dense":
             return self._dense(x_TM, self._logits(x_TM, mode))
         r = self._shuffle(*self._router(x_TM, mode), mode)

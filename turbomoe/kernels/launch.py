@@ -1,5 +1,6 @@
 """Small helpers shared by the kernel launchers: block sizes, dtype mapping, device properties and
 the decode chain's dependent launches."""
+import contextlib
 import functools
 import os
 
@@ -18,6 +19,12 @@ def next_pow2(n: int) -> int:
 
 def tl_dtype(dtype: torch.dtype):
     return _TL[dtype]
+
+
+def on_device(device: torch.device):
+    """A CUDA device made current inside (Triton launches on the current device whatever device its
+    tensors are on, and CUDA graphs capture there); nothing for other devices."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def sm_count(device: torch.device) -> int:
