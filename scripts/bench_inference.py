@@ -256,7 +256,8 @@ def bench_layer(args, log, bandwidth):
             + json.dumps({T: [round(us, 2) for us in pair] for T, pair in blocks.items()}))
         for m in moes["tuned"][1:]:
             m.few_rows_tiles = dict(table)
-        log(f"  {name}: tuned in {tune_s:.0f} s, tilings " + json.dumps({T: [tile_name(t) for t in pair] for T, pair in table.items()}))
+        log(f"  {name}: tuned in {tune_s:.0f} s, tilings "
+            + json.dumps({T: [tile_name(t) for t in pair] for T, pair in table.items()}))
         try:
             hf = [hf_block(name, cfg, router, *ws) for ws in sets]
         except Exception as e:  # noqa: BLE001

@@ -5,10 +5,11 @@ same 132 SMs) it left Llama-4-Scout's first GEMM at 64 tokens at 111 us where a 
 the weights' read time (notes/inference.md, 2026-11-29). tune_few_rows times the rule and the swept
 tilings on the layer's own weights, with the routes of seeded random tokens and a cold L2 each call
 (a decode step finds the layer's weights in DRAM), and keeps per token count the pair of tilings
-whose two GEMMs take the least time where the whole layer is then clearly faster. The choice is measured, so two tunings may choose differently:
-pass a table back (SparseMoE(few_rows_tiles=...), load(..., few_rows_tiles=...)) for the same bits
-across loads, or keep it in a tile file (read_tile_file / write_tile_file: tables for any number of
-GPUs and layer shapes, as `python -m turbomoe.generate --tune --tiles FILE` keeps them).
+whose two GEMMs take the least time where the whole layer is then clearly faster. The choice is
+measured, so two tunings may choose differently: pass a table back (SparseMoE(few_rows_tiles=...),
+load(..., few_rows_tiles=...)) for the same bits across loads, or keep it in a tile file
+(read_tile_file / write_tile_file: tables for any number of GPUs and layer shapes, as
+`python -m turbomoe.generate --tune --tiles FILE` keeps them).
 """
 import itertools
 import json
@@ -174,14 +175,15 @@ def check_token_counts(token_counts) -> list:
 
 
 def check_tile_table(table) -> TileTable:
-    """A tile table as given (Tiles, None for the rule's, or sequences of their fields as JSON keeps them; token counts as
-    ints or their strings), checked: token counts >= 1, tile sizes powers of two (rows 1 and up, columns
-    and K 16 and up), split, warps (a power of two) and stages >= 1."""
+    """A tile table as given (Tiles, None for the rule's, or sequences of their fields as JSON keeps
+    them; token counts as ints or their strings), checked: token counts >= 1, tile sizes powers of two
+    (rows 1 and up, columns and K 16 and up), split, warps (a power of two) and stages >= 1."""
     from ..kernels.few_rows_gemm import Tiles
     if table is None:
         return {}
     if not isinstance(table, dict):
-        raise ValueError(f"few_rows_tiles must be a dict {{tokens: (up tiles, down tiles)}}, got {type(table).__name__}")
+        raise ValueError(f"few_rows_tiles must be a dict {{tokens: (up tiles, down tiles)}}, "
+                         f"got {type(table).__name__}")
     out = {}
     for T, pair in table.items():
         try:
