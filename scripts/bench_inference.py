@@ -409,7 +409,7 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
         ours, t = min((wall(lambda: engine.generate(ids, new_tokens)) for _ in range(3)), key=lambda o: o[1])
         r["turbomoe_tok_s"] = B * new_tokens / t
         tuned.generate(ids, new_tokens)
-        theirs, t = min((wall(lambda: tuned.generate(ids, new_tokens)) for _ in range(3)), key=lambda o: o[1])
+        _, t = min((wall(lambda: tuned.generate(ids, new_tokens)) for _ in range(3)), key=lambda o: o[1])
         r["turbomoe_tuned_tok_s"] = B * new_tokens / t
         hf_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         with torch.no_grad():

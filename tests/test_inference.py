@@ -132,7 +132,7 @@ def test_tile_file(tmp_path):
     """Tile files: a table per (GPU, layer shape, dtype), read back as written; writing updates that
     key's token counts and leaves other keys' tables; a missing file or key reads None; anything not a
     tile file is refused, naming the file."""
-    from turbomoe.inference.tiling import read_tile_file, tile_key, write_tile_file
+    from turbomoe.inference.tiling import read_tile_file, read_tile_tables, tile_key, write_tile_file
     from turbomoe.kernels.few_rows_gemm import Tiles
     path = str(tmp_path / "tiles.json")
     h200 = tile_key("NVIDIA H200", 128, 8, 2048, 768, torch.bfloat16)
@@ -148,6 +148,8 @@ def test_tile_file(tmp_path):
     assert read_tile_file(path, h200) == {1: (None, None), **b}
     assert read_tile_file(path, {**h200, "dtype": "float32"}) is None
     assert read_tile_file(path, h100) == {8: (None, None)}
+    assert read_tile_tables(str(tmp_path / "none.json")) == []
+    assert [e["for"] for e in read_tile_tables(path)] == [h200, h100]
     assert sorted(os.listdir(tmp_path)) == ["tiles.json"]  # no temporary file left
     for text in ("{", "[]", '{"tables": [{"for": "x", "tiles": {}}]}',
                  '{"tables": [{"for": {}, "tiles": {"0": [null, null]}}]}'):
@@ -155,6 +157,8 @@ def test_tile_file(tmp_path):
             f.write(text)
         with pytest.raises(ValueError, match="tiles.json is not a turbomoe tile file"):
             read_tile_file(path, h200)
+        with pytest.raises(ValueError, match="tiles.json is not a turbomoe tile file"):
+            read_tile_tables(path)
         with pytest.raises(ValueError, match="tiles.json is not a turbomoe tile file"):
             write_tile_file(path, h200, a)
         assert open(path).read() == text  # not overwritten

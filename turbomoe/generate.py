@@ -66,7 +66,7 @@ def main(argv=None):
 
     from .inference import load
     from .inference.engine import check_model_dir
-    from .inference.tiling import read_tile_file, tile_key, write_tile_file
+    from .inference.tiling import read_tile_file, read_tile_tables, tile_key, write_tile_file
     from .models.hf_checkpoint import TOKENIZER_FILES
     try:  # before the tokenizer, which would take a missing directory for a Hub model's name
         config = check_model_dir(args.model_dir)
@@ -91,7 +91,7 @@ def main(argv=None):
                 f"max_position_embeddings {positions}")
     if args.tiles:  # a file that is not a tile file refused before the load (and a tune's minutes)
         try:
-            read_tile_file(args.tiles, {})
+            read_tile_tables(args.tiles)
         except ValueError as e:
             p.error(str(e))
     t0 = time.perf_counter()

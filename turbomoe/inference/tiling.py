@@ -101,10 +101,9 @@ def tune_few_rows(moe, token_counts: Sequence[int], candidates: Optional[Callabl
     faster than on the rule's tilings by more than margin (else (None, None): the rule). The margin,
     3%: on an H200 (2026-11-29) pairs this tune timed 1-3% faster ran up to 3% slower in the layer
     benchmark (which replays the layer over weight copies, not after an L2 overwrite), while gains of
-    4% and more held there. report, a dict, gets {T: (the block's us on the
-    rule's tilings, on the pair's)} where the block was timed. moe: a SparseMoE on CUDA
-    (or under TRITON_INTERPRET=1 with a timer given); timer(op, tiles, fn) -> us, default
-    cold_l2_timer()."""
+    4% and more held there. report, a dict, gets {T: (the block's us on the rule's tilings, on the
+    pair's)} where the block was timed. moe: a SparseMoE on CUDA (or under TRITON_INTERPRET=1 with a
+    timer given); timer(op, tiles, fn) -> us, default cold_l2_timer()."""
     from ..kernels.few_rows_gemm import UP_MAX_SPLIT, few_rows_down, few_rows_tiles, few_rows_up
     w1, w2 = moe.w1, moe.w2
     if timer is None:
@@ -211,7 +210,9 @@ def tile_key(gpu: str, num_experts: int, k: int, hidden: int, expert_hidden: int
     return {"gpu": gpu, "experts": [num_experts, k, hidden, expert_hidden], "dtype": str(dtype).replace("torch.", "")}
 
 
-def _tile_file_tables(path: str) -> list:
+def read_tile_tables(path: str) -> list:
+    """A tile file's entries ({"for": key, "tiles": table}), checked; [] where there is no file;
+    ValueError if the file is not a tile file."""
     if not os.path.exists(path):
         return []
     try:
@@ -229,7 +230,7 @@ def _tile_file_tables(path: str) -> list:
 def read_tile_file(path: str, key: dict) -> Optional[TileTable]:
     """The table of a tile file measured for key (tile_key), or None where it holds none (or there is
     no file); ValueError if the file is not a tile file."""
-    for entry in _tile_file_tables(path):
+    for entry in read_tile_tables(path):
         if entry["for"] == key:
             return check_tile_table(entry["tiles"])
     return None
@@ -238,7 +239,7 @@ def read_tile_file(path: str, key: dict) -> Optional[TileTable]:
 def write_tile_file(path: str, key: dict, table: TileTable):
     """Keeps table in the tile file for key: the file's entries for key updated by table's token
     counts, the other keys' tables left as they are; written whole, then renamed over the file."""
-    tables = _tile_file_tables(path)
+    tables = read_tile_tables(path)
     entry = next((e for e in tables if e["for"] == key), None)
     if entry is None:
         entry = {"for": key, "tiles": {}}
