@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
@@ -91,6 +92,28 @@ def _timed(timer, op, tiles, fn) -> Optional[float]:
         return None
 
 
+def _compile_side_by_side(calls, device: torch.device):
+    """Each call run once from a pool of threads, so that Triton compiles the tilings' kernels side by
+    side (its compiler passes and ptxas leave the GIL) rather than one by one inside the timings; on
+    the CPU (the interpreter) nothing."""
+    if device.type != "cuda":
+        return
+    from triton.runtime.errors import OutOfResources
+
+    def run(call):
+        with torch.cuda.device(device):  # a new thread starts on device 0
+            # a runtime call makes the device's context current on this thread: Triton's TMA descriptors
+            # are made through the driver, which has none on a new thread
+            torch.cuda.synchronize(device)
+            try:
+                call()
+            except OutOfResources:  # _timed skips the tiling
+                pass
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(run, calls))
+    torch.cuda.synchronize(device)
+
+
 def tune_few_rows(moe, token_counts: Sequence[int], candidates: Optional[Callable] = None,
                   timer: Optional[Callable] = None, keep: int = 3, seed: int = 0, margin: float = 0.03,
                   report: Optional[dict] = None) -> TileTable:
@@ -125,15 +148,19 @@ def tune_few_rows(moe, token_counts: Sequence[int], candidates: Optional[Callabl
             return few_rows_up(x, r.row_routes, kk, w1, r.counts, T, scale, tiles=t)
         up_rule = few_rows_tiles(T, T * kk, G, N1, M, w1.device, UP_MAX_SPLIT, True)
         down_rule = few_rows_tiles(T, T * kk, G, M, F_, w1.device)
-        up_us = {t: _timed(timer, "up", t, lambda t=t: up(t)) for t in dict.fromkeys([up_rule, *candidates(T, M)])}
+        ups = list(dict.fromkeys([up_rule, *candidates(T, M)]))
+        _compile_side_by_side([lambda t=t: up(t) for t in ups], w1.device)
+        up_us = {t: _timed(timer, "up", t, lambda t=t: up(t)) for t in ups}
         up_us = {t: us for t, us in up_us.items() if us is not None}
         if up_rule not in up_us:
             raise RuntimeError(f"the rule's own tiling of the first GEMM does not run at T = {T}: {up_rule}")
         firsts = [up_rule] + [t for t in sorted(up_us, key=up_us.get) if t != up_rule][:keep - 1]
         best = None
+        downs = list(dict.fromkeys([down_rule, *candidates(T, F_)]))
         for u in firsts:
             h = up(u)
-            for d in dict.fromkeys([down_rule, *candidates(T, F_)]):
+            _compile_side_by_side([lambda d=d: few_rows_down(h, w2, r.counts, T, tiles=d) for d in downs], w1.device)
+            for d in downs:
                 us = _timed(timer, "down", d, lambda d=d: few_rows_down(h, w2, r.counts, T, tiles=d))
                 if us is not None and (best is None or up_us[u] + us < best[0]):
                     best = (up_us[u] + us, u, d)
