@@ -316,7 +316,11 @@ def test_generate_cli_tune_and_tile_file(tmp_path, capsys):
 def test_engine_on_a_device_not_current(tmp_path):
     """load(device="cuda:1") with cuda:0 current: the Triton kernels launch and the decode graphs are
     captured on cuda:1 (the engine makes it current inside generate and tune), giving the CPU path's
-    greedy fp32 tokens; cuda:0 stays current."""
+    greedy fp32 tokens; cuda:0 stays current. A graph captured on cuda:0 first puts torch's default
+    capture stream there (made once per process), as earlier tests in the process would."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.ones(1, device="cuda:0").add_(1)
     _, path = hf_model(tmp_path, 3)
     cpu = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=40)
     torch.cuda.set_device(0)

@@ -182,7 +182,9 @@ class Engine:
                 self._decode_step(B)
             torch.cuda.current_stream().wait_stream(s)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # captured on s, a stream of this device: torch's default capture stream is made once per
+            # process, on whichever device was current at the first capture
+            with torch.cuda.graph(graph, pool=self._pool, stream=s):
                 out = self._decode_step(B)
             self._pool = graph.pool()
             self.graphs[B] = (graph, out)

@@ -52,10 +52,11 @@ def cold_l2_timer(reps: int = 8, iters: int = 5) -> Callable:
     (notes/inference.md, 2026-11-29 04:14)."""
     dev = torch.cuda.current_device()
     flush = torch.empty(2 * torch.cuda.get_device_properties(dev).L2_cache_size, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.Stream(dev)  # torch's default capture stream is on the first capture's device
 
     def capture(body):
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=stream):
             for _ in range(reps):
                 flush.zero_()
                 body()
