@@ -101,8 +101,10 @@ def _compile_side_by_side(calls, device: torch.device):
         return
     from triton.runtime.errors import OutOfResources
 
+    from ..kernels.launch import on_device
+
     def run(call):
-        with torch.cuda.device(device):  # a new thread starts on device 0
+        with on_device(device):  # a new thread starts on device 0
             # a runtime call makes the device's context current on this thread: Triton's TMA descriptors
             # are made through the driver, which has none on a new thread
             torch.cuda.synchronize(device)
