@@ -258,6 +258,40 @@ def test_graph_replays_instead_of_launching():
     assert graphs == 2 and kernels * 5 < eager_kernels, (kernels, graphs, eager_kernels)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_graphs_on_a_device_not_current():
+    """A model on cuda:1 captured and trained with cuda:0 current, after a graph captured on cuda:0
+    (which puts torch's default capture stream there, once per process): the same bits as the eager
+    model trained with cuda:1 current; cuda:0 stays current."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.ones(1, device="cuda:0").add_(1)
+    cfg = tiny(num_experts=8, num_hidden_layers=2, max_position_embeddings=64)
+    eager = build(cfg).to("cuda:1")
+    graphed = copy.deepcopy(eager)
+    sample = batch(4, 32, cfg.vocab_size, seed=99).to("cuda:1")
+    torch.cuda.set_device(0)
+    graph_training_forward(graphed, sample[:, :-1], sample[:, 1:])
+    assert torch.cuda.current_device() == 0
+    losses = []
+    for model in (graphed, eager):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        run = []
+        for step in range(3):
+            b = batch(4, 32, cfg.vocab_size, seed=step).to("cuda:1")
+            with torch.cuda.device(1 if model is eager else 0):  # eager: the usual contract, its device current
+                out = model(b[:, :-1], b[:, 1:])
+                (out.loss + 0.01 * out.aux_loss).backward()
+                opt.step()
+                opt.zero_grad()
+            run.append(out.loss.detach().cpu())
+        losses.append(torch.stack(run))
+    assert torch.equal(*losses), losses
+    assert all(torch.equal(p, q) for p, q in zip(eager.parameters(), graphed.parameters()))
+    assert torch.cuda.current_device() == 0
+
+
 def test_bad_uses_raise():
     cfg = tiny()
     model = build(cfg)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..integrations.expert_stack import join_weight_grads, weight_grad_buffers
+from ..kernels.launch import on_device
 from .qwen3_moe import Qwen3MoeForCausalLM
 
 
@@ -66,42 +67,47 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
     inputs = (input_ids_BT.clone(), labels_BT.clone())  # the graphs' static inputs
     run = lambda: type(model).forward(model, *inputs)  # noqa: E731 (around DeepSpeed's module hooks)
 
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    # Lazy initialisation (autotuning, compiles) outside the capture, which forbids loading a kernel:
-    # with the weight gradients sent to buffers of the same layout, so that the kernels that write or
-    # add them (the Triton weight-gradient GEMM's fused add, say) are compiled too, and the real
-    # buffers stay untouched.
-    with torch.cuda.stream(side), weight_grad_buffers(_scratch_like(grad_buffers), accumulate):
-        for _ in range(warmup):
-            outs = [o for o in run() if o is not None and o.requires_grad]
-            torch.autograd.grad(outs, params, [torch.empty_like(o) for o in outs], allow_unused=True)
-            join_weight_grads()
-            del outs
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    # Warm-up and capture on the inputs' device, made current (Triton launches on the current device),
+    # and on a stream of that device: torch's default capture stream is made once per process, on
+    # the device current at its first capture. Replays launch on the graphs' device from anywhere.
+    with on_device(input_ids_BT.device):
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        # Lazy initialisation (autotuning, compiles) outside the capture, which forbids loading a kernel:
+        # with the weight gradients sent to buffers of the same layout, so that the kernels that write or
+        # add them (the Triton weight-gradient GEMM's fused add, say) are compiled too, and the real
+        # buffers stay untouched.
+        with torch.cuda.stream(side), weight_grad_buffers(_scratch_like(grad_buffers), accumulate):
+            for _ in range(warmup):
+                outs = [o for o in run() if o is not None and o.requires_grad]
+                torch.autograd.grad(outs, params, [torch.empty_like(o) for o in outs], allow_unused=True)
+                join_weight_grads()
+                del outs
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
 
-    pool = torch.cuda.graph_pool_handle()
-    fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(fwd, pool=pool), weight_grad_buffers(grad_buffers, accumulate):
-            static_out = run()
-        flat = [o for o in static_out if o is not None]
-        with_grad = [o for o in flat if o.requires_grad]
-        grad_outs = [torch.empty_like(o) for o in with_grad]
-        with torch.cuda.graph(bwd, pool=pool):
-            grads = torch.autograd.grad(with_grad, params, grad_outs, allow_unused=True)
-            join_weight_grads()  # the capacity experts' weight gradients, queued on a side stream
-            # Gradients already in their buffers (the grouped experts') are None here. Others that lie at
-            # one stride, as do their buffers (experts not grouped): one add per run, not one per tensor.
-            for dst, src in coalesce_adds([(grad_buffers[p].view(-1), g.reshape(-1))
-                                           for p, g in zip(params, grads) if g is not None and p in grad_buffers]):
-                dst.add_(src) if accumulate else dst.copy_(src)
-    except RuntimeError as e:
-        raise RuntimeError(f"capturing the model's forward and backward failed: {e}. Something in the step syncs "
-                           f"with the host, or an autograd graph made before over the parameters is still alive "
-                           f"(an optimizer that flattened them with gradients on: build it under torch.no_grad())") from e
+        pool = torch.cuda.graph_pool_handle()
+        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(fwd, pool=pool, stream=side), weight_grad_buffers(grad_buffers, accumulate):
+                static_out = run()
+            flat = [o for o in static_out if o is not None]
+            with_grad = [o for o in flat if o.requires_grad]
+            grad_outs = [torch.empty_like(o) for o in with_grad]
+            with torch.cuda.graph(bwd, pool=pool, stream=side):
+                grads = torch.autograd.grad(with_grad, params, grad_outs, allow_unused=True)
+                join_weight_grads()  # the capacity experts' weight gradients, queued on a side stream
+                # Gradients already in their buffers (the grouped experts') are None here. Others that lie at
+                # one stride, as do their buffers (experts not grouped): one add per run, not one per tensor.
+                for dst, src in coalesce_adds([(grad_buffers[p].view(-1), g.reshape(-1))
+                                               for p, g in zip(params, grads) if g is not None and p in grad_buffers]):
+                    dst.add_(src) if accumulate else dst.copy_(src)
+        except RuntimeError as e:
+            raise RuntimeError(f"capturing the model's forward and backward failed: {e}. Something in the step "
+                               f"syncs with the host, or an autograd graph made before over the parameters is still "
+                               f"alive (an optimizer that flattened them with gradients on: build it under "
+                               f"torch.no_grad())") from e
     # What the backward hands autograd: the graph's buffer for parameters without a grad buffer. The
     # replay takes only those parameters as inputs: one AccumulateGrad node each a backward, and none
     # for the rest (a node each, though it gets no gradient: 915 a micro-batch at 1b-4gpu). With none,
