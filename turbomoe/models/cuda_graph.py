@@ -11,9 +11,9 @@ collectives are captured with the rest (dropless all-to-all sizes its buffers on
 make_graphed_callables does: warm-up on a side stream, then forward, then backward into one memory
 pool; on the inputs' device, made current for the capture) and routes the model's later calls:
 training mode, gradients on, and inputs of the captured shape, dtype and device replay the graphs;
-anything else (evaluation, no_grad, another shape) runs the eager forward. State dicts, DeepSpeed's module hooks and the optimizer's in-place updates are
-untouched: the graphs read the parameters where they are, so capture after anything that moves them
-(deepspeed.initialize, loading a checkpoint).
+anything else (evaluation, no_grad, another shape) runs the eager forward. State dicts, DeepSpeed's
+module hooks and the optimizer's in-place updates are untouched: the graphs read the parameters where
+they are, so capture after anything that moves them (deepspeed.initialize, loading a checkpoint).
 
 Gradients, two ways:
 - `grad_buffers={param: buffer}` (a main-grad buffer of the parameter's numel, fp32 say): the
