@@ -142,6 +142,28 @@ def test_drops_match_stock(device, k, sampling):
     assert_same(a, b, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("k,S,cf", [(1, 100, 1.2), (1, 200, 0.6), (2, 100, 0.6), (2, 90, 1.2)])
+def test_drops_at_stocks_fp32_capacity(k, S, cf):
+    """Capacities where stock's fp32 rounding and the fp64 formula differ by one (S / E x cf x k = 15
+    or 27 exactly: stock 16 and 28): the drop-in keeps as many tokens as stock (top-1, every token
+    preferring expert 0; which ones is stock's topk over ties, not a rule) and, at top-2, drops
+    what stock drops. Before, it computed the capacity in fp64 and kept one token fewer an expert."""
+    C = ops.capacity(S, E, k, cf, fp32=True)
+    assert C == ops.capacity(S, E, k, cf) + 1
+    stock, turbo = make_pair("mlp", k=k, capacity_factor=cf, **({"use_rts": False} if k == 1 else {}))
+    if k == 2:
+        x = torch.randn(S, M)
+        assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
+        return
+    with torch.no_grad():
+        for layer in (stock, turbo):
+            layer.deepspeed_moe.gate.wg.weight.zero_()
+            layer.deepspeed_moe.gate.wg.weight[0] = 1.0
+    x = torch.rand(S, M) + 0.5
+    kept = [int((run(layer, x)[0].abs().sum(1) > 0).sum()) for layer in (stock, turbo)]
+    assert kept == [C, C], (kept, C)
+
+
 @pytest.mark.parametrize("expert", ["mlp", "swiglu"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_empty_batch(expert, k):

@@ -253,6 +253,50 @@ def test_edge_cases_finite(case, dtype, backend):
             assert kept.numel() <= E * cap
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_renormalize_subnormal_chosen_sum(dtype, backend):
+    """A selection bias steers the choice onto experts whose probabilities underflow (their sum below
+    the dtype's smallest normal, or 0): every backend divides by the sum where it is > 0 (by 1 where it
+    is 0) and takes the gradient through the chosen logits, finite. The reference clamped the sum at
+    the smallest normal (scores 3.2e-6 where the kernels gave 0.5), and autograd through r / D
+    overflowed once it no longer did."""
+    big = 100.0 if dtype == torch.float32 else 720.0  # exp(-big): subnormal
+    logits = torch.tensor([[big, 0.0, 0.0], [big, 0.0, 0.5], [2 * big, 0.0, 0.0], [0.3, -0.2, 0.1]], dtype=dtype)
+    bias = torch.tensor([-2.0, 0.0, 0.0], dtype=dtype)
+    grad_scores = torch.tensor([[1.0, 0.0], [0.3, -0.7], [1.0, 2.0], [0.5, 0.25]], dtype=dtype)
+    out = {}
+    for b in (backend, "reference"):
+        la = logits.to(DEV).requires_grad_()
+        g = ops.topk_gating(la, 2, "softmax", True, bias.to(DEV), backend=b)
+        (g.scores * grad_scores.to(DEV)).sum().backward()
+        out[b] = (g.expert_ids.cpu(), g.scores.detach().cpu(), la.grad.cpu())
+    (ids, scores, grad), (ids_r, scores_r, grad_r) = out[backend], out["reference"]
+    assert torch.equal(ids, ids_r) and ids[:3].tolist() == [[1, 2], [2, 1], [1, 2]]
+    assert torch.isfinite(grad).all() and torch.isfinite(grad_r).all()
+    assert torch.allclose(scores, scores_r, rtol=1e-6, atol=0) and torch.allclose(grad, grad_r, rtol=1e-5, atol=1e-12)
+    assert torch.allclose(scores[0], torch.tensor([0.5, 0.5], dtype=dtype))  # exp(-big) / (2 exp(-big))
+    assert torch.equal(scores[2], torch.zeros(2, dtype=dtype))  # exp(-2 big) underflows to 0: 0 / 1
+
+
+def test_double_backward_raises(backend):
+    """create_graph=True (a gradient penalty) through the kernels' backward: the first gradient is
+    right, differentiating it again is an error. Before, the kernels' gradients came out as constants
+    and the penalty's own gradient was silently left out."""
+    logits = torch.randn(6, 5, device=DEV, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(6, 3, device=DEV, dtype=torch.float64, requires_grad=True)
+    g = ops.topk_gating(logits, 2, backend=backend)
+    want = torch.autograd.grad((ref.topk_gating(logits, 2).scores ** 2).sum(), logits)[0]
+    (gl, ) = torch.autograd.grad((g.scores ** 2).sum(), logits, create_graph=True)
+    torch.testing.assert_close(gl, want)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (gl.square().sum() + logits.sum()).backward()
+    s = ops.assign_slots(g.expert_ids, g.scores, 5, backend=backend)
+    out = ops.gather_tokens(torch.sin(ops.scatter_tokens(x, s, backend=backend)), s, g.scores.detach(), backend=backend)
+    (gx, ) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (gx.square().sum() + x.sum()).backward()
+
+
 @pytest.mark.parametrize("policy", ["rts", "position", "probs", "dropless"])
 def test_arbitrary_logit_bits(policy, backend):
     """Logits of every scale from subnormal to 2**50 (z-loss, the mean squared log-sum-exp, stays

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from turbomoe import ops
 from turbomoe import reference as ref
 
 from conftest import assert_uniform, needs_cuda, rts_keep_frequencies
@@ -11,11 +12,28 @@ ds_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
 
 
 @pytest.mark.parametrize("S,E,k,cf,minc", [(128, 8, 1, 1.0, 4), (1000, 64, 2, 1.25, 0), (7, 128, 4, 2.0, 8),
-                                           (33, 2, 2, 0.5, 1)])
+                                           (33, 2, 2, 0.5, 1), (25, 2, 1, 1.2, 0), (20, 3, 1, 1.05, 0),
+                                           (3000, 4, 1, 1.1, 0), (3000, 8, 2, 1.2, 0)])
 def test_capacity_matches_deepspeed(S, E, k, cf, minc):
-    gates = torch.rand(S, E)
-    expected = ds_moe._capacity(gates, torch.tensor(cf * k), torch.tensor(minc))
-    assert ref.capacity(S, E, k, cf, minc) == int(expected)
+    """The drop-in's capacity is stock's _capacity, fp32 rounding included (the last four rows differ
+    by one from the fp64 formula: the drop-in kept 15 tokens of 25 where stock keeps 16)."""
+    gates = torch.empty(S, E, device="meta")
+    expected = int(ds_moe._capacity(gates, torch.tensor(cf * k), torch.tensor(minc)))
+    assert ops.capacity(S, E, k, cf, minc, fp32=True) == ref.deepspeed_capacity(S, E, k, cf, minc) == expected
+    assert abs(ref.capacity(S, E, k, cf, minc) - expected) <= 1
+
+
+def test_deepspeed_capacity_random_configs():
+    """Stock's capacity over seeded random configs, from a few tokens to 2^31, factors 0.01-4."""
+    g = torch.Generator().manual_seed(7)
+    for _ in range(3000):
+        S = int(torch.randint(0, [100, 10 ** 5, 2 ** 31][int(torch.randint(0, 3, (1, ), generator=g))], (1, ),
+                              generator=g))
+        E = [1, 2, 3, 7, 8, 60, 64, 128, 384][int(torch.randint(0, 9, (1, ), generator=g))]
+        k = int(torch.randint(1, 9, (1, ), generator=g))
+        cf = float(torch.rand((), generator=g, dtype=torch.float64)) * 4 + 0.01
+        expected = int(ds_moe._capacity(torch.empty(S, E, device="meta"), torch.tensor(cf * k), torch.tensor(0)))
+        assert ref.deepspeed_capacity(S, E, k, cf) == expected, (S, E, k, cf)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

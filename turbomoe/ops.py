@@ -24,7 +24,7 @@ from .autograd.gather import gather_tokens as _gather_fn
 from .autograd.gating import topk_gating as _gating_fn
 from .autograd.sampling import second_expert as _second_expert_fn
 from .autograd.scatter import scatter_tokens as _scatter_fn
-from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots, capacity  # noqa: F401 (re-exported)
+from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots  # noqa: F401 (re-exported)
 
 BACKENDS = ("cuda", "triton", "reference")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -210,6 +210,25 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
         ids, scores, counts = reference.second_expert(logits_SE, first.expert_ids, first.scores, first.counts,
                                                       rand_SE)
     return first._replace(expert_ids=ids, scores=scores, counts=counts)
+
+
+def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 0,
+             fp32: bool = False) -> int:
+    """DeepSpeed's expert capacity formula, ceil(S / E * capacity_factor * k) at least min_capacity, in
+    fp64 (reference.capacity: S may be symbolic under torch.compile), or with fp32 in DeepSpeed's own
+    rounding (reference.deepspeed_capacity: the drop-in's, which keeps the tokens stock keeps; S is
+    then made a concrete int)."""
+    check_int("num_tokens", num_tokens, 0)
+    check_int("num_experts", num_experts, 1)
+    check_int("k", k, 1)
+    check_number("capacity_factor", capacity_factor, 0, strict=True)
+    check_int("min_capacity", min_capacity, 0)
+    if num_tokens / num_experts * capacity_factor * k > _INT32_MAX // num_experts:  # assign_slots' bound
+        raise ValueError(f"capacity of {num_tokens} tokens x capacity_factor {capacity_factor} x k {k} over "
+                         f"{num_experts} experts exceeds int32 slots")
+    if fp32:
+        return reference.deepspeed_capacity(int(num_tokens), num_experts, k, capacity_factor, min_capacity)
+    return reference.capacity(num_tokens, num_experts, k, capacity_factor, min_capacity)
 
 
 def assign_slots(expert_ids_SK: torch.Tensor,

@@ -11,6 +11,7 @@ The four tables (S tokens, E experts, k choices per token):
   slots      [S, k] int32  row of each route in the expert buffer; -1 when dropped
 """
 import math
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -48,13 +49,25 @@ def as_contiguous(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[tor
 
 
 def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, min_capacity: int = 0) -> int:
-    """DeepSpeed's expert capacity: ceil(S / E * capacity_factor * k), at least min_capacity."""
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
-    if min_capacity < 0 or num_tokens < 0 or num_experts < 1 or k < 1:
-        raise ValueError(f"bad capacity arguments: num_tokens={num_tokens}, num_experts={num_experts}, k={k}, "
-                         f"min_capacity={min_capacity}")
-    return max(int(math.ceil(num_tokens / num_experts * capacity_factor * k)), int(min_capacity))
+    """DeepSpeed's expert capacity formula: ceil(S / E * capacity_factor * k), at least min_capacity,
+    in fp64 (S may be symbolic under torch.compile). DeepSpeed itself rounds in fp32, which can give
+    one more or one less where the product lies within fp32's rounding of an integer:
+    deepspeed_capacity."""
+    return max(math.ceil(num_tokens / num_experts * capacity_factor * k), min_capacity)
+
+
+def deepspeed_capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float,
+                       min_capacity: int = 0) -> int:
+    """capacity as DeepSpeed's _capacity rounds it: (S / E) * torch.tensor(capacity_factor * k) in
+    fp32 (both factors rounded to fp32, their product rounded once), so that the drop-in keeps the
+    tokens stock keeps (S = 25, E = 2, factor 1.2: 16 where fp64 gives 15). Concrete ints only."""
+    product = _fp32(_fp32(num_tokens / num_experts) * _fp32(capacity_factor * k))  # exact in fp64, then rounded
+    return max(math.ceil(product), min_capacity)
+
+
+def _fp32(value: float) -> float:
+    """value rounded to the nearest fp32 (ties to even), as torch.tensor(value) stores it."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def nan_ranks_last(values: torch.Tensor) -> torch.Tensor:
@@ -74,6 +87,18 @@ def aux_loss_coefficient(num_experts: int, k: int) -> float:
 def aux_loss_divisor(k: int) -> int:
     """aux_loss_coefficient = E / aux_loss_divisor(k) (the kernels form it so in fp64)."""
     return 1 if k <= 2 else k
+
+
+def renormalize_chosen(r_SK: torch.Tensor, logits_SK: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The chosen probabilities r over their sum D (D > 0, else 1: as in the kernels), with the
+    kernels' gradient: through the chosen logits as a softmax over log r, d/dl_i = s_i (g_i - sum_j
+    s_j g_j) (times 1 - r_i for sigmoid). Autograd through r / D instead forms g s / D, which
+    overflows in fp32 when a selection bias steers the choice to experts of subnormal probability."""
+    total = r_SK.detach().sum(dim=1, keepdim=True)
+    value = r_SK.detach() / torch.where(total > 0, total, 1.0)
+    log_r = logits_SK if score_func == "softmax" else torch.nn.functional.logsigmoid(logits_SK)
+    stable = torch.softmax(log_r, dim=1)  # = value up to rounding; only its gradient is used
+    return torch.where(total > 0, value + (stable - stable.detach()), r_SK)  # D = 0: r / 1
 
 
 def topk_gating(logits_SE: torch.Tensor,
@@ -105,7 +130,7 @@ def topk_gating(logits_SE: torch.Tensor,
     ids = torch.sort(select.detach(), dim=1, descending=True, stable=True).indices[:, :k]
     scores = probs.gather(1, ids)
     if renormalize:
-        scores = scores / scores.sum(dim=1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+        scores = renormalize_chosen(scores, logits.gather(1, ids), score_func)
     ids = torch.where(finite_S[:, None], ids, torch.full_like(ids, -1))
     scores = scores * finite_S[:, None]
 

@@ -74,6 +74,7 @@ class BiasAct(torch.autograd.Function):
         return _act(_biased(y_RN, b_GN, groups_R, rows_per_group), act).to(y_RN.dtype)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
     def backward(ctx, dout_RN):
         from ..kernels.bias_act import bias_act_backward
         y_RN, b_GN, groups_R = ctx.saved_tensors

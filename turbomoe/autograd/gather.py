@@ -23,6 +23,7 @@ class GatherTokens(torch.autograd.Function):
         return out_SM
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
     def backward(ctx, grad_out_SM):
         y_RM, slots_SK, scores_SK, kept_counts_E = ctx.saved_tensors
         # grad_y[slot] = w * grad_out (one writer per row, empty rows zero); grad_score from

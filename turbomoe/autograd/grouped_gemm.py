@@ -277,6 +277,9 @@ class GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RN):
+        if torch.is_grad_enabled() and ctx.backend in ("cutlass", "triton"):  # their kernels have no autograd
+            raise RuntimeError(f"the {ctx.backend} grouped GEMM's backward is not differentiable (create_graph=True "
+                               f"or a double backward); use gmm_backend 'torch' or 'reference' for that")
         x_RK, w_GKN, counts_G, offs_G = ctx.saved_tensors
         dy_RN = dy_RN.contiguous()
         dx = dw = None

@@ -70,6 +70,7 @@ class Fp32Logits(torch.autograd.Function):
         return torch.mm(x_SM.float(), w_EM.float().t())
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
     def backward(ctx, g_SE):
         x_SM, w_EM, w_terms = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]

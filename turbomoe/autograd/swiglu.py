@@ -30,6 +30,7 @@ class SwiGLU(torch.autograd.Function):
         return swiglu_forward(h_R2F, scale_R)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
     def backward(ctx, da_RF):
         from ..kernels.swiglu import swiglu_backward
         h_R2F, scale_R = ctx.saved_tensors

@@ -95,7 +95,7 @@ def expert_capacity(gate: TopKGate, num_tokens: int, counts_E: torch.Tensor, ep_
     E = counts_E.shape[0]
     if gate.drop_tokens:
         factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
-        return ops.capacity(num_tokens, E, gate.k, factor, gate.min_capacity)
+        return ops.capacity(num_tokens, E, gate.k, factor, gate.min_capacity, fp32=True)
     cap = counts_E.max().to(torch.int64)
     if pg_utils.is_parallel(ep_group):
         dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=ep_group)
