@@ -3,7 +3,10 @@ transformers' generate, token for token, on random tiny Qwen3-MoE models saved b
 (ragged left-padded batches, EOS per row), and the engine's errors."""
 import json
 import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,6 +64,22 @@ def test_eos_per_row_equals_transformers(tmp_path):
     assert torch.equal(got, want), (got, want)
 
 
+def test_mask_inferred_from_pad_token_id_as_transformers(tmp_path):
+    """Without attention_mask, an explicit pad_token_id that is no EOS and occurs in the prompt marks the
+    padding (transformers' generate rule); a pad id that is an EOS, or absent, leaves every token real."""
+    hf, path = hf_model(tmp_path, 2)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48)
+    ids, mask = left_padded([[5, 6, 7, 8], [9, 10], [11, 12, 13]], pad=0)
+    want = hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = engine.generate(ids, 8, pad_token_id=0)
+    assert torch.equal(got, want) and torch.equal(got, engine.generate(ids, 8, attention_mask=mask)), (got, want)
+    eos = int(want[0, -1])  # a pad that is an EOS: no mask inferred
+    assert torch.equal(engine.generate(ids, 8, pad_token_id=0, eos_token_id=[eos, 0]),
+                       hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=[eos, 0]))
+    with pytest.raises(ValueError, match="inferred from pad_token_id 0 in input_ids .* pass attention_mask"):
+        engine.generate(torch.tensor([[5, 0, 6]]), 2, pad_token_id=0)
+
+
 def test_sampling_is_seeded_and_in_vocab(tmp_path):
     _, path = hf_model(tmp_path, 3)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=2, max_seq_len=32)
@@ -70,8 +89,8 @@ def test_sampling_is_seeded_and_in_vocab(tmp_path):
     assert torch.equal(a, b) and a.shape == (2, 11) and int(a.max()) < 101 and torch.equal(a[:, :3], ids)
 
 
-def test_engine_errors(tmp_path):
-    _, path = hf_model(tmp_path, 4)
+def test_engine_errors(tmp_path, monkeypatch):
+    hf, path = hf_model(tmp_path, 4)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=2, max_seq_len=16)
     ids = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="exceeds the KV cache's max_seq_len 16"):
@@ -105,9 +124,31 @@ def test_engine_errors(tmp_path):
         engine.generate(ids, 2, do_sample=True, temperature="hot")
     with pytest.raises(ValueError, match="at least one row and one token per row, got shape"):
         engine.generate(torch.ones(0, 3, dtype=torch.long), 2)
+    for dtype in (torch.bool, torch.float32):
+        with pytest.raises(ValueError, match=f"input_ids must be an integer tensor \\[B, T\\], got a {dtype}"):
+            engine.generate(ids.to(dtype), 2)
     assert engine.cache is None
+    want = engine.generate(ids, 3)
+    for dtype in (torch.int16, torch.uint8, torch.int32):  # any integer ids, taken as int64
+        assert torch.equal(engine.generate(ids.to(dtype), 3), want), dtype
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['max_bach'\]"):
         load(path, device="cpu", max_bach=2)
+    # The checkpoint fixes the routing: options that would change it are refused, not silently applied.
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['prescale', 'score_func'\]"):
+        load(path, device="cpu", score_func="sigmoid", prescale=True)
+    # The MoE options are checked before the checkpoint is read: a directory holding only config.json.
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    (bare / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="mode 'few_rows' runs Triton kernels: it needs CUDA tensors"):
+        load(str(bare), device="cpu", mode="few_rows")
+    for bad, match in ((dict(backend="bogus"), "backend must be one of"),
+                       (dict(gmm_backend="bogus"), "gmm_backend must be one of"),
+                       (dict(few_rows_per_expert=-1), "few_rows_per_expert must be a non-negative int, got -1"),
+                       (dict(dense_max="8"), "dense_max must be a non-negative int, got '8'")):
+        with pytest.raises(ValueError, match=match):
+            load(str(bare), device="cpu", **bad)
     with pytest.raises(ValueError, match="tune measures the few-rows kernels on a GPU; device is cpu"):
         load(path, device="cpu", tune=True)  # refused before the checkpoint is read
     with pytest.raises(ValueError, match=r"few_rows_tiles\[8\]: invalid tiling"):
@@ -120,16 +161,25 @@ def test_engine_errors(tmp_path):
         engine.few_rows_tiles = {2: ((16, 48, 1, 64, 4, 2), None)}
     assert all(m.few_rows_tiles == {4: (None, None)} for m in engine.moes.values())
     # eos as a numpy integer, a 0-d or 1-d tensor or a tuple: the same stops as a list
-    import numpy as np
     eos = int(engine.generate(ids, 3)[0, 4])
     want = engine.generate(ids, 6, eos_token_id=[eos])
     for form in (np.int64(eos), torch.tensor(eos), torch.tensor([eos]), (eos, )):
         assert torch.equal(engine.generate(ids, 6, eos_token_id=form), want), form
     with pytest.raises(ValueError, match="max_position_embeddings"):
         load(path, device="cpu", max_seq_len=65)
-    for bad in (dict(max_seq_len=0), dict(max_batch=0), dict(max_batch=-1), dict(buckets=(0, 2))):
-        with pytest.raises(ValueError, match="must be a positive int"):
+    for bad in (dict(max_seq_len=0), dict(max_batch=0), dict(max_batch=-1), dict(buckets=(0, 2)), dict(buckets=4),
+                dict(max_batch=2.0)):
+        with pytest.raises(ValueError, match="positive int"):
             load(path, device="cpu", **bad)
+    # numpy ints and an iterator of buckets: Python ints (the tune's token counts), every bucket kept
+    from turbomoe.inference.tiling import check_token_counts
+    engine = load(path, device="cpu", max_batch=np.int64(4), max_seq_len=np.int64(16), buckets=iter([np.int32(1), 2]))
+    assert engine.buckets == (1, 2, 4) and check_token_counts(engine.buckets) == [1, 2, 4]
+    assert type(engine.max_seq_len) is int
+    # transformers' model of the same class name: refused, pointing to load
+    from turbomoe.inference import Engine
+    with pytest.raises(TypeError, match="turbomoe's Qwen3MoeForCausalLM .* turbomoe.inference.load"):
+        Engine(hf, max_batch=1, max_seq_len=16)
     cfg = json.load(open(os.path.join(path, "config.json")))
     cfg["model_type"] = "llama"
     other = os.path.join(tmp_path, "llama")
@@ -199,7 +249,11 @@ def test_generate_cli(tmp_path, capsys):
     ids = engine.generate(torch.tensor([[97, 98, 99]]), 5, eos_token_id=256, pad_token_id=256)[0, 3:]
     from transformers import AutoTokenizer
     text = AutoTokenizer.from_pretrained(out).decode(ids, skip_special_tokens=True)
-    assert printed.out.endswith(text + "\n"), (printed.out, text)  # (DeepSpeed may log a line first)
+    assert printed.out == text + "\n", (printed.out, text)
+    # stdout holds the text alone in a process of its own too, where DeepSpeed is first imported (and warns)
+    run = subprocess.run([sys.executable, "-m", "turbomoe.generate", out, "--prompt", "abc", "--max-new-tokens", "5",
+                          "--device", "cpu"], capture_output=True, check=True)
+    assert run.stdout == (text + "\n").encode(), (run.stdout, text)
     assert "prefill" in printed.err and ("tokens/s" in printed.err or "too short to time" in printed.err)
     # Bad arguments: usage errors naming the problem, before anything loads.
     for argv, message in (([str(tmp_path / "nope"), "--prompt", "a"], "nope is not a Hugging Face model directory"),
@@ -208,7 +262,12 @@ def test_generate_cli(tmp_path, capsys):
                           ([out, "--prompt", "a", "--sample", "--temperature", "0"], "--sample needs --temperature > 0"),
                           ([out, "--prompt", "a", "--device", "cpu", "--tune"], "--tune and --tiles choose the GPU"),
                           ([out, "--prompt", "a", "--device", "cpu", "--tiles", str(tmp_path / "t.json")],
-                           "the device is cpu")):
+                           "the device is cpu"),
+                          ([out, "--prompt", "a", "--device", "bogus"], "--device must be cpu, cuda or cuda:N"),
+                          ([out, "--prompt", "a", "--device", "cuda" if not torch.cuda.is_available() else "cuda:99"],
+                           "--device cuda"),
+                          ([out, "--prompt", "a", "--tune", "--tiles", str(tmp_path / "nodir" / "t.json")],
+                           "nodir does not exist or is not writable")):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
@@ -226,13 +285,39 @@ def test_generate_cli(tmp_path, capsys):
     main([out, "--prompt", "abc", "--max-new-tokens", "5", "--device", "cpu"])
     last = next(i for i, t in enumerate(ids.tolist()) if t in stops)
     text = AutoTokenizer.from_pretrained(out).decode(ids[:last + 1], skip_special_tokens=True)
-    assert capsys.readouterr().out.endswith(text + "\n")
+    assert capsys.readouterr().out == text + "\n"
     # Sampling prints what a generator seeded --seed gives (the warm-up calls take generators of their own).
     main([out, "--prompt", "abc", "--max-new-tokens", "5", "--device", "cpu", "--sample", "--seed", "3"])
     sampled = engine.generate(torch.tensor([[97, 98, 99]]), 5, do_sample=True, eos_token_id=stops, pad_token_id=256,
                               generator=torch.Generator().manual_seed(3))[0, 3:]
     text = AutoTokenizer.from_pretrained(out).decode(sampled, skip_special_tokens=True)
-    assert capsys.readouterr().out.endswith(text + "\n")
+    assert capsys.readouterr().out == text + "\n"
+
+
+def test_generate_cli_tile_file_unwritable(tmp_path, capsys, monkeypatch):
+    """--tune --tiles FILE whose folder goes away during the load and tune: a usage error saying that FILE
+    could not be written, not a traceback (a GPU faked: the engine is the CPU's)."""
+    import shutil
+
+    import turbomoe.inference
+    from turbomoe.data import ByteTokenizer
+    from turbomoe.generate import main
+    from turbomoe.models import Qwen3MoeForCausalLM
+    _, path = hf_model(tmp_path, 5, vocab_size=257, eos_token_id=256, pad_token_id=256)
+    out, folder = os.path.join(tmp_path, "bytes"), tmp_path / "tiles"
+    Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out, tokenizer=ByteTokenizer())
+    folder.mkdir()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+
+    def load_losing_the_folder(*args, **kw):
+        shutil.rmtree(folder)
+        return load(out, device="cpu", max_batch=1)
+    monkeypatch.setattr(turbomoe.inference, "load", load_losing_the_folder)
+    with pytest.raises(SystemExit) as e:
+        main([out, "--prompt", "abc", "--max-new-tokens", "3", "--tune", "--tiles", str(folder / "t.json")])
+    assert e.value.code == 2 and "t.json could not be written" in capsys.readouterr().err
 
 
 @pytest.mark.gpu

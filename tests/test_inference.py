@@ -40,7 +40,7 @@ def test_index_shuffling_errors(bad, match):
         index_shuffling(**args)
 
 
-def test_sparse_moe_errors():
+def test_sparse_moe_errors(monkeypatch):
     r, w1, w2 = torch.randn(4, 8), torch.randn(4, 8, 6), torch.randn(4, 3, 8)
     with pytest.raises(ValueError, match="router"):
         SparseMoE(r, w1, torch.randn(4, 4, 8), 2)
@@ -56,6 +56,22 @@ def test_sparse_moe_errors():
         SparseMoE(r, w1, w2, 2)(torch.randn(3, 7))
     with pytest.raises(ValueError, match="x is on meta, the experts on cpu"):
         SparseMoE(r, w1, w2, 2)(torch.randn(3, 8, device="meta"))
+    with pytest.raises(ValueError, match="x is torch.bfloat16, the experts torch.float32"):
+        SparseMoE(r, w1, w2, 2)(torch.randn(3, 8, dtype=torch.bfloat16))
+    # The options are checked as the block is made, not at its first call.
+    for bad, match in ((dict(k=0), r"k must be an int in \[1, E = 4\], got 0"), (dict(k=5), "got 5"),
+                       (dict(k=2.0), "got 2.0"), (dict(k=True), "got True"),
+                       (dict(score_func="relu"), "score_func must be one of"),
+                       (dict(backend="cuda_c"), "backend must be one of"),
+                       (dict(gmm_backend="cublas"), "gmm_backend must be one of"),
+                       (dict(few_rows_per_expert=-1), "few_rows_per_expert must be a non-negative int, got -1"),
+                       (dict(dense_max="8"), "dense_max must be a non-negative int, got '8'")):
+        with pytest.raises(ValueError, match=match):
+            SparseMoE(r, w1, w2, **{"k": 2, **bad})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for mode in ("few_rows", "grouped"):  # Triton's modes: CUDA tensors or the interpreter
+        with pytest.raises(RuntimeError, match=f"mode '{mode}' runs Triton kernels: it needs CUDA tensors"):
+            SparseMoE(r, w1, w2, 2, mode=mode)
 
 
 @pytest.mark.gpu
@@ -151,7 +167,7 @@ def test_tile_file(tmp_path):
     assert read_tile_tables(str(tmp_path / "none.json")) == []
     assert [e["for"] for e in read_tile_tables(path)] == [h200, h100]
     assert sorted(os.listdir(tmp_path)) == ["tiles.json"]  # no temporary file left
-    for text in ("{", "[]", '{"tables": [{"for": "x", "tiles": {}}]}',
+    for text in ("{", "[]", '{"tables": {}}', '{"tables": ["x"]}', '{"tables": [{"for": "x", "tiles": {}}]}',
                  '{"tables": [{"for": {}, "tiles": {"0": [null, null]}}]}'):
         with open(path, "w") as f:
             f.write(text)

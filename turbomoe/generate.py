@@ -13,6 +13,7 @@ On a GPU, --tune first measures the decode step's few-rows GEMM tilings for this
 FILE, and after --tune keeps the new one there (turbomoe.inference.tiling's tile files).
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -58,7 +59,21 @@ def main(argv=None):
     if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
         p.error(f"--sample needs --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.tune and args.tiles:  # where the tune's table will be written, before the load and the tune
+        folder = os.path.dirname(os.path.abspath(args.tiles))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)):
+            p.error(f"--tiles {args.tiles}: its folder {folder} does not exist or is not writable")
+
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:  # not a device string
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        p.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
     if (args.tune or args.tiles) and device.type != "cuda":
         p.error(f"--tune and --tiles choose the GPU kernels' tilings; the device is {device}")
 
@@ -96,8 +111,10 @@ def main(argv=None):
             p.error(str(e))
     t0 = time.perf_counter()
     # one bucket, this batch's: the only decode step this run takes (and the only one --tune measures)
-    engine = load(args.model_dir, device=device, dtype=DTYPES.get(args.dtype), max_batch=B, buckets=(),
-                  tune=args.tune)
+    # DeepSpeed, imported with the model's MoE layers, logs to the stdout of its import: stdout holds only the text
+    with contextlib.redirect_stdout(sys.stderr):
+        engine = load(args.model_dir, device=device, dtype=DTYPES.get(args.dtype), max_batch=B, buckets=(),
+                      tune=args.tune)
     if args.tune:
         print(f"tuned the few-rows tilings in {time.perf_counter() - t0:.1f} s (the load included)", file=sys.stderr)
     if args.tiles:
@@ -113,6 +130,8 @@ def main(argv=None):
                       file=sys.stderr)
         except ValueError as e:
             p.error(str(e))
+        except OSError as e:  # the folder was checked before the tune; a full disk, say, remains
+            p.error(f"--tiles {args.tiles} could not be written: {e}")
     kw = dict(attention_mask=batch["attention_mask"], eos_token_id=eos, pad_token_id=tok.pad_token_id,
               do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
 

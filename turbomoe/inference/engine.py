@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ..models.hf_names import to_hf_state_dict
-from ..models.qwen3_moe import ExpertsMoved, rotary_cos_sin
+from ..models.qwen3_moe import ExpertsMoved, Qwen3MoeForCausalLM, rotary_cos_sin
 from ..kernels.launch import on_device
-from .moe import SparseMoE
+from .moe import SparseMoE, check_options
 from .tiling import check_tile_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -49,12 +49,23 @@ class Engine:
 
     def __init__(self, model, max_batch: int = 64, max_seq_len: Optional[int] = None, cuda_graphs: bool = True,
                  buckets: Sequence[int] = BUCKETS, keep_model: bool = False, tune: bool = False, **moe_kw):
+        if not isinstance(model, Qwen3MoeForCausalLM):  # transformers' class has the same name
+            raise TypeError(f"Engine takes turbomoe's Qwen3MoeForCausalLM (turbomoe.models), got "
+                            f"{type(model).__module__}.{type(model).__qualname__}: turbomoe.inference.load(model_dir) "
+                            f"reads a Hugging Face directory into an Engine")
+        _check_keywords(moe_kw)
         model.check_whole()
         cfg = model.config
         self.config = cfg
-        for name, value in (("max_batch", max_batch), ("max_seq_len", max_seq_len), *(("bucket", b) for b in buckets)):
-            if value is not None and not _positive_int(value):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        # Python ints (numpy's too) and a tuple of buckets (an iterator read once) before anything is
+        # moved out of the model: the tune's token counts must be ints.
+        try:
+            buckets = tuple(buckets)
+        except TypeError:
+            raise ValueError(f"buckets must be a sequence of positive ints, got {buckets!r}") from None
+        max_batch = _positive_index("max_batch", max_batch)
+        max_seq_len = None if max_seq_len is None else _positive_index("max_seq_len", max_seq_len)
+        buckets = tuple(_positive_index("bucket", b) for b in buckets)
         self.max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
@@ -193,10 +204,15 @@ class Engine:
         return out
 
     # ---- generation ----------------------------------------------------------------------------
-    def _check(self, input_ids, attention_mask, max_new_tokens):
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long,
-                                                                                                     torch.int32):
-            raise ValueError("input_ids must be an integer tensor [B, T]")
+    def _check(self, input_ids, attention_mask, max_new_tokens) -> torch.Tensor:
+        """The call's arguments checked; returns input_ids as int64 (any integer dtype is taken)."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"input_ids must be an integer tensor [B, T], got {type(input_ids).__name__}")
+        if (input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.is_complex()
+                or input_ids.dtype == torch.bool):
+            raise ValueError(f"input_ids must be an integer tensor [B, T], got a {input_ids.dtype} tensor of shape "
+                             f"{tuple(input_ids.shape)}")
+        input_ids = input_ids.long()
         B, T = input_ids.shape
         if B < 1 or T < 1:
             raise ValueError(f"input_ids must hold at least one row and one token per row, got shape "
@@ -218,9 +234,8 @@ class Engine:
             if tuple(attention_mask.shape) != (B, T):
                 raise ValueError(f"attention_mask must have the shape of input_ids {(B, T)}, got "
                                  f"{tuple(attention_mask.shape)}")
-            m = attention_mask.to("cpu", torch.bool)
-            if not bool(m[:, -1].all()) or bool((m[:, 1:] < m[:, :-1]).any()):
-                raise ValueError("attention_mask must be left padding: zeros, then ones up to the last column")
+            _check_left_padding(attention_mask)
+        return input_ids
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
@@ -228,8 +243,10 @@ class Engine:
                  pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """[B, T + n] tokens: the prompt, then up to max_new_tokens per row; a row that produced
         eos_token_id (an int or a list) gets pad_token_id (default: the first eos) after it, and
-        generation stops when every row has. Greedy unless do_sample (temperature, top_p)."""
-        self._check(input_ids, attention_mask, max_new_tokens)
+        generation stops when every row has. Greedy unless do_sample (temperature, top_p). input_ids: any
+        integer dtype; without attention_mask, an explicit pad_token_id that is no EOS marks the padding
+        where input_ids hold it (transformers' rule), else every token is real."""
+        input_ids = self._check(input_ids, attention_mask, max_new_tokens)
         eos = _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
         pad = _token_ids(pad_token_id, "pad_token_id") if pad_token_id is not None else eos[:1] or [0]
         V = self.config.vocab_size
@@ -239,6 +256,10 @@ class Engine:
             raise ValueError(f"pad_token_id must be one id below vocab_size {V}, {given}")
         if do_sample and not (_real(temperature) and _real(top_p) and temperature > 0 and 0 < top_p <= 1):
             raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
+        # transformers' generate rule: an explicit pad id, not an EOS, found in the prompt marks its padding
+        if attention_mask is None and pad_token_id is not None and pad[0] not in eos and (input_ids == pad[0]).any():
+            attention_mask = input_ids != pad[0]
+            _check_left_padding(attention_mask, pad[0])
         with on_device(self.device):  # the decode graphs are captured on the current device
             return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator,
                                   eos, pad[0])
@@ -284,6 +305,17 @@ class Engine:
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def _check_left_padding(mask_BT: torch.Tensor, inferred_from: Optional[int] = None):
+    """mask_BT, given or inferred_from a pad id, must be zeros, then ones up to the last column."""
+    m = mask_BT.to("cpu", torch.bool)
+    if not bool(m[:, -1].all()) or bool((m[:, 1:] < m[:, :-1]).any()):
+        if inferred_from is None:
+            raise ValueError("attention_mask must be left padding: zeros, then ones up to the last column")
+        raise ValueError(f"attention_mask, inferred from pad_token_id {inferred_from} in input_ids (as transformers' "
+                         f"generate does), must be left padding: zeros, then ones up to the last column; pass "
+                         f"attention_mask")
+
+
 def _real(value) -> bool:
     """A real number: a Python or numpy number, or a 0-d real tensor (what the sampling checks compare)."""
     if isinstance(value, torch.Tensor):
@@ -293,6 +325,17 @@ def _real(value) -> bool:
 
 def _positive_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _positive_index(name: str, value) -> int:
+    """value as a Python int (from an int, a numpy integer or a 0-d integer tensor), at least 1."""
+    try:
+        index = operator.index(value)
+    except TypeError:
+        index = 0
+    if isinstance(value, bool) or index < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return index
 
 
 def _token_ids(ids, name: str) -> list:
@@ -326,26 +369,30 @@ def check_model_dir(model_dir: str) -> dict:
     return raw
 
 
-def _check_keywords(engine_kw: dict):
-    """load's keywords are Engine's and, passed on to every MoE layer, SparseMoE's options."""
+def _check_keywords(engine_kw: dict) -> dict:
+    """load's keywords are Engine's and, passed on to every MoE layer, SparseMoE's options: those of
+    them that the checkpoint does not fix (its config sets the routing: k, scores, renormalisation).
+    Returns the MoE options given."""
     own = set(inspect.signature(Engine.__init__).parameters) - {"self", "model", "moe_kw"}
-    moe = set(inspect.signature(SparseMoE.__init__).parameters) - {"self", "router_EM", "w1_EMN", "w2_EFM", "k",
-                                                                   "renormalize", "shared_w1_MN", "shared_w2_FM"}
+    moe = set(inspect.signature(SparseMoE.__init__).parameters) - {
+        "self", "router_EM", "w1_EMN", "w2_EFM", "k", "score_func", "renormalize", "shared_w1_MN", "shared_w2_FM",
+        "prescale"}
     unknown = sorted(set(engine_kw) - own - moe)
     if unknown:
-        raise TypeError(f"load() got unexpected keyword arguments {unknown}; it takes {sorted(own)} and the MoE "
+        raise TypeError(f"unexpected keyword arguments {unknown}: Engine and load() take {sorted(own)} and the MoE "
                         f"layers' options {sorted(moe)}")
+    return {key: value for key, value in engine_kw.items() if key in moe}
 
 
 def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **engine_kw) -> Engine:
     """An Engine for a Hugging Face Qwen3-MoE directory, read by Qwen3MoeForCausalLM.from_pretrained.
     device: default CUDA where available; dtype: default the checkpoint's."""
-    from ..models import Qwen3MoeForCausalLM
     check_model_dir(model_dir)
-    _check_keywords(engine_kw)  # before the checkpoint is read
+    moe_kw = _check_keywords(engine_kw)  # the arguments checked before the checkpoint is read
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if engine_kw.get("tune") and device.type != "cuda":
         raise ValueError(f"tune measures the few-rows kernels on a GPU; device is {device}")
-    check_tile_table(engine_kw.get("few_rows_tiles"))
+    check_tile_table(moe_kw.pop("few_rows_tiles", None))
+    check_options(device, **moe_kw)
     model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=dtype, device=device)
     return Engine(model.eval(), **engine_kw)

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
-from ..autograd.grouped_gemm import _reference_mm, choose_gmm_backend, mm_forward, row_offsets
+from ..autograd.grouped_gemm import GMM_BACKENDS, _reference_mm, choose_gmm_backend, mm_forward, row_offsets
 from ..autograd.swiglu import swiglu_reference
 from ..kernels.launch import on_device
-from ..ops import check_routing
+from ..ops import SCORE_FUNCS, check_routing
 from .shuffling import index_shuffling, shuffle_backend
 from .tiling import check_tile_table, check_token_counts, tune_few_rows
 
@@ -49,6 +49,29 @@ ROUTER_KERNEL_MAX_PRODUCTS = 3 * 2 ** 20
 ROUTER_PARTS_MIN_TOKENS = 16
 ROUTER_PARTS_MAX_BYTES = 1 << 20
 FEW_ROWS_PER_EXPERT = 24  # the few-rows kernels serve up to T * k = this times E (H100 crossover, notes/inference.md)
+
+
+def check_options(device: torch.device, mode: str = "auto", backend: Optional[str] = None,
+                  gmm_backend: Optional[str] = None, few_rows_per_expert: int = FEW_ROWS_PER_EXPERT,
+                  dense_max: int = 0):
+    """SparseMoE's options that do not depend on its weights' shapes, checked for experts on device:
+    load() checks them before it reads a checkpoint."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if backend is not None and backend not in ops.BACKENDS:
+        raise ValueError(f"backend must be one of {ops.BACKENDS} or None, got {backend!r}")
+    if gmm_backend is not None and gmm_backend not in GMM_BACKENDS:
+        raise ValueError(f"gmm_backend must be one of {GMM_BACKENDS} or None, got {gmm_backend!r}")
+    for name, value in (("few_rows_per_expert", few_rows_per_expert), ("dense_max", dense_max)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    _check_triton(mode, device)
+
+
+def _check_triton(mode: str, device: torch.device):
+    if mode in ("few_rows", "grouped") and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"mode {mode!r} runs Triton kernels: it needs CUDA tensors, or TRITON_INTERPRET=1 set "
+                           "before turbomoe is imported (the CPU's modes: 'reference', 'dense')")
 
 
 class SparseMoE(nn.Module):
@@ -68,25 +91,28 @@ class SparseMoE(nn.Module):
         if router_EM.shape != (E, M) or w2_EFM.shape != (E, N2 // 2, M) or N2 % 2:
             raise ValueError(f"router [E, M], w1 [E, M, 2F], w2 [E, F, M] expected, got {tuple(router_EM.shape)}, "
                              f"{tuple(w1_EMN.shape)}, {tuple(w2_EFM.shape)}")
+        check_options(w1_EMN.device, mode, backend, gmm_backend, few_rows_per_expert, dense_max)
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= E:
+            raise ValueError(f"k must be an int in [1, E = {E}], got {k!r}")
+        if prescale and k != 1:
+            raise ValueError("prescale (the score applied to the expert input) needs k = 1")
+        if k + (shared_w1_MN is not None) > ops.MAX_K:  # the row kernels' bound, on every backend alike
+            raise ValueError(f"k ({k}) plus the shared expert must be at most {ops.MAX_K} routes a token")
         if (shared_w1_MN is None) != (shared_w2_FM is None):
             raise ValueError("a shared expert needs both shared_w1 and shared_w2")
+        self.few_rows_tiles = check_tile_table(few_rows_tiles)
         if shared_w1_MN is not None:
             if shared_w1_MN.shape != (M, N2) or shared_w2_FM.shape != (N2 // 2, M):
                 raise ValueError(f"the shared expert must have the routed experts' shapes [M, 2F] = [{M}, {N2}] and "
                                  f"[F, M], got {tuple(shared_w1_MN.shape)} and {tuple(shared_w2_FM.shape)}")
             w1_EMN = torch.cat([w1_EMN, shared_w1_MN[None]])  # group E: the shared expert's rows come last
             w2_EFM = torch.cat([w2_EFM, shared_w2_FM[None]])
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if prescale and k != 1:
-            raise ValueError("prescale (the score applied to the expert input) needs k = 1")
-        if k + (shared_w1_MN is not None) > ops.MAX_K:  # the row kernels' bound, on every backend alike
-            raise ValueError(f"k ({k}) plus the shared expert must be at most {ops.MAX_K} routes a token")
         self.num_experts, self.k, self.score_func, self.renormalize = E, k, score_func, renormalize
         self.shared, self.prescale, self.mode = shared_w1_MN is not None, prescale, mode
         self.backend, self.gmm_backend = backend, gmm_backend
         self.few_rows_per_expert, self.dense_max = few_rows_per_expert, dense_max
-        self.few_rows_tiles = check_tile_table(few_rows_tiles)
         self.register_buffer("router", router_EM.contiguous(), persistent=False)
         self.register_buffer("w1", w1_EMN.contiguous(), persistent=False)
         self.register_buffer("w2", w2_EFM.contiguous(), persistent=False)
@@ -132,11 +158,11 @@ class SparseMoE(nn.Module):
             raise ValueError(f"x must be [T, {self.w1.shape[1]}], got {tuple(x_TM.shape)}")
         if x_TM.device != self.w1.device:
             raise ValueError(f"x is on {x_TM.device}, the experts on {self.w1.device}")
+        if x_TM.dtype != self.w1.dtype:
+            raise ValueError(f"x is {x_TM.dtype}, the experts {self.w1.dtype}")
         x_TM = x_TM.contiguous()
         mode = self.choose_mode(x_TM)
-        if mode in ("few_rows", "grouped") and not x_TM.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(f"mode {mode!r} runs Triton kernels: it needs CUDA tensors, or TRITON_INTERPRET=1 set "
-                               "before turbomoe is imported (the CPU's modes: 'reference', 'dense')")
+        _check_triton(mode, x_TM.device)  # auto with a forced backend, or experts moved since construction
         with on_device(x_TM.device):
             return self._run(x_TM, mode)
 

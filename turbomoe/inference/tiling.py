@@ -248,7 +248,11 @@ def read_tile_tables(path: str) -> list:
     try:
         with open(path) as f:
             tables = json.load(f)["tables"]
+        if not isinstance(tables, list):
+            raise TypeError(f"'tables' is a {type(tables).__name__}, not a list")
         for entry in tables:
+            if not isinstance(entry, dict):
+                raise TypeError(f"an entry is a {type(entry).__name__}, not a dict")
             check_tile_table(entry["tiles"])
             if not isinstance(entry["for"], dict):
                 raise TypeError(f"an entry's 'for' is {entry['for']!r}, not a dict")
