@@ -16,7 +16,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from turbomoe.data import ByteTokenizer  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM  # noqa: E402
-from turbomoe.models.hf_checkpoint import CheckpointError, save_dir  # noqa: E402
+from turbomoe.models.hf_checkpoint import CheckpointError, CheckpointReader, load_weights, save_dir  # noqa: E402
 
 # Odd sizes; the two configs cover mlp_only_layers, decoder_sparse_step, norm_topk_prob both ways, tied
 # and untied embeddings, attention biases on and off, k = 2 and 3.
@@ -221,11 +221,60 @@ def test_missing_and_truncated_shard(sharded):
     (dict(rms_norm_eps=-1e-6), r"config.json: model.rms_norm_eps must be a positive finite number"),
     (dict(rope_parameters={"rope_type": "default", "rope_theta": "abc"}), r"config.json: model.rope_theta must be"),
     (dict(norm_topk_prob="false"), r"config.json: model.norm_topk_prob must be true or false, got 'false'"),
+    # without head_dim it is hidden_size // num_attention_heads, computed before ModelConfig checks either
+    (dict(head_dim=None, hidden_size="24"), r"config.json: hidden_size must be a positive int, got '24'"),
 ])
 def test_config_errors(sharded, changes, match):
     edit_config(sharded, **changes)
     with pytest.raises(CheckpointError, match=match):
         Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+
+
+@pytest.mark.parametrize("changes, theta", [
+    # rope_scaling replaces rope_parameters whole (theta 5000 there): the top-level default 10000 applies
+    (dict(rope_scaling={"rope_type": "default"}), 10000.0),
+    (dict(rope_parameters=None, rope_scaling={"rope_type": "default", "rope_theta": 1e6}), 1e6),
+])
+def test_rope_scaling_read_as_transformers_reads_it(sharded, changes, theta):
+    edit_config(sharded, **changes)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(sharded, experts_implementation="eager").eval()
+    ours = Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+    assert ours.config.rope_theta == theirs.config.rope_parameters["rope_theta"] == theta
+    ids = torch.randint(0, 263, (1, 64), generator=torch.Generator().manual_seed(0))  # far positions: theta shows
+    with torch.no_grad():
+        assert rel_err(ours(ids).logits, theirs(ids).logits) < 1e-5
+
+
+def test_single_file_beside_an_index(tmp_path, sharded):
+    """transformers reads model.safetensors, an index names other files: which is the model is not guessed."""
+    hf_model("untied_bias_mlp_only", seed=1).save_pretrained(tmp_path / "single")
+    shutil.copy(tmp_path / "single" / "model.safetensors", sharded)
+    with pytest.raises(CheckpointError, match="holds both model.safetensors and model.safetensors.index.json"):
+        Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+
+
+@pytest.mark.parametrize("weight_map, match", [
+    (["model.norm.weight"], "index.json: weight_map is a list; expected an object"),
+    ({"model.norm.weight": 3}, "index.json: weight_map maps model.norm.weight to 3; expected a file name"),
+])
+def test_malformed_index(sharded, weight_map, match):
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=match):
+        Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+
+
+@pytest.mark.parametrize("ep_rank", [-1, 3, True, 1.0])
+def test_ep_rank_outside_ep_size(tmp_path, sharded, ep_rank):
+    """-1 read another rank's experts (fused layout), 3 failed mid-load: refused, before any file is read."""
+    match = rf"ep_rank {ep_rank!r}: expected an int in \[0, 3\)"
+    ep3 = MoEArgs(ep_size=3)
+    with pytest.raises(ValueError, match=match):
+        Qwen3MoeForCausalLM.from_pretrained(str(sharded), moe_args=ep3, ep_rank=ep_rank)
+    part = Qwen3MoeForCausalLM.from_pretrained(str(sharded), moe_args=ep3, ep_rank=0)
+    with pytest.raises(ValueError, match=match):
+        part.load_hf_weights(str(tmp_path / "nowhere"), ep_rank=ep_rank)
+    with CheckpointReader(str(sharded)) as reader, pytest.raises(ValueError, match=match):
+        load_weights(part, reader, ep_rank)
 
 
 def test_tied_config_with_another_lm_head(tmp_path):

@@ -83,27 +83,19 @@ def read_config(path: str) -> dict:
 
 
 def _rope_theta(raw: dict, file: str) -> float:
-    """Default (unscaled) rotary embeddings only: transformers 5.x's rope_parameters or 4.x's rope_theta.
-    A rope_scaling is checked beside rope_parameters too: transformers applies one added to a 5.x file
-    (as model cards tell users to do for long contexts)."""
-    scaling = raw.get("rope_scaling")
-    if scaling:
-        if not isinstance(scaling, dict):
-            raise CheckpointError(f"{file}: rope_scaling must be an object, got {scaling!r}")
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "default":
-            raise CheckpointError(f"{file}: rope_scaling {scaling} is not supported (only default rotary "
-                                  f"embeddings, rope_type 'default')")
-    params = raw.get("rope_parameters")
-    if params is None:
-        return raw.get("rope_theta", 10000.0)
-    if not isinstance(params, dict):
-        raise CheckpointError(f"{file}: rope_parameters must be an object, got {params!r}")
+    """Default (unscaled) rotary embeddings only, read as transformers 5.x reads them: a non-empty rope_scaling
+    (4.x's field, which model cards tell users to add for long contexts) replaces rope_parameters whole, and
+    a rope_theta missing from the one used comes from the top level."""
+    field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    params = raw.get(field)
+    if not isinstance(params, (dict, type(None))):
+        raise CheckpointError(f"{file}: {field} must be an object, got {params!r}")
+    params = params or {}
     kind = params.get("rope_type", params.get("type", "default"))
     extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
     if kind != "default" or extra:
-        raise CheckpointError(f"{file}: rope_parameters {params} are not supported (only rope_type 'default' "
-                              f"with rope_theta)")
+        raise CheckpointError(f"{file}: {field} {params} is not supported (only rope_type 'default' with "
+                              f"rope_theta)")
     return params.get("rope_theta", raw.get("rope_theta", 10000.0))  # ModelConfig.validate checks it
 
 
@@ -127,10 +119,11 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
     if not d["num_experts"]:
         raise CheckpointError(f"{file}: num_experts is {d['num_experts']!r}; a Qwen3-MoE model needs experts")
     d["mlp_only_layers"] = d["mlp_only_layers"] or []
-    heads = d["num_attention_heads"]
-    if raw.get("head_dim") is None and not (isinstance(heads, int) and heads > 0):
-        raise CheckpointError(f"{file}: num_attention_heads must be a positive int, got {heads!r}")
-    d["head_dim"] = raw.get("head_dim") or d["hidden_size"] // heads
+    if not raw.get("head_dim"):  # derived from two sizes that ModelConfig.validate has not checked yet
+        for name in ("hidden_size", "num_attention_heads"):
+            if not (isinstance(d[name], int) and not isinstance(d[name], bool) and d[name] > 0):
+                raise CheckpointError(f"{file}: {name} must be a positive int, got {d[name]!r}")
+    d["head_dim"] = raw.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
     theta = _rope_theta(raw, file)
     d["rope_theta"] = float(theta) if isinstance(theta, int) and not isinstance(theta, bool) else theta
     d["moe_impl"] = moe_impl
@@ -174,12 +167,22 @@ class CheckpointReader:
 
     def _open(self, path: str, index: str, single: str) -> dict:
         """Open every file (checking each is there and readable); returns the key -> file map."""
+        if os.path.isfile(index) and os.path.isfile(single):  # transformers reads the single file, others the index
+            raise CheckpointError(f"{path}: holds both {SINGLE} and {INDEX}; expected one of them (remove the stale "
+                                  f"one)")
         if os.path.isfile(index):
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e!r})") from e
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: weight_map is a {type(weight_map).__name__}; expected an object "
+                                      f"mapping tensor names to file names")
+            bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+            if bad:
+                raise CheckpointError(f"{index}: weight_map maps {bad[0]} to {weight_map[bad[0]]!r}; expected a "
+                                      f"file name (a string)")
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(single):
             weight_map, files = None, [SINGLE]
@@ -259,6 +262,7 @@ def _expected_keys(cfg: ModelConfig, our_names: Iterable[str]) -> set:
 def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int = 0):
     """Copy the checkpoint into the model's parameters in place (expert packing is kept), casting to
     their dtype; this rank's experts only. Every shape is checked before any tensor is read."""
+    check_ep_rank(ep_rank, model.moe_args.ep_size)
     cfg = model.config
     num_local = cfg.num_experts // model.moe_args.ep_size
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
@@ -449,6 +453,12 @@ def default_ep_rank(ep_size: int) -> int:
     return torch.distributed.get_rank() % ep_size
 
 
+def check_ep_rank(ep_rank, ep_size: int):
+    """Another rank's experts, or an IndexError mid-load, unless 0 <= ep_rank < ep_size."""
+    if not (isinstance(ep_rank, int) and not isinstance(ep_rank, bool) and 0 <= ep_rank < ep_size):
+        raise ValueError(f"ep_rank {ep_rank!r}: expected an int in [0, {ep_size}) (ep_size {ep_size})")
+
+
 __all__ = ["CheckpointError", "CheckpointReader", "config_from_hf", "config_to_hf", "config_dtype", "read_config",
            "load_weights", "hf_tensors", "save_dir", "write_weights", "write_metadata", "atomic_dir", "parse_size",
-           "default_ep_rank"]
+           "default_ep_rank", "check_ep_rank"]

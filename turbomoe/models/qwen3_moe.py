@@ -304,10 +304,11 @@ class Qwen3MoeForCausalLM(nn.Module):
         from . import hf_checkpoint as hf
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        raw = hf.read_config(path)
-        cfg = hf.config_from_hf(raw, os.path.join(path, hf.CONFIG), moe_impl)
         if ep_rank is None:
             ep_rank = hf.default_ep_rank(moe_args.ep_size)
+        hf.check_ep_rank(ep_rank, moe_args.ep_size)  # before any file is read
+        raw = hf.read_config(path)
+        cfg = hf.config_from_hf(raw, os.path.join(path, hf.CONFIG), moe_impl)
         with hf.CheckpointReader(path) as reader:  # the files are checked before the model is built
             # Built on the meta device in the target dtype (the default dtype while building: modules
             # that ask for fp32 explicitly, as DeepSpeed's gate does, keep it), then allocated where it
@@ -330,6 +331,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         """Copy a Hugging Face directory's weights (this rank's experts) into this model, in place."""
         from . import hf_checkpoint as hf
         self.check_whole()
+        hf.check_ep_rank(ep_rank, self.moe_args.ep_size)  # before any file is read
         with hf.CheckpointReader(path) as reader:
             hf.load_weights(self, reader, ep_rank)
         self.hf_source = os.path.abspath(path)
