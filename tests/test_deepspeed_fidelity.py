@@ -44,10 +44,15 @@ EXPERTS = {
 
 
 def make_pair(expert="mlp", device="cpu", dtype=torch.float32, **kw):
-    """A stock layer and a turbomoe layer with identical weights."""
+    """A stock layer and a turbomoe layer with identical weights, each expert its own (stock copies
+    one expert E times: with equal experts the router's gradient through a renormalised combine is
+    exactly zero, so it would go unchecked)."""
     kw = dict(dict(hidden_size=M, num_experts=E, min_capacity=0), **kw)
     torch.manual_seed(1)
     stock = ds_layer.MoE(expert=EXPERTS[expert](), **kw)
+    with torch.no_grad():
+        for p in stock.deepspeed_moe.experts.parameters():
+            p.add_(torch.randn_like(p), alpha=0.3)
     turbo = tds.MoE(expert=EXPERTS[expert](), **kw)
     turbo.load_state_dict(stock.state_dict())
     return stock.to(device, dtype), turbo.to(device, dtype)
@@ -162,6 +167,41 @@ def test_drops_at_stocks_fp32_capacity(k, S, cf):
     x = torch.rand(S, M) + 0.5
     kept = [int((run(layer, x)[0].abs().sum(1) > 0).sum()) for layer in (stock, turbo)]
     assert kept == [C, C], (kept, C)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("drop_tokens", [True, False])
+def test_in_place_activation_matches_stock(recompute, drop_tokens):
+    """Experts with nn.SiLU(inplace=True) run one by one, as stock's: the grouped path's in-place
+    activation overwrote its GEMM's output (an autograd error with drop_tokens, with recompute a wrong
+    gradient of the second Linear: 2.3%)."""
+    expert = nn.Sequential(nn.Linear(M, F), nn.SiLU(inplace=True), nn.Linear(F, M))
+    torch.manual_seed(1)
+    stock = ds_layer.MoE(hidden_size=M, expert=expert, num_experts=E, k=2, min_capacity=0, drop_tokens=drop_tokens)
+    with torch.no_grad():
+        for p in stock.deepspeed_moe.experts.parameters():
+            p.add_(torch.randn_like(p), alpha=0.3)
+    turbo = tds.MoE(hidden_size=M, expert=expert, num_experts=E, k=2, min_capacity=0, drop_tokens=drop_tokens,
+                    **({"recompute": True} if recompute else {}))
+    turbo.load_state_dict(stock.state_dict())
+    assert turbo.deepspeed_moe.expert_fast_path is None
+    x = torch.randn(4, 32, M)
+    assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
+
+
+def test_k_above_the_kernels_runs_stocks_layer():
+    """Stock takes any k up to E (and numpy ints): above turbomoe's 8 routes a token the drop-in keeps
+    stock's MOELayer (a warning says so), so its results are stock's; turbomoe's own options need k <= 8."""
+    import numpy as np
+    stock, _ = make_pair(k=10, num_experts=16)
+    with pytest.warns(UserWarning, match="DeepSpeed's own MOELayer"):
+        _, turbo = make_pair(k=10, num_experts=16)
+    assert type(turbo.deepspeed_moe) is type(stock.deepspeed_moe)
+    x = torch.randn(2, 16, M)
+    assert_same(run(stock, x), run(turbo, x), TOL[torch.float32])
+    with pytest.raises(ValueError, match="need k <= 8"):
+        tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=16, k=10, norm_topk_prob=True)
+    assert make_pair(k=np.int64(2))[1].deepspeed_moe.gate.k == 2
 
 
 @pytest.mark.parametrize("expert", ["mlp", "swiglu"])
@@ -401,7 +441,7 @@ def test_norm_topk_prob_switch(k):
 
 
 def test_bad_arguments_raise():
-    for k in (9, True):
+    for k in (17, 0, True, 2.0):  # k above 8 runs stock's layer (test_k_above_the_kernels_runs_stocks_layer)
         with pytest.raises(ValueError, match="k must be"):
             tds.MoE(hidden_size=M, expert=EXPERTS["mlp"](), num_experts=16, k=k)
     with pytest.raises(TypeError, match="norm_topk_prob must be a bool"):

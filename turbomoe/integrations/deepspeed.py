@@ -20,7 +20,9 @@ applied in the experts' activation and the gather sums with weight 1, so the exp
 kept for the weights' gradient.
 """
 import contextlib
+import operator
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -209,9 +211,13 @@ class MoE(StockMoE):
                  norm_topk_prob: Optional[bool] = None,
                  recompute: bool = False,
                  fused_grad_accumulation: Optional[bool] = None) -> None:
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(num_experts, ops.MAX_K):
-            raise ValueError(f"k must be an int in [1, min(num_experts, {ops.MAX_K})], got {k!r} "
-                             f"with num_experts={num_experts}")
+        try:
+            k_int = operator.index(k)  # numpy's ints too, as stock takes them
+        except TypeError:
+            k_int = 0
+        if isinstance(k, bool) or not 1 <= k_int <= num_experts:
+            raise ValueError(f"k must be an int in [1, num_experts {num_experts}], got {k!r}")
+        k = k_int
         ops.check_bool("recompute", recompute)
         if fused_grad_accumulation is None:
             fused_grad_accumulation = os.environ.get("TURBOMOE_FUSED_GRAD_ACCUMULATION", "0") == "1"
@@ -224,6 +230,12 @@ class MoE(StockMoE):
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, False,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        if k > ops.MAX_K:  # turbomoe's row kernels take at most MAX_K routes a token: stock's layer runs
+            if norm_topk_prob is not None or recompute or fused_grad_accumulation:
+                raise ValueError(f"norm_topk_prob, recompute and fused_grad_accumulation need k <= {ops.MAX_K} "
+                                 f"(turbomoe's layer), got k = {k}")
+            warnings.warn(f"k = {k} > {ops.MAX_K}: this MoE layer runs DeepSpeed's own MOELayer, not turbomoe's")
+            return
         stock = self.deepspeed_moe
         self.deepspeed_moe = TurboMOELayer(stock.gate, stock.experts, stock.ep_group_name, ep_size,
                                            self.num_local_experts, norm_topk_prob, recompute, fused_grad_accumulation)

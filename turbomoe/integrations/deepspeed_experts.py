@@ -51,7 +51,9 @@ def _expert_signature(expert: nn.Module):
         return ("swiglu", ) + tuple(_linear_signature(m) for m in (expert.w1, expert.w3, expert.w2))
     if type(expert) is nn.Sequential and len(expert) == 3:
         fc1, act, fc2 = expert
-        if type(act) in _ELEMENTWISE and type(fc1) is nn.Linear and type(fc2) is nn.Linear:
+        # an in-place activation would overwrite the stacked GEMM's output, a view its backward keeps
+        if (type(act) in _ELEMENTWISE and not getattr(act, "inplace", False) and type(fc1) is nn.Linear
+                and type(fc2) is nn.Linear):
             return ("mlp", repr(act), _linear_signature(fc1), _linear_signature(fc2))
     return parallel_mlp_signature(expert)
 
