@@ -56,3 +56,18 @@ def test_default_backend_under_the_interpreter(dtype, want):
     y = grouped_mm(x.double(), w.double(), counts, backend="reference").to(dtype)
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float64: 1e-12}[dtype]
     assert (grouped_mm(x, w, counts) - y).abs().max().item() <= tol * y.abs().max().item()
+
+
+def test_triton_interpreter_double_backward_raises():
+    """The kernels' backward under create_graph gives the first gradient (autograd's way into .grad);
+    differentiating that gradient again is an error, not a silent constant."""
+    from turbomoe.autograd.grouped_gemm import grouped_mm
+    torch.manual_seed(3)
+    x = torch.randn(20, 16, requires_grad=True)
+    w = torch.randn(3, 16, 24, requires_grad=True)
+    counts = torch.tensor([7, 0, 13], dtype=torch.int32)
+    (gx, ) = torch.autograd.grad(grouped_mm(x, w, counts, backend="triton").square().sum(), x, create_graph=True)
+    (want, ) = torch.autograd.grad(grouped_mm(x, w, counts, backend="reference").square().sum(), x)
+    torch.testing.assert_close(gx, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (gx.square().sum() + x.sum()).backward()

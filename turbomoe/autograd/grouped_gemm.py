@@ -269,7 +269,7 @@ class GroupedMM(torch.autograd.Function):
             buf = w()
             return None if buf is None else (buf, True, False)
         # (create_graph: autograd adds out of place, a differentiable sum; a hook on w could change its gradient)
-        if w is not None and not torch.is_grad_enabled() and not w._backward_hooks and _accumulates_into_grad(w):
+        if w is not None and not ctx.create_graph and not w._backward_hooks and _accumulates_into_grad(w):
             g = w.grad
             if g is not None and g.is_floating_point() and g.shape == w.shape and g.stride() == w.stride():
                 return g, True, False
@@ -277,9 +277,13 @@ class GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_RN):
-        if torch.is_grad_enabled() and ctx.backend in ("cutlass", "triton"):  # their kernels have no autograd
-            raise RuntimeError(f"the {ctx.backend} grouped GEMM's backward is not differentiable (create_graph=True "
-                               f"or a double backward); use gmm_backend 'torch' or 'reference' for that")
+        ctx.create_graph = torch.is_grad_enabled()
+        if ctx.backend in ("cutlass", "triton"):  # kernels without autograd: a double backward is an error
+            return torch.autograd.function.once_differentiable(GroupedMM._backward)(ctx, dy_RN)
+        return GroupedMM._backward(ctx, dy_RN)
+
+    @staticmethod
+    def _backward(ctx, dy_RN):
         x_RK, w_GKN, counts_G, offs_G = ctx.saved_tensors
         dy_RN = dy_RN.contiguous()
         dx = dw = None
