@@ -33,7 +33,7 @@ from deepspeed.utils import groups  # noqa: E402
 
 import checkpointing  # noqa: E402
 from reshard import load_resharded  # noqa: E402
-from recipe_config import ConfigError, deepspeed_config, load_config, validate  # noqa: E402
+from recipe_config import STEP_SEED_STRIDE, ConfigError, deepspeed_config, load_config, validate  # noqa: E402
 from run_log import RunLog, peak_flops  # noqa: E402
 from turbomoe.export import ExportError, RunCheckpoint  # noqa: E402
 from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
@@ -90,6 +90,7 @@ def prepare(args):
         if last <= meta["step"]:
             raise ConfigError(f"--resume {os.path.join(*resume)} is at step {meta['step']}: nothing to run up to "
                               f"step {last} (--stop-at-step or train.steps)")
+        check_log_continues(cfg.log.dir, os.path.join(*resume))
         check_resumable(cfg, meta, os.path.join(*resume))
     vocab = vocab_size_of(cfg.data.source)
     if vocab is not None and vocab > cfg.model.vocab_size:
@@ -107,9 +108,10 @@ def prepare(args):
 
 # What a resume needs unchanged beside the model: the data stream (its split and order are drawn from
 # train.seed; a step reads samples [step * n, (step + 1) * n) for n = micro_batch_size x grad_accum x
-# ranks, checked below) and what DeepSpeed's optimizer files are (the precision; ZeRO stage 0 against
-# 1 or 2).
-RESUME_FIXED = {"data": None, "train": ("seed", "precision")}
+# ranks, checked below), what DeepSpeed's optimizer files are (the precision; ZeRO stage 0 against
+# 1 or 2), and what they restore on the same layout but reshard.py does not: the optimizer's settings
+# (its parameter groups) and the base learning rate. train.steps may grow (a run continued further).
+RESUME_FIXED = {"data": None, "train": ("seed", "precision", "lr", "betas", "eps", "weight_decay", "fused_adamw")}
 
 
 def same_layout(meta: dict, world: int, ep_size: int) -> bool:
@@ -154,6 +156,29 @@ def check_resumable(cfg, meta: dict, path: str):
         RunCheckpoint(path).check_files()
     except ExportError as e:
         raise ConfigError(f"--resume {path}: {e}") from e
+
+
+def check_log_continues(log_dir: str, path: str):
+    """A resumed run appends to the log in log.dir: only where that log's run is the one resumed, its last
+    checkpoint (or, before any, the one that run resumed from) being path."""
+    log_path = os.path.join(log_dir, "log.jsonl")
+    if not os.path.isfile(log_path):
+        return
+    last = None
+    with open(log_path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            if record.get("type") == "start":
+                last = record["resumed_from"]
+            elif record.get("type") == "checkpoint":
+                last = record["path"]
+    if last is None or os.path.realpath(last) != os.path.realpath(path):
+        raise ConfigError(f"--resume {path} would append to the log in log.dir {log_dir}, which belongs to the run "
+                          f"whose last checkpoint is {last or 'none (it saved none)'}; resume that checkpoint, or set "
+                          f"log.dir to a new directory")
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -626,7 +651,7 @@ def train(cfg, args, resume, samples):
         interval_start = time.perf_counter()
 
     for step in range(start_step, last_step):
-        torch.manual_seed(t.seed * 1_000_003 + step)  # any random draw of this step (e.g. RTS) is a function of it
+        torch.manual_seed(t.seed * STEP_SEED_STRIDE + step)  # any random draw of this step (e.g. RTS) follows from it
         lr = engine.get_lr()[0]
         batches_np = [samples.train_batch(step, micro_step, t.grad_accum, rank, world, t.micro_batch_size)
                       for micro_step in range(t.grad_accum)]

@@ -2,8 +2,9 @@
 
 A config file has the sections model (turbomoe.models.ModelConfig, Hugging Face Qwen3MoeConfig
 names), moe, data, train, eval, checkpoint, log, and an optional deepspeed section merged over
-the generated DeepSpeed config. Unknown sections or keys are errors. `--set section.key=value`
-on the command line overrides any key (the value is parsed as YAML).
+the generated DeepSpeed config (without changing the keys the recipe sets: RECIPE_SETS). Unknown
+sections or keys are errors. `--set section.key=value` on the command line overrides any key (the
+value is parsed as YAML); ~ in a path is the home directory.
 """
 import copy
 import dataclasses
@@ -34,7 +35,7 @@ class ConfigError(ValueError):
 class MoESection:
     ep_size: int = 1  # expert-parallel ranks; must divide num_experts and the world size
     capacity_factor: Optional[float] = None  # None (null): dropless
-    eval_capacity_factor: Optional[float] = None  # None: same as capacity_factor
+    eval_capacity_factor: Optional[float] = None  # None: same as capacity_factor (dropless evaluates dropless)
     min_capacity: int = 4
     aux_loss_coef: float = 0.001  # Qwen3-MoE's router_aux_loss_coef
     recompute: bool = False  # remake the expert rows and activation in backward (model.moe_impl turbomoe)
@@ -115,6 +116,19 @@ SECTIONS = {"moe": MoESection, "data": DataSection, "train": TrainSection, "eval
             "checkpoint": CheckpointSection, "log": LogSection}
 
 
+# Step s of a run seeds its random draws with train.seed * STEP_SEED_STRIDE + s (pretrain.train), an int64.
+STEP_SEED_STRIDE = 1_000_003
+INT64_MAX = 2**63 - 1
+
+# The DeepSpeed keys the recipe sets from its own keys (the ones to set instead), which its batches, clipping,
+# optimizer files and dtypes rely on: the deepspeed section may repeat them, not change them.
+RECIPE_SETS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
+               "gradient_accumulation_steps": "train.grad_accum",
+               "train_batch_size": "train.micro_batch_size and train.grad_accum",  # times the ranks
+               "gradient_clipping": "train.grad_clip", "zero_optimization.stage": "train.zero_stage",
+               "bf16.enabled": "train.precision", "fp16.enabled": "train.precision"}
+
+
 class Rule(NamedTuple):
     """The values a key may take beyond its type: low <= v <= high, or low < v / v < high where
     open; or one of choices."""
@@ -141,7 +155,7 @@ RULES = {
             "aux_loss_coef": NON_NEGATIVE},
     "data": {"source": Rule(choices=SOURCES), "seq_len": POSITIVE, "valid_fraction": Rule(0, 1, True, True),
              "max_tokens": NON_NEGATIVE},
-    "train": {"seed": Rule(0, 2**63 - 1), "steps": POSITIVE, "micro_batch_size": POSITIVE, "grad_accum": POSITIVE,
+    "train": {"seed": Rule(0, INT64_MAX), "steps": POSITIVE, "micro_batch_size": POSITIVE, "grad_accum": POSITIVE,
               "lr": Rule(0, low_open=True), "min_lr_ratio": FRACTION, "warmup_steps": NON_NEGATIVE,
               "weight_decay": NON_NEGATIVE, "betas": Rule(0, 1, high_open=True), "eps": Rule(0, low_open=True),
               "grad_clip": NON_NEGATIVE, "zero_stage": Rule(choices=(0, 1, 2)),
@@ -228,7 +242,9 @@ def apply_overrides(raw: dict, overrides: List[str]) -> dict:
             raise ConfigError(f"--set expects section.key=value, got {item!r}")
         node = raw
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or a section whose keys are all commented out (YAML null)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is not a section")
         node[parts[-1]] = yaml.safe_load(value)
@@ -246,6 +262,7 @@ def resolve_init_from(raw: dict, path: str):
     init_from = values.pop("init_from")
     try:
         from turbomoe.models import hf_checkpoint as hf
+        init_from = os.path.expanduser(init_from)
         model = hf.config_from_hf(hf.read_config(init_from), os.path.join(init_from, hf.CONFIG),
                                   values.pop("moe_impl", "turbomoe"))
     except (TypeError, ValueError, FileNotFoundError) as e:
@@ -285,6 +302,11 @@ def load_config(path: str, overrides: List[str] = ()) -> RecipeConfig:
     if not isinstance(ds, dict):
         raise ConfigError(f"config section 'deepspeed' must be a mapping, got {type(ds).__name__}")
     cfg = RecipeConfig(name=name, model=model, deepspeed=ds, **sections)
+    # No shell expands ~ in YAML or after `--set key=`.
+    cfg.data.paths = [os.path.expanduser(p) for p in cfg.data.paths]
+    for section in (cfg.log, cfg.checkpoint):
+        if section.dir is not None:
+            section.dir = os.path.expanduser(section.dir)
     if cfg.log.dir is None:
         cfg.log.dir = os.path.join("runs", name)
     if cfg.checkpoint.dir is None:
@@ -334,18 +356,51 @@ def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
              f"train.cuda_graph needs model.moe_impl: turbomoe, moe.ep_size: 1 or a moe.capacity_factor, "
              f"moe.recompute: false, train.compile_moe: false, train.zero_stage: 1 and bf16, got {m.moe_impl!r}, "
              f"{moe.ep_size}, {moe.capacity_factor}, {moe.recompute}, {t.compile_moe}, {t.zero_stage}, {t.precision}")
+    # Dropless layers (drop_tokens off) drop nothing in evaluation either.
+    _require(moe.eval_capacity_factor is None or moe.capacity_factor is not None,
+             f"moe.eval_capacity_factor {moe.eval_capacity_factor} needs a moe.capacity_factor, got null (dropless, "
+             f"which evaluates dropless too); set moe.capacity_factor or drop moe.eval_capacity_factor")
     _require(d.source == "stdlib" or d.paths, f"data.source {d.source!r} needs data.paths")
     _require(d.seq_len <= m.max_position_embeddings,
              f"data.seq_len {d.seq_len} must be in [1, model.max_position_embeddings = {m.max_position_embeddings}]")
     _require(t.warmup_steps < t.steps, f"train.warmup_steps {t.warmup_steps} must be in [0, train.steps)")
     _require(len(t.betas) == 2, f"train.betas must be two numbers, got {t.betas!r}")
+    seed_max = (INT64_MAX - t.steps) // STEP_SEED_STRIDE
+    _require(t.seed <= seed_max, f"train.seed must be in [0, {seed_max}] so that a step's seed (train.seed x "
+                                 f"{STEP_SEED_STRIDE} + step, up to train.steps {t.steps}) fits in int64, got {t.seed}")
+    check_deepspeed_section(cfg, world_size)
     if world_size is not None:
         _require(world_size % moe.ep_size == 0,
                  f"moe.ep_size {moe.ep_size} does not divide the world size {world_size} (ranks started by the launcher)")
 
 
+def check_deepspeed_section(cfg: RecipeConfig, world_size: Optional[int] = None):
+    """The deepspeed section may not change a key in RECIPE_SETS. train_batch_size is checked once the
+    world size is known; under train.precision auto (bf16 on a GPU, fp32 on the CPU) both dtypes must agree."""
+    t = cfg.train
+    for bf16 in ((True, False) if t.precision == "auto" else (t.precision == "bf16",)):
+        generated = _generated(cfg, world_size or 1, bf16)
+        merged = _merge(generated, cfg.deepspeed)
+        for key, source in RECIPE_SETS.items():
+            want, have = _lookup(generated, key), _lookup(merged, key)
+            _require(have == want or (key == "train_batch_size" and world_size is None),
+                     f"deepspeed.{key} {have!r} differs from {want!r}, which the recipe sets from {source}; "
+                     f"set {source} instead")
+
+
+def _lookup(d, dotted: str):
+    """A dotted key's value in nested dicts; None where it is missing."""
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
 def deepspeed_config(cfg: RecipeConfig, world_size: int, bf16: bool) -> dict:
     """The DeepSpeed JSON config of a recipe; the recipe's deepspeed section is merged over it."""
+    return _merge(_generated(cfg, world_size, bf16), cfg.deepspeed)
+
+
+def _generated(cfg: RecipeConfig, world_size: int, bf16: bool) -> dict:
     t = cfg.train
     ds = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -354,6 +409,7 @@ def deepspeed_config(cfg: RecipeConfig, world_size: int, bf16: bool) -> dict:
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},  # train.precision is bf16 or fp32
         # The optimizer is torch's AdamW over DeepSpeed's MoE parameter groups (no op to compile).
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,  # the recipe logs; DeepSpeed's own step prints stay off
@@ -369,7 +425,7 @@ def deepspeed_config(cfg: RecipeConfig, world_size: int, bf16: bool) -> dict:
         # And reduced over data-parallel ranks in fp32: DeepSpeed's default for bf16 rounds the fp32 sums
         # to bf16 for the all-reduce, on one rank too (where the recipe then skips it: pretrain.reduce_flat_gradients).
         ds["communication_data_type"] = "fp32"
-    return _merge(ds, cfg.deepspeed)
+    return ds
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -95,6 +95,10 @@ def test_config_errors(tmp_path):
     ("model.norm_topk_prob=false", "moe_impl 'deepspeed' with num_experts_per_tok 2 always uses norm_topk_prob true"),
     ("model.num_experts_per_tok=1", "moe_impl 'deepspeed' with num_experts_per_tok 1 always uses norm_topk_prob false"),
     ("moe.min_capacity=100000", "moe.min_capacity 100000 exceeds the .* tokens of a micro-batch"),
+    # tiny-cpu is dropless (capacity_factor null), which evaluates dropless too: it was ignored.
+    ("moe.eval_capacity_factor=0.5", "moe.eval_capacity_factor 0.5 needs a moe.capacity_factor, got null"),
+    # A step's seed, train.seed x 1000003 + step, overflowed int64 in torch.manual_seed at the first step.
+    ("train.seed=35184372088832", r"train.seed must be in \[0, 9223344366821\] so that a step's seed"),
 ])
 def test_every_value_typed_and_range_checked(override, message):
     """Each key's type and range are checked when the config loads, before any work (failed before:
@@ -108,6 +112,101 @@ def test_every_value_typed_and_range_checked(override, message):
              "moe.min_capacity=100000": ["model.num_experts_per_tok=1", "model.norm_topk_prob=false"]}.get(override, [])
     with pytest.raises(ConfigError, match=message):
         load_config(TINY, [override, *extra])
+
+
+def test_seed_capped_where_step_seeds_fit_int64():
+    """The largest seed accepted seeds every step (torch.manual_seed takes an int64); one more is refused."""
+    steps = load_config(TINY).train.steps
+    high = (2**63 - 1 - steps) // pretrain.STEP_SEED_STRIDE
+    torch.manual_seed(load_config(TINY, [f"train.seed={high}"]).train.seed * pretrain.STEP_SEED_STRIDE + steps)
+    with pytest.raises(ConfigError, match=f"train.seed must be in \\[0, {high}\\] .* got {high + 1}"):
+        load_config(TINY, [f"train.seed={high + 1}"])
+
+
+def test_eval_capacity_factor_needs_a_capacity_factor():
+    """Dropless layers drop nothing in evaluation either: the model refuses what the config does."""
+    from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM
+    cfg = load_config(TINY, ["moe.capacity_factor=1.25", "moe.eval_capacity_factor=2"])
+    assert (cfg.moe.capacity_factor, cfg.moe.eval_capacity_factor) == (1.25, 2.0)
+    with pytest.raises(ValueError, match="eval_capacity_factor 2.0 needs a capacity_factor, got None"):
+        Qwen3MoeForCausalLM(cfg.model, MoEArgs(eval_capacity_factor=2.0))
+
+
+@pytest.mark.parametrize("override,key,source", [
+    ("train_micro_batch_size_per_gpu=4", "train_micro_batch_size_per_gpu 4 differs from 8", "train.micro_batch_size"),
+    ("gradient_accumulation_steps=2", "gradient_accumulation_steps 2 differs from 1", "train.grad_accum"),
+    ("train_batch_size=32", "train_batch_size 32 differs from 16", "train.micro_batch_size and train.grad_accum"),
+    ("gradient_clipping=0.5", "gradient_clipping 0.5 differs from 1.0", "train.grad_clip"),
+    ("zero_optimization.stage=2", "zero_optimization.stage 2 differs from 1", "train.zero_stage"),
+    ("zero_optimization=2", "zero_optimization.stage None differs from 1", "train.zero_stage"),
+    ("bf16.enabled=true", "bf16.enabled True differs from False", "train.precision"),  # auto: either way
+    ("fp16.enabled=true", "fp16.enabled True differs from False", "train.precision"),
+])
+def test_deepspeed_section_may_not_change_what_the_recipe_sets(override, key, source):
+    """The deepspeed section merged over the generated config changed the batch (a step's samples, which
+    a resume checks), clipping or dtypes the recipe relies on. train_batch_size waits for the ranks
+    (prepare's validate); under train.precision auto (bf16 on GPUs, fp32 on the CPU) both must agree."""
+    with pytest.raises(ConfigError, match=f"deepspeed.{key}, which the recipe sets from {source}; set {source} "):
+        validate(load_config(TINY, [f"deepspeed.{override}"]), world_size=2)
+
+
+def test_deepspeed_section_may_repeat_what_the_recipe_sets():
+    same = ["deepspeed.train_micro_batch_size_per_gpu=8", "deepspeed.train_batch_size=16",
+            "deepspeed.gradient_clipping=1", "train.precision=fp32", "deepspeed.bf16.enabled=false",
+            "deepspeed.fp16.enabled=false"]
+    validate(load_config(TINY, same), world_size=2)
+    # Beside those, anything: DeepSpeed's own settings, the documented dtype overrides.
+    validate(load_config(TINY, ["deepspeed.communication_data_type=bf16", "deepspeed.data_types.grad_accum_dtype=bf16",
+                                "deepspeed.zero_optimization.overlap_comm=true"]), world_size=2)
+
+
+def test_null_section_takes_overrides(tmp_path):
+    """A section whose keys are all commented out reads as null: --set fills it (it was "not a section")."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(open(TINY).read().replace("log:\n  wandb: true", "log:\n  # wandb: true"))
+    assert load_config(str(cfg)).log.wandb and not load_config(str(cfg), ["log.wandb=false"]).log.wandb
+
+
+def test_home_expanded_in_paths(tmp_path, monkeypatch):
+    """~ in a path key is the home directory (no shell expands it after `--set key=` or in YAML), not ./~."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(TINY, ["log.dir=~/run", "data.source=text", "data.paths=[~/a.txt]"])
+    assert (cfg.log.dir, cfg.checkpoint.dir, cfg.data.paths) == (
+        str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints"), [str(tmp_path / "a.txt")])
+    assert load_config(TINY, ["checkpoint.dir=~/ckpt"]).checkpoint.dir == str(tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'hf'}/config.json does not exist"):
+        load_config(TINY, ["model.init_from=~/hf"])
+
+
+def test_resume_appends_only_to_its_own_runs_log(tmp_path, monkeypatch):
+    """A resume writes on in log.dir's log only where that log's last checkpoint (or, before any, the one its
+    run resumed from) is the one resumed: it appended to any log there, another run's too. A new log.dir
+    (or one without a log) takes any resume."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tag = tmp_path / "checkpoints" / "global_step4"
+    tag.mkdir(parents=True)
+    meta = {"step": 4, "world_size": 2, "config": load_config(TINY).to_dict()}
+    (tag / checkpointing.COMPLETE).write_text(json.dumps(meta))
+    log_dir = tmp_path / "run"
+
+    def prepare(*records):
+        if records:
+            log_dir.mkdir(exist_ok=True)
+            (log_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"type": "tr')
+        return pretrain.prepare(pretrain.parse_args(["--config", TINY, "--set", f"log.dir={log_dir}",
+                                                     "--resume", str(tag)]))
+
+    fresh, other = {"type": "start", "resumed_from": None}, str(tmp_path / "other" / "global_step8")
+    for records in ([], [fresh, {"type": "checkpoint", "path": str(tag)}],  # its own run; the next check fails
+                    [{"type": "start", "resumed_from": str(tag)}],  # a resume of it that saved nothing yet
+                    [fresh, {"type": "checkpoint", "path": str(tag)}, {"type": "start", "resumed_from": str(tag)}]):
+        with pytest.raises(ConfigError, match="mp_rank_00_model_states.pt is missing"):
+            prepare(*records)
+    with pytest.raises(ConfigError, match=f"log.dir {log_dir}, which belongs to the run whose last checkpoint is "
+                                          f"{other}; resume that checkpoint, or set log.dir to a new directory"):
+        prepare(fresh, {"type": "checkpoint", "path": str(tag)}, {"type": "checkpoint", "path": other})
+    with pytest.raises(ConfigError, match=r"last checkpoint is none \(it saved none\)"):
+        prepare(fresh)
 
 
 def test_numbers_yaml_reads_as_strings_are_accepted():
@@ -157,9 +256,14 @@ def test_bad_data_and_resume_fail_in_prepare(tmp_path, monkeypatch):
     (tmp_path / "global_step4" / checkpointing.COMPLETE).write_text(json.dumps(meta))
     monkeypatch.setenv("WORLD_SIZE", "2")
     # The data stream and the optimizer files as the checkpoint's (ZeRO 1 <-> 2 may change).
+    # And what DeepSpeed's load restores on the same layout, reshard.py not: the optimizer's settings and
+    # the base learning rate (a changed train.lr was ignored on the same layout, honoured on another).
     for override, key in (("train.seed=7", "train.seed"), ("data.seq_len=64", "data.seq_len"),
                           ("train.micro_batch_size=2", "samples a step"), ("train.precision=bf16",
-                          "train.precision"), ("train.zero_stage=0", "train.zero_stage")):
+                          "train.precision"), ("train.zero_stage=0", "train.zero_stage"), ("train.lr=1e-4", "train.lr"),
+                          ("train.betas=[0.9, 0.99]", "train.betas"), ("train.eps=1e-6", "train.eps"),
+                          ("train.weight_decay=0", "train.weight_decay"), ("train.fused_adamw=false",
+                          "train.fused_adamw")):
         with pytest.raises(ConfigError, match=f"a resume needs .*'{key}"):
             prepare("--resume", str(tmp_path), "--set", override)
     # Past those, the files (this tag has only its marker; with them, test_resume_needs_every_file_whole):
@@ -507,7 +611,7 @@ def test_resume_needs_every_file_whole(full_run, tmp_path, monkeypatch):
     tag = tmp_path / "global_step4"
     shutil.copytree(full_run / "checkpoints" / "global_step4", tag)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    same = ["--config", TINY, "--set", f"log.dir={tmp_path / 'same'}", "--resume", str(tag)]
+    same = ["--config", TINY, *SHORT, "--set", f"log.dir={tmp_path / 'same'}", "--resume", str(tag)]
     for extra in (["--set", "train.zero_stage=2"], ["--set", "train.micro_batch_size=4", "--set", "train.grad_accum=2"]):
         assert pretrain.prepare(pretrain.parse_args(same + extra))[1] == (str(tmp_path), "global_step4")
     partition = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -517,7 +621,7 @@ def test_resume_needs_every_file_whole(full_run, tmp_path, monkeypatch):
         pretrain.prepare(pretrain.parse_args(same))
     partition.write_bytes(whole)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    args = ["--config", TINY, "--set", f"log.dir={tmp_path / 'run'}", "--resume", str(tag),
+    args = ["--config", TINY, *SHORT, "--set", f"log.dir={tmp_path / 'run'}", "--resume", str(tag),
             "--set", "train.grad_accum=2", "--set", "moe.ep_size=1"]
     assert pretrain.prepare(pretrain.parse_args(args))[1] == (str(tmp_path), "global_step4")
     expert = tag / "layer_0_expert_3_mp_rank_00_model_states.pt"

@@ -153,6 +153,9 @@ def build_moe(cfg: ModelConfig, args: MoEArgs) -> nn.Module:
             raise ValueError(f"moe.recompute needs model.moe_impl: turbomoe ({moe_cls.__module__}.MoE has no recompute)")
         kwargs["recompute"] = True
     dropless = args.capacity_factor is None
+    if dropless and args.eval_capacity_factor is not None:  # drop_tokens off: evaluation is dropless too
+        raise ValueError(f"eval_capacity_factor {args.eval_capacity_factor} needs a capacity_factor, got None "
+                         f"(dropless)")
     eval_cf = args.capacity_factor if args.eval_capacity_factor is None else args.eval_capacity_factor
     # turbomoe's SwiGLUExpert (w1 gate, w3 up, w2 down) is the expert its grouped-GEMM fast path knows.
     return moe_cls(hidden_size=cfg.hidden_size,
