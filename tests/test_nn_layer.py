@@ -213,9 +213,27 @@ def test_update_expert_bias_moves_toward_balance():
         TopKRouter(8, 4, 1).update_expert_bias(torch.zeros(4))
 
 
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double()])
+def test_expert_bias_stays_fp32(cast):
+    """.to(bf16) made the bias bf16, where a 1e-3 step is below the spacing from |bias| 0.25: balancing
+    stopped (the bias stayed 0.5 over 100 updates). It stays fp32, as MoELayer(dtype=...) keeps it."""
+    layer = cast(MoELayer(8, 6, 4, 2, expert_bias=True))
+    bias = layer.router.expert_bias
+    assert bias.dtype == torch.float32 and layer.router.weight.dtype != torch.float32
+    bias.fill_(0.5)
+    for _ in range(100):
+        layer.router.update_expert_bias(torch.tensor([0, 4, 4, 4], dtype=torch.int32), rate=1e-3)
+    assert abs(float(bias[0]) - 0.6) < 1e-4
+    assert layer.state_dict()["router.expert_bias"].dtype == torch.float32
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="k must be"):
         MoELayer(16, 24, 4, 5)
+    with pytest.raises(ValueError, match="unknown turbomoe backend 'bogus'"):
+        MoELayer(16, 24, 4, 2, backend="bogus")
+    with pytest.raises(ValueError, match="unknown grouped GEMM backend 'bogus'"):
+        MoELayer(16, 24, 4, 2, gmm_backend="bogus")
     with pytest.raises(ValueError, match="activation"):
         MoELayer(16, 24, 4, 2, activation="relu")
     for cf in (0.0, float("inf"), float("nan")):

@@ -36,6 +36,8 @@ class TopKRouter(nn.Module):
                              f"with num_experts={num_experts}")
         if score_func not in ops.SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {ops.SCORE_FUNCS}, got {score_func!r}")
+        if backend is not None and backend not in ops.BACKENDS:
+            raise ValueError(f"unknown turbomoe backend {backend!r}; choose one of {ops.BACKENDS}")
         self.hidden_size, self.num_experts, self.k = hidden_size, num_experts, k
         self.score_func, self.renormalize = score_func, renormalize
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
@@ -46,6 +48,14 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
         else:
             self.expert_bias = None
+
+    def _apply(self, fn, recurse=True):
+        """.to(), .half() and the like keep expert_bias fp32: in bf16 a 1e-3 update step is below the
+        spacing from |bias| 0.25, so balancing would stop (Megatron keeps its bias fp32 the same way)."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
 
     def forward(self, x_SM: torch.Tensor) -> Tuple[GatingOutput, torch.Tensor]:
         """x [S, M] -> (GatingOutput: expert_ids [S, k], scores [S, k] fp32, counts [E], ...; loss)."""
