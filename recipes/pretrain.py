@@ -34,7 +34,7 @@ from deepspeed.utils import groups  # noqa: E402
 import checkpointing  # noqa: E402
 from reshard import load_resharded  # noqa: E402
 from recipe_config import STEP_SEED_STRIDE, ConfigError, deepspeed_config, load_config, validate  # noqa: E402
-from run_log import RunLog, peak_flops  # noqa: E402
+from run_log import LOG_FILE, RunLog, peak_flops  # noqa: E402
 from turbomoe.export import ExportError, RunCheckpoint  # noqa: E402
 from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
 from turbomoe.kernels.adamw import adamw_step  # noqa: E402
@@ -70,7 +70,7 @@ def prepare(args):
     resume = None
     if args.resume is None:
         for held, what in ((os.path.join(cfg.checkpoint.dir, "latest"), "a checkpoint"),
-                           (os.path.join(cfg.log.dir, "log.jsonl"), "another run's log")):
+                           (os.path.join(cfg.log.dir, LOG_FILE), "another run's log")):
             if os.path.isfile(held):
                 raise ConfigError(f"{os.path.dirname(held)} already holds {what}; continue that run with --resume, "
                                   f"or start afresh elsewhere (--set log.dir=... or checkpoint.dir=...) or after "
@@ -161,7 +161,7 @@ def check_resumable(cfg, meta: dict, path: str):
 def check_log_continues(log_dir: str, path: str):
     """A resumed run appends to the log in log.dir: only where that log's run is the one resumed, its last
     checkpoint (or, before any, the one that run resumed from) being path."""
-    log_path = os.path.join(log_dir, "log.jsonl")
+    log_path = os.path.join(log_dir, LOG_FILE)
     if not os.path.isfile(log_path):
         return
     last = None

@@ -13,6 +13,8 @@ from tqdm import tqdm
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("B200", 2250.0),
                     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0))
 
+LOG_FILE = "log.jsonl"  # in log.dir: a JSON record a line, appended by a resumed run
+
 
 def peak_flops(configured_tflops: Optional[float], on_gpu: bool) -> Optional[float]:
     """Per-device peak FLOP/s for MFU: the configured one, else known from the GPU; None on the CPU."""
@@ -41,7 +43,7 @@ class RunLog:
         if not enabled:
             return
         os.makedirs(cfg.log.dir, exist_ok=True)
-        self.jsonl = open(os.path.join(cfg.log.dir, "log.jsonl"), "a")
+        self.jsonl = open(os.path.join(cfg.log.dir, LOG_FILE), "a")
         self.write({"type": "start", "step": start_step, "resumed_from": resumed_from, "time": time.time()})
         if cfg.log.wandb:
             import wandb

@@ -39,8 +39,7 @@ def choose_backend(t: torch.Tensor, backend: Optional[str] = None, num_experts: 
         if not t.is_cuda:
             return "reference"
         return "cuda" if num_experts <= csrc.MAX_EXPERTS and csrc.available() else "triton"
-    if forced not in BACKENDS:
-        raise ValueError(f"unknown turbomoe backend {forced!r}; choose one of {BACKENDS}")
+    check_backend(forced)
     if forced == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                            "turbomoe is imported to run its kernels on the CPU")
@@ -53,6 +52,12 @@ def choose_backend(t: torch.Tensor, backend: Optional[str] = None, num_experts: 
         if not csrc.available():
             raise RuntimeError("the cuda backend could not be built here (see the warning above)")
     return forced
+
+
+def check_backend(backend: Optional[str]):
+    """backend is None (chosen per call) or one of BACKENDS: modules check it when built."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown turbomoe backend {backend!r}: backend must be one of {BACKENDS}")
 
 
 def _impl(backend: str):

@@ -100,6 +100,12 @@ def _tma_groups(d: torch.Tensor) -> bool:
             and _aligned16(d))
 
 
+def check_gmm_backend(backend: Optional[str]):
+    """backend is None (chosen per call) or one of GMM_BACKENDS: modules check it when built."""
+    if backend is not None and backend not in GMM_BACKENDS:
+        raise ValueError(f"unknown grouped GEMM backend {backend!r}: gmm_backend must be one of {GMM_BACKENDS}")
+
+
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
     backend = backend or os.environ.get("TURBOMOE_GMM_BACKEND")
     if backend is None:
@@ -108,8 +114,7 @@ def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] 
         if _cutlass_gmm_applies(x, w):
             return "cutlass"
         return "torch" if _torch_gmm_applies(x, w) else "triton"
-    if backend not in GMM_BACKENDS:
-        raise ValueError(f"unknown grouped GEMM backend {backend!r}; choose one of {GMM_BACKENDS}")
+    check_gmm_backend(backend)
     if backend == "cutlass" and not _cutlass_gmm_applies(x, w):
         raise ValueError("the cutlass grouped GEMM backend needs torch._grouped_mm, bf16 CUDA tensors on sm90 "
                          "(Hopper), K and N multiples of 8, each w[g] contiguous or the transpose of a contiguous block (the groups "

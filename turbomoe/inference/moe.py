@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
-from ..autograd.grouped_gemm import GMM_BACKENDS, _reference_mm, choose_gmm_backend, mm_forward, row_offsets
+from ..autograd.grouped_gemm import _reference_mm, check_gmm_backend, choose_gmm_backend, mm_forward, row_offsets
 from ..autograd.swiglu import swiglu_reference
 from ..kernels.launch import on_device
 from ..ops import SCORE_FUNCS, check_routing
@@ -58,10 +58,8 @@ def check_options(device: torch.device, mode: str = "auto", backend: Optional[st
     load() checks them before it reads a checkpoint."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if backend is not None and backend not in ops.BACKENDS:
-        raise ValueError(f"backend must be one of {ops.BACKENDS} or None, got {backend!r}")
-    if gmm_backend is not None and gmm_backend not in GMM_BACKENDS:
-        raise ValueError(f"gmm_backend must be one of {GMM_BACKENDS} or None, got {gmm_backend!r}")
+    ops.check_backend(backend)
+    check_gmm_backend(gmm_backend)
     for name, value in (("few_rows_per_expert", few_rows_per_expert), ("dense_max", dense_max)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")

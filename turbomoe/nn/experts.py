@@ -8,7 +8,7 @@ from torch.nn.modules import module as nn_module
 
 from .. import ops
 from ..autograd.bias_act import bias_act
-from ..autograd.grouped_gemm import GMM_BACKENDS, grouped_mm, row_groups, row_offsets
+from ..autograd.grouped_gemm import check_gmm_backend, grouped_mm, row_groups, row_offsets
 from ..autograd.swiglu import swiglu
 from .recompute import Remake
 
@@ -51,8 +51,7 @@ class GroupedExperts(nn.Module):
             ops.check_int(name, value, 1)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if gmm_backend is not None and gmm_backend not in GMM_BACKENDS:
-            raise ValueError(f"unknown grouped GEMM backend {gmm_backend!r}; choose one of {GMM_BACKENDS}")
+        check_gmm_backend(gmm_backend)
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         self.activation, self.gmm_backend = activation, gmm_backend
         n1 = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size

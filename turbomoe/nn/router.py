@@ -36,8 +36,7 @@ class TopKRouter(nn.Module):
                              f"with num_experts={num_experts}")
         if score_func not in ops.SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {ops.SCORE_FUNCS}, got {score_func!r}")
-        if backend is not None and backend not in ops.BACKENDS:
-            raise ValueError(f"unknown turbomoe backend {backend!r}; choose one of {ops.BACKENDS}")
+        ops.check_backend(backend)
         self.hidden_size, self.num_experts, self.k = hidden_size, num_experts, k
         self.score_func, self.renormalize = score_func, renormalize
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
