@@ -9,6 +9,8 @@ _UNSUPPORTED = (  # (config field, value that is supported, why)
     ("moe_pad_expert_input_to_capacity", False, "padding to capacity (turbomoe's capacity buffer is padded)"),
     ("moe_latent_size", None, "latent projections"),
     ("moe_shared_expert_overlap", False, "shared-expert overlap (needs Megatron's alltoall dispatcher)"),
+    # Megatron's fine-grained schedule detaches the layer's probs as one tensor; turbomoe's are tables.
+    ("overlap_moe_expert_parallel_comm", False, "expert-parallel communication overlap"),
     ("fp8", None, "fp8 experts"),
     ("fp4", None, "fp4 experts"),
 )
@@ -31,6 +33,17 @@ def check_config(config):
         if value != ok:
             raise ValueError(f"turbomoe's Megatron-core MoE layer does not support {what}: "
                              f"config.{field} = {value!r} (needs {ok!r})")
+    # Partial graphs capture MoELayer.route / preprocess alone and replay their tensors; turbomoe's
+    # route returns tables (Routing), and its layer would run whole inside the router's graph.
+    if getattr(config, "cuda_graph_impl", "none") != "none":
+        scope = config.cuda_graph_scope
+        names = {getattr(s, "name", s) for s in (scope if isinstance(scope, (list, tuple)) else [scope])}
+        if names & {"moe_router", "moe_preprocess"}:
+            raise ValueError("turbomoe's Megatron-core MoE layer does not support partial CUDA graphs of the MoE "
+                             f"layer: config.cuda_graph_scope = {scope!r} holds moe_router / moe_preprocess")
+    if config.moe_apply_probs_on_input and config.moe_router_topk != 1:
+        raise ValueError("config.moe_apply_probs_on_input needs moe_router_topk = 1 (as Megatron's experts assert), "
+                         f"got {config.moe_router_topk}")
     types = config.moe_router_load_balancing_type
     for t in (types if isinstance(types, list) else [types]):
         if t not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
