@@ -2,6 +2,8 @@
 for all layers, and the compiled model's loss and gradients equal the eager model's. On the CPU through aot_eager
 (dynamo's capture and AOTAutograd's joint graph, without generating code); the GPU test runs
 inductor's kernels against eager in bf16."""
+import copy
+
 import pytest
 import torch
 
@@ -62,6 +64,22 @@ def test_compiled_dense_blocks_match_eager_without_graph_breaks(seq):
     assert len(kinds) == 3
     assert counters["stats"]["unique_graphs"] <= len(kinds) + 1, dict(counters["stats"])
     assert set(compiled.state_dict()) == set(eager.state_dict())  # names unchanged: checkpoints load either way
+
+
+def test_deepcopy_of_a_compiled_model_runs_its_own_layers():
+    """A deepcopy of a model whose dense blocks are compiled (an EMA or reference copy, a graphed twin)
+    computes with its own parameters: before, each copied layer's compiled attention half stayed bound to
+    the original layer, so the copy used the original's attention weights and its own got no gradient."""
+    torch._dynamo.reset()
+    cfg = tiny(layers=2)
+    eager, compiled = pair(cfg, backend="aot_eager", fullgraph=True)
+    copied = copy.deepcopy(compiled)
+    with torch.no_grad():
+        for model in (eager, copied):
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    assert_equal_in_float64(eager, copied, cfg, 9)
+    assert all(p.grad is None for p in compiled.parameters())
 
 
 @pytest.mark.parametrize("seq", [1, 13])

@@ -109,3 +109,24 @@ def test_opcheck(backend):
             torch.library.opcheck(custom_ops._gather_tokens,
                                   (y, s.slots, scores, s.kept_counts, capacity, renormalize, backend))
         torch.library.opcheck(custom_ops._gather_tokens, (y, s.slots, None, s.kept_counts, capacity, False, backend))
+
+
+def test_fake_backward_strides_match_the_kernels(backend):
+    """The backward ops' fake outputs are laid out as the kernels make them (contiguous) whatever the
+    strides of the tensors they are given: router logits, or a GEMM's rows, in a transposed layout.
+    Before, the fakes took those strides (empty_like), and inductor's compiled backward raised on its
+    stride assertion (a wrong fake)."""
+    S, E, k, M, N = 11, 6, 2, 8, 5
+    checks = ("test_schema", "test_faketensor")
+    logits_SE = torch.randn(E, S, device=DEV).t()
+    ids, _, _, _, _, lse_S, ce_E = custom_ops._topk_gating(logits_SE, k, "softmax", True, None, backend)
+    g_scores, one = torch.randn(S, k, device=DEV), torch.ones((), device=DEV)
+    torch.library.opcheck(custom_ops._topk_gating_backward,
+                          (logits_SE, ids, lse_S, ce_E, g_scores, one, one, "softmax", True, backend),
+                          test_utils=checks)
+    counts_G = torch.tensor([4, 0, 7], dtype=torch.int32, device=DEV)
+    x_RK = torch.randn(M, 11, device=DEV).t()
+    for w_GKN in (torch.randn(3, M, N, device=DEV), torch.randn(3, N, M, device=DEV).transpose(1, 2)):
+        torch.library.opcheck(custom_ops._grouped_mm_backward,
+                              (torch.randn(11, N, device=DEV), x_RK, w_GKN, counts_G, None, "triton", True, True),
+                              test_utils=checks)

@@ -134,3 +134,10 @@ def test_validation_batches_and_small_corpora():
         s.valid_batches(0, 4, 4, 1)
     with pytest.raises(ValueError, match="too few"):
         Samples(load_stream("stdlib", max_tokens=15), 10, 0.5, 0)
+
+
+@pytest.mark.parametrize("seq_len", [0, -4, 2.0, True])
+def test_samples_bad_seq_len_is_a_clear_error(seq_len):
+    """Before, seq_len 0 raised ZeroDivisionError and a negative one a 'too few tokens' error."""
+    with pytest.raises(ValueError, match="data.seq_len must be a positive int"):
+        Samples(ArrayStream(np.arange(1000)), seq_len, 0.1, 0)

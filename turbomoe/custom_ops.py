@@ -87,7 +87,7 @@ def _topk_gating_backward(logits_SE: torch.Tensor, ids_SK: torch.Tensor, lse_S: 
 
 @_topk_gating_backward.register_fake
 def _(logits_SE, ids_SK, lse_S, ce_E, g_scores, g_aux, g_z, score_func, renormalize, backend):
-    return torch.empty_like(logits_SE)
+    return logits_SE.new_empty(logits_SE.shape)  # contiguous, as the kernels make it whatever logits' strides
 
 
 def _gating_setup(ctx, inputs, output):
@@ -268,7 +268,8 @@ def _(dy_RN, x_RK, w_GKN, counts_G, offs_G, backend, need_dx, need_dw):
     G, K, N = w_GKN.shape
     # dw's layout as GroupedMM.backward makes it: w's transposed view where w is one (nn.Linear weights)
     dw = w_GKN.new_empty(G, N, K).transpose(1, 2) if wgrad_transposed(w_GKN) else w_GKN.new_empty(G, K, N)
-    return (torch.empty_like(x_RK) if need_dx else x_RK.new_empty(0)), (dw if need_dw else w_GKN.new_empty(0))
+    # dx contiguous, as the GEMM makes it whatever x's strides
+    return (x_RK.new_empty(x_RK.shape) if need_dx else x_RK.new_empty(0)), (dw if need_dw else w_GKN.new_empty(0))
 
 
 def _gmm_setup(ctx, inputs, output):

@@ -4,6 +4,7 @@ resumed run reads exactly what an uninterrupted one would.
 
 Sample i is the window of seq_len + 1 tokens at offset i * seq_len (inputs and shifted labels).
 """
+import numbers
 from typing import List
 
 import numpy as np
@@ -11,6 +12,8 @@ import numpy as np
 
 class Samples:
     def __init__(self, stream, seq_len: int, valid_fraction: float, seed: int):
+        if not isinstance(seq_len, numbers.Integral) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"data.seq_len must be a positive int, got {seq_len!r}")
         if not 0 < valid_fraction < 1:
             raise ValueError(f"data.valid_fraction must be in (0, 1), got {valid_fraction}")
         self.stream, self.seq_len, self.seed = stream, seq_len, seed

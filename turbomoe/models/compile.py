@@ -12,6 +12,8 @@ rotary, casts) to 0.37x of eager and RMSNorm to 0.70x, ahead of liger-kernel's o
 so compile is the choice; compiling the attention half whole also fuses the residual adds into the
 norms after them (forward) and the residual's gradient into the norms' (backward).
 """
+import types
+
 import torch
 
 from .qwen3_moe import Qwen3MoeForCausalLM
@@ -34,8 +36,11 @@ def compile_dense_blocks(model: Qwen3MoeForCausalLM, **compile_kwargs) -> Qwen3M
     for module, method in dense_blocks(model):
         if method == "forward":
             module.compile(**compile_kwargs)
-        else:  # an instance attribute over the class's method: only this model is compiled
-            setattr(module, method, torch.compile(getattr(module, method), **compile_kwargs))
+        else:  # an instance attribute over the class's method: only this model is compiled. The compiled
+            # function bound as a method, not the compiled bound method: a deepcopy of the model then
+            # binds its own layer (the compiled bound method kept calling the original's).
+            setattr(module, method, types.MethodType(torch.compile(getattr(type(module), method), **compile_kwargs),
+                                                     module))
     return model
 
 
