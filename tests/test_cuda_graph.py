@@ -292,6 +292,30 @@ def test_graphs_on_a_device_not_current():
     assert torch.cuda.current_device() == 0
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_a_replay_waits_for_the_last_ones_backward():
+    """A second replay before the first one's backward would overwrite the activations that backward
+    reads (the graphs' memory) and give it the second's gradients: an error. Outputs dropped without a
+    backward, or kept after it, free the way. Under autocast, which the capture did not see, the call
+    runs eager."""
+    cfg = tiny(num_experts=8, num_hidden_layers=2, max_position_embeddings=64)
+    model = build(cfg).cuda()
+    eager = copy.deepcopy(model)
+    x = batch(2, 16, cfg.vocab_size, seed=3)
+    graph_training_forward(model, x[:, :-1], x[:, 1:])
+    out = model(x[:, :-1], x[:, 1:])
+    with pytest.raises(RuntimeError, match="backward has not run"):
+        model(x[:, :-1], x[:, 1:])
+    del out
+    out = model(x[:, :-1], x[:, 1:])
+    out.loss.backward()
+    model(x[:, :-1], x[:, 1:]).loss.backward()  # out is kept, its backward ran
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        losses = [m(x[:, :-1], x[:, 1:]).loss for m in (model, eager)]
+    assert torch.equal(*losses), losses
+
+
 def test_bad_uses_raise():
     cfg = tiny()
     model = build(cfg)

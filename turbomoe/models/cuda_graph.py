@@ -11,9 +11,13 @@ collectives are captured with the rest (dropless all-to-all sizes its buffers on
 make_graphed_callables does: warm-up on a side stream, then forward, then backward into one memory
 pool; on the inputs' device, made current for the capture) and routes the model's later calls:
 training mode, gradients on, and inputs of the captured shape, dtype and device replay the graphs;
-anything else (evaluation, no_grad, another shape) runs the eager forward. State dicts, DeepSpeed's
-module hooks and the optimizer's in-place updates are untouched: the graphs read the parameters where
-they are, so capture after anything that moves them (deepspeed.initialize, loading a checkpoint).
+anything else (evaluation, no_grad, another shape, another autocast state) runs the eager forward.
+State dicts, DeepSpeed's module hooks and the optimizer's in-place updates are untouched: the graphs
+read the parameters where they are, so capture after anything that moves them (deepspeed.initialize,
+loading a checkpoint) or changes which of them train (requires_grad is read at capture only).
+A replayed forward's outputs and saved activations live in the graphs' memory: each replay's backward
+runs before the next replay (as in a training step, micro-batch by micro-batch), and a second replay
+while the first one's outputs still wait for their backward is an error, not silently wrong gradients.
 
 Gradients, two ways:
 - `grad_buffers={param: buffer}` (a main-grad buffer of the parameter's numel, fp32 say): the
@@ -32,6 +36,7 @@ Gradients, two ways:
   is not overwritten by the next replay, the forward moves it out of the graph's buffer first (a
   copy only then).
 """
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -116,11 +121,13 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
     param_grads = [g for _, g in live]
     replay_inputs = [p for p, _ in live] or [torch.zeros((), device=input_ids_BT.device, requires_grad=True)]
     kept: List[tuple] = [(p, g.data_ptr()) for p, g in live]
+    pending: List[Optional[weakref.ref]] = [None]  # the last replay's autograd node until its backward ran
 
     class Replay(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *params_):
             fwd.replay()
+            pending[0] = weakref.ref(ctx)  # dies with the outputs when they are dropped without a backward
             out = tuple(o.detach() for o in flat)
             ctx.mark_non_differentiable(*(r for r, o in zip(out, flat) if not o.requires_grad))  # expert counts
             return out
@@ -128,6 +135,7 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, *grads_):
+            pending[0] = None
             i = 0
             for o, g in zip(flat, grads_):
                 if o.requires_grad:
@@ -143,9 +151,13 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
         if labels_BT is None or not model.training or not torch.is_grad_enabled() or _key(input_ids_BT, labels_BT) != key:
             if not accumulate and grad_buffers and model.training and torch.is_grad_enabled():
                 raise RuntimeError(f"the graphs write the gradient buffers (accumulate=False), so a training forward "
-                                   f"of another shape cannot run eager: its backward would add to the last replay's "
-                                   f"gradients; captured input_ids {tuple(inputs[0].shape)}, got {tuple(input_ids_BT.shape)}")
+                                   f"that does not match the capture cannot run eager: its backward would add to the "
+                                   f"last replay's gradients; captured {key}, got {_key(input_ids_BT, labels_BT)}")
             return type(model).forward(model, input_ids_BT, labels_BT)
+        if pending[0] is not None and pending[0]() is not None:
+            raise RuntimeError("the last replayed forward's backward has not run: this replay would overwrite the "
+                               "activations it saved (the graphs' memory). Run its backward first, or drop its "
+                               "outputs (del loss) to discard it")
         for p, ptr in kept:
             if p.grad is not None and p.grad.data_ptr() == ptr:
                 p.grad = p.grad.clone()
@@ -241,4 +253,8 @@ def _check(model, input_ids_BT, labels_BT):
 
 
 def _key(input_ids_BT, labels_BT):
-    return tuple((t.shape, t.dtype, t.device) for t in (input_ids_BT, labels_BT))
+    """What a replay must match: the inputs' shapes, dtypes and device, and autocast's state there
+    (the graphs ran without the casts it would add, or with the ones it added at capture)."""
+    kind = input_ids_BT.device.type
+    amp = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+    return tuple((t.shape, t.dtype, t.device) for t in (input_ids_BT, labels_BT)) + (amp, )
