@@ -38,6 +38,13 @@ import pretrain  # noqa: E402
 from turbomoe.models.compile import compile_dense_blocks  # noqa: E402
 
 
+def all_ranks_peak(per_gpu_flops, world: int):
+    """The peak FLOP/s of all ranks' GPUs, or None where the GPU's peak is not known (no
+    train.peak_tflops and a name PEAK_BF16_TFLOPS lacks): the timings print without an MFU then,
+    as the recipe's log does, instead of failing on None * world."""
+    return world * per_gpu_flops if per_gpu_flops else None
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
@@ -78,7 +85,7 @@ def main():
         say(f"train.cuda_graph: captured in {time.perf_counter() - t0:.1f} s")
     tokens = t.micro_batch_size * t.grad_accum * cfg.data.seq_len * world  # a step, all ranks
     flops = tokens * cfg.model.flops_per_token(cfg.data.seq_len)
-    peak = world * pretrain.peak_flops(t.peak_tflops, on_gpu=True)  # all ranks' GPUs
+    peak = all_ranks_peak(pretrain.peak_flops(t.peak_tflops, on_gpu=True), world)
     pending = pretrain.PendingStats(len(cfg.model.moe_layers()), cfg.model.num_experts)
     step_no = [0]
 

@@ -101,7 +101,7 @@ class ModelConfig:
         return layers + embed + h
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x active matmul parameters + causal attention (PaLM's estimate)."""
+        """Training FLOPs per token: 6 x active matmul parameters + causal attention (half PaLM's non-causal term)."""
         matmul = self.num_parameters(active=True) - self.vocab_size * self.hidden_size  # the embedding lookup is free
         if self.tie_word_embeddings:
             matmul += self.vocab_size * self.hidden_size  # ... but the tied lm_head is a matmul
