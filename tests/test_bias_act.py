@@ -100,7 +100,9 @@ def check_non_finite_past_the_groups(fn, device, dtype, act):
     for past in (0.0, float("nan"), float("inf")):
         yp, dp = y.clone(), dout.clone()
         yp[7:, ::2], yp[7:, 1::2], dp[8:] = past, -past, past
-        yt, bt = yp.to(device, dtype).requires_grad_(), b.to(device, dtype).requires_grad_()
+        # copy=True: b.to() is b itself in fp64 on the CPU, whose .grad would then hold every run's sum,
+        # each run's db the same tensor (compared with itself)
+        yt, bt = yp.to(device, dtype).requires_grad_(), b.to(device, dtype, copy=True).requires_grad_()
         out = fn(yt, bt, g.to(device), None, act)
         out.backward(dp.to(device, dtype))
         grads.append((out.detach(), yt.grad, bt.grad))

@@ -329,6 +329,31 @@ def test_gpu_main_grad(backend, dtype, shape, add, layout, monkeypatch):
                     placeholder=add, layout=layout)
 
 
+def check_no_rows(device, backend, dtype, tol):
+    """R = 0 (an expert-parallel rank that received no tokens; S = 0): y [0, N] and x's gradient
+    [0, K], w's gradient exact zeros in w's layout (stored or transposed); into a main_grad, added
+    keeps its bits, written gives exact zeros. And rows but every group empty: the same zeros."""
+    for transposed_w in (False, True):
+        check(0, 64, 48, 3, dtype, device, backend, tol=tol, transposed_w=transposed_w)
+        check(5, 64, 48, 3, dtype, device, backend, zero_groups=(0, 1, 2), tail=5, tol=tol,
+              transposed_w=transposed_w)
+    for add, layout in ((True, "plain"), (False, "transposed"), (False, "gap")):
+        check_main_grad(0, 64, 48, 3, dtype, device, backend, tol=tol, add=add, placeholder=add, layout=layout)
+
+
+def test_reference_no_rows():
+    check_no_rows("cpu", "reference", torch.float64, 1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_no_rows(backend, dtype, monkeypatch):
+    skip_unless_runs(backend, dtype)
+    check_no_rows("cuda", use_backend(backend, monkeypatch), dtype, 1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
 def check_counts_past_rows(device, backend, dtype, tol):
     """Counts summing past R (no host check is possible without a sync) truncate the last groups,
     as slicing does in the reference; nothing past row R is read or written."""

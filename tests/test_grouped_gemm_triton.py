@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from test_grouped_gemm import check, check_counts_past_rows, check_grad_into_w, check_main_grad
+from test_grouped_gemm import check, check_counts_past_rows, check_grad_into_w, check_main_grad, check_no_rows
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs TRITON_INTERPRET=1 set before triton kernels are defined")
@@ -22,6 +22,10 @@ def test_triton_interpreter_fp32(zero_groups, tail, transposed_w):
 
 def test_triton_interpreter_counts_past_rows():
     check_counts_past_rows("cpu", "triton", torch.float32, 1e-5)
+
+
+def test_triton_interpreter_no_rows():
+    check_no_rows("cpu", "triton", torch.float32, 1e-5)
 
 
 @pytest.mark.parametrize("zero_groups,tail", [((), 0), ((0, 3), 5)])

@@ -144,7 +144,7 @@ def test_few_rows_kernels_tiles(block_m, swap, split, tma):
 
 
 @pytest.mark.parametrize("case", MOE_CASES)
-@pytest.mark.parametrize("mode", ["few_rows", "grouped"])
+@pytest.mark.parametrize("mode", ["few_rows", "grouped", "dense"])  # dense: the Triton router and gating
 def test_sparse_moe_kernels(case, mode):
     check_moe(*case, mode, DEVICE, backend="triton")
 

@@ -38,6 +38,15 @@ def backend(request):
     return request.param
 
 
+@pytest.fixture(params=["reference"] + KERNEL_BACKENDS)
+def any_backend(request):
+    """The kernel backends and the reference: for tests against an op's own definition (not the
+    reference), which the reference backend must meet too."""
+    if request.param == "cuda":
+        require_cuda_backend()
+    return request.param
+
+
 def interpreter_limit(elements: int):
     if INTERPRET and not HAS_CUDA and elements > INTERPRETER_BUDGET:
         pytest.skip("large case: runs on the GPU, too slow for the CPU interpreter")
@@ -266,7 +275,9 @@ def test_renormalize_subnormal_chosen_sum(dtype, backend):
     grad_scores = torch.tensor([[1.0, 0.0], [0.3, -0.7], [1.0, 2.0], [0.5, 0.25]], dtype=dtype)
     out = {}
     for b in (backend, "reference"):
-        la = logits.to(DEV).requires_grad_()
+        # copy=True: on the CPU .to(DEV) is logits itself, and the two backends' gradients would
+        # accumulate into one .grad tensor, compared with itself
+        la = logits.to(DEV, copy=True).requires_grad_()
         g = ops.topk_gating(la, 2, "softmax", True, bias.to(DEV), backend=b)
         (g.scores * grad_scores.to(DEV)).sum().backward()
         out[b] = (g.expert_ids.cpu(), g.scores.detach().cpu(), la.grad.cpu())
@@ -374,11 +385,11 @@ def test_rts_uniform(backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
-@pytest.mark.parametrize("S,E", [(1, 2), (7, 3), (128, 8), (1000, 64), (333, 128), (64, 1024)])
+@pytest.mark.parametrize("S,E", [(0, 4), (1, 2), (7, 3), (128, 8), (1000, 64), (333, 128), (64, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_second_expert_cuda_matches_reference(S, E, dtype):
     """Same uniforms: the same experts (the noise is rounded as torch rounds it), scores and
-    gradients of logits and first scores; rows with non-finite logits route nowhere."""
+    gradients of logits and first scores; rows with non-finite logits route nowhere; S = 0."""
     require_cuda_backend()
     torch.manual_seed(S + E)
     logits = make_logits(S, E, dtype)
@@ -412,19 +423,20 @@ def test_gradcheck_second_expert_cuda():
 
 
 @pytest.mark.parametrize("S, E, k, C", [(37, 5, 2, 6), (9, 8, 3, None), (3, 8, 2, None), (0, 4, 2, None),
-                                        (20, 4, 1, 1)])
-def test_gather_unit_weights_and_row_scores(S, E, k, C, backend):
+                                        (0, 4, 2, 3), (20, 4, 1, 1)])
+def test_gather_unit_weights_and_row_scores(S, E, k, C, any_backend):
     """MoELayer's order: the rows weighed by row_scores, gathered with unit weights (scores None),
     against the weighted gather of the reference in fp64, forward and backward (y and scores),
-    with drops, capacity padding, S < E and S = 0; the unit-weight gather keeps no y for backward."""
+    with drops, capacity padding, S < E and S = 0 (with and without padding rows, whose gradient is
+    zero); the unit-weight gather keeps no y for backward. The reference backend too."""
     ids, scores = routing(S, E, k, "hot" if C == 1 else "random")
-    s = ops.assign_slots(ids, scores, E, capacity=C, backend=backend)
+    s = ops.assign_slots(ids, scores, E, capacity=C, backend=any_backend)
     M = 24
     y = torch.randn(s.num_rows, M, device=DEV, dtype=torch.float64)
     g = torch.randn(S, M, device=DEV, dtype=torch.float64)
     ya, sa = y.float().requires_grad_(), scores.detach().float().clone().requires_grad_()
-    w_R = ops.row_scores(s, sa, backend)
-    out_a = ops.gather_tokens(ya * w_R[:, None], s, None, backend=backend)
+    w_R = ops.row_scores(s, sa, any_backend)
+    out_a = ops.gather_tokens(ya * w_R[:, None], s, None, backend=any_backend)
     yb, sb = y.clone().requires_grad_(), scores.detach().double().requires_grad_()
     out_b = ref.gather_tokens(yb, ref.routed_slots(s.slots, s.num_rows), sb)
     out_a.backward(g.float())
@@ -441,27 +453,27 @@ def test_gather_unit_weights_and_row_scores(S, E, k, C, backend):
     y2 = y.float().requires_grad_()
     y3 = y2 * 1.0
     alive = weakref.ref(y3)
-    out = ops.gather_tokens(y3, s, None, backend=backend)
+    out = ops.gather_tokens(y3, s, None, backend=any_backend)
     del y3
     gc.collect()
     assert alive() is None
     out.backward(g.float())
-    assert torch.equal(y2.grad, ops.scatter_tokens(g.float(), s, backend=backend))
+    assert torch.equal(y2.grad, ops.scatter_tokens(g.float(), s, backend=any_backend))
 
 
 @pytest.mark.parametrize("S, E, k, C, kind", [(37, 5, 2, 6, "random"), (9, 8, 3, None, "random"),
                                               (3, 8, 2, None, "random"), (0, 4, 2, None, "random"),
                                               (0, 4, 2, 3, "random"), (41, 6, 4, 2, "hot"), (13, 1, 1, None, "hot")])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_row_scores_matches_its_definition(S, E, k, C, kind, dtype, backend):
+def test_row_scores_matches_its_definition(S, E, k, C, kind, dtype, any_backend):
     """row_scores on the kernels (scatter_tokens of the scores read route-major) against its plain
     definition, forward and backward: row slots[s, j] holds scores[s, j] exactly, padding rows 0,
     dropped routes no gradient; fresh data, capacity with drops and padding, one hot expert, S < E,
     S = 0 (with and without padding rows), E = 1."""
     ids, scores = routing(S, E, k, kind)
-    s = ops.assign_slots(ids, scores, E, capacity=C, backend=backend)
+    s = ops.assign_slots(ids, scores, E, capacity=C, backend=any_backend)
     sc = torch.randn(S, k, device=DEV, dtype=torch.float64).to(dtype).requires_grad_()
-    w_R = ops.row_scores(s, sc, backend)
+    w_R = ops.row_scores(s, sc, any_backend)
     want = torch.zeros(s.num_rows, device=DEV, dtype=torch.float64)
     kept = s.slots >= 0
     want[s.slots[kept].long()] = sc.detach()[kept].double()

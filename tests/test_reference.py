@@ -8,7 +8,11 @@ from turbomoe import reference as ref
 
 from conftest import assert_uniform, needs_cuda, rts_keep_frequencies
 
-ds_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
+
+def deepspeed_moe():
+    """DeepSpeed's sharded_moe, which the capacity and aux-loss formulas are checked against: only those
+    tests skip without DeepSpeed (before, the whole spec's tests did, at import)."""
+    return pytest.importorskip("deepspeed.moe.sharded_moe")
 
 
 @pytest.mark.parametrize("S,E,k,cf,minc", [(128, 8, 1, 1.0, 4), (1000, 64, 2, 1.25, 0), (7, 128, 4, 2.0, 8),
@@ -17,6 +21,7 @@ ds_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
 def test_capacity_matches_deepspeed(S, E, k, cf, minc):
     """The drop-in's capacity is stock's _capacity, fp32 rounding included (the last four rows differ
     by one from the fp64 formula: the drop-in kept 15 tokens of 25 where stock keeps 16)."""
+    ds_moe = deepspeed_moe()
     gates = torch.empty(S, E, device="meta")
     expected = int(ds_moe._capacity(gates, torch.tensor(cf * k), torch.tensor(minc)))
     assert ops.capacity(S, E, k, cf, minc, fp32=True) == ref.deepspeed_capacity(S, E, k, cf, minc) == expected
@@ -25,6 +30,7 @@ def test_capacity_matches_deepspeed(S, E, k, cf, minc):
 
 def test_deepspeed_capacity_random_configs():
     """Stock's capacity over seeded random configs, from a few tokens to 2^31, factors 0.01-4."""
+    ds_moe = deepspeed_moe()
     g = torch.Generator().manual_seed(7)
     for _ in range(3000):
         S = int(torch.randint(0, [100, 10 ** 5, 2 ** 31][int(torch.randint(0, 3, (1, ), generator=g))], (1, ),
@@ -39,6 +45,7 @@ def test_deepspeed_capacity_random_configs():
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("S,E", [(256, 8), (100, 16), (9, 4)])
 def test_aux_loss_matches_deepspeed(S, E, k):
+    ds_moe = deepspeed_moe()
     logits = torch.randn(S, E)
     ours = ref.topk_gating(logits, k).aux_loss
     if k == 1:
@@ -173,3 +180,63 @@ def test_second_expert_is_noisy_argmax_without_first():
     ok = ids[:, 1] >= 0
     torch.testing.assert_close(scores[ok, 1], probs[ok].gather(1, ids[ok, 1:].long()).squeeze(1))
     assert torch.equal(counts, torch.bincount(ids[ids >= 0].long(), minlength=E).to(torch.int32))
+
+
+@pytest.mark.parametrize("score_func", ref.SCORE_FUNCS)
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_gating_gradients_by_gradcheck(score_func, renormalize):
+    """The spec's backward, which the kernels' is held to: the scores, aux and z losses of topk_gating
+    by gradcheck in fp64 (renormalised, the gradient is written by hand: reference.renormalize_chosen),
+    fresh data with a selection bias and a row of NaN logits (no gradient), S < E, one hot expert with
+    empty ones, and S = 0 (losses 0, an empty gradient)."""
+    gen = torch.Generator().manual_seed(len(score_func) + renormalize)
+    for S, E, k, kind in ((9, 5, 3, "bias"), (3, 8, 2, "random"), (6, 4, 2, "hot"), (0, 4, 2, "random")):
+        logits = torch.randn(S, E, generator=gen, dtype=torch.float64)
+        bias = torch.rand(E, generator=gen, dtype=torch.float64) * 0.2 if kind == "bias" else None
+        if kind == "bias":
+            logits[4, 1] = float("nan")
+        if kind == "hot":
+            logits[:, 0] = logits.max(1).values + 1.0  # every token's first choice
+        logits.requires_grad_()
+
+        def gating(l):
+            g = ref.topk_gating(l, k, score_func, renormalize, bias)
+            return g.scores, g.aux_loss, g.z_loss
+        assert torch.autograd.gradcheck(gating, (logits, ))
+        if kind == "hot":
+            assert (ref.topk_gating(logits, k).expert_ids[:, 0] == 0).all()
+        scores, aux, z = gating(logits)
+        (scores.sum() + aux + z).backward()
+        if kind == "bias":
+            assert (logits.grad[4] == 0).all() and (scores[4] == 0).all() and torch.isfinite(logits.grad).all()
+        if S == 0:
+            assert aux.item() == 0 and z.item() == 0 and logits.grad.shape == (0, E)
+
+
+def test_second_expert_gradients_by_gradcheck():
+    """The sampled second expert's score p2 = p1 exp(l2 - l1) by gradcheck in the logits and p1 (the
+    cuda kernel's backward is held to it: test_ops_triton.py), with a row that routes nowhere; and
+    chained from top-1 gating (p1 = softmax(l)[first]) its gradient is that of softmax(l)[second]."""
+    gen = torch.Generator().manual_seed(11)
+    S, E = 7, 5
+    logits = torch.randn(S, E, generator=gen, dtype=torch.float64)
+    logits[2, 3] = float("inf")  # routes nowhere: no second choice, no gradient
+    rand = torch.rand(S, E, generator=gen)
+    first = ref.topk_gating(logits, 1)
+    p1 = first.scores.clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda l, p: ref.second_expert(l, first.expert_ids, p, first.counts, rand)[1],
+        (logits.clone().requires_grad_(), p1))
+    la = logits.clone().requires_grad_()
+    g = ops.sample_second_expert(la, ops.topk_gating(la, 1, backend="reference"), rand, backend="reference")
+    w = torch.randn(S, 2, generator=gen, dtype=torch.float64)
+    (g.scores * w).sum().backward()
+    lb = logits.clone().requires_grad_()
+    finite = torch.isfinite(logits).all(1, keepdim=True)
+    probs = torch.softmax(torch.where(finite, lb, 0.0), 1)
+    want = torch.where(finite, probs.gather(1, g.expert_ids.long().clamp_min(0)), 0.0)
+    (want * w).sum().backward()
+    assert g.expert_ids[2].tolist() == [-1, -1] and (g.expert_ids[:, 0] != g.expert_ids[:, 1])[finite[:, 0]].all()
+    torch.testing.assert_close(g.scores, want.detach(), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(la.grad, lb.grad, rtol=1e-12, atol=1e-15)
+    assert (la.grad[2] == 0).all()
