@@ -15,9 +15,10 @@ anything else (evaluation, no_grad, another shape, another autocast state) runs 
 State dicts, DeepSpeed's module hooks and the optimizer's in-place updates are untouched: the graphs
 read the parameters where they are, so capture after anything that moves them (deepspeed.initialize,
 loading a checkpoint) or changes which of them train (requires_grad is read at capture only).
-A replayed forward's outputs and saved activations live in the graphs' memory: each replay's backward
-runs before the next replay (as in a training step, micro-batch by micro-batch), and a second replay
-while the first one's outputs still wait for their backward is an error, not silently wrong gradients.
+A replayed forward's outputs (clone what is kept past the next replay) and saved activations live in
+the graphs' memory: each replay's backward runs before the next replay (as in a training step,
+micro-batch by micro-batch), and a second replay while the first one's outputs still wait for their
+backward is an error, not silently wrong gradients.
 
 Gradients, two ways:
 - `grad_buffers={param: buffer}` (a main-grad buffer of the parameter's numel, fp32 say): the
