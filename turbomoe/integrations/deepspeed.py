@@ -38,7 +38,7 @@ from .. import ops, reference
 from ..nn.experts import autocast_dtype
 from ..nn.recompute import remaking
 from .deepspeed_experts import (EqualGroups, RowGroups, SwiGLUExpert, fast_path_applies, fast_path_kind,
-                                grouped_mlp, pack_expert_params, run_experts, scales_rows)
+                                grouped_mlp, module_assignments, pack_expert_params, run_experts, scales_rows)
 from .deepspeed_gating import drop_policy, expert_capacity, route, router_logits
 
 __all__ = ["MoE", "TurboMOELayer", "SwiGLUExpert", "patch", "unpatch", "is_patched"]
@@ -71,17 +71,23 @@ class TurboMOELayer(MOELayer):
         # None: stock's combine weights (renormalised over the kept routes for k >= 2, raw for k = 1).
         self.norm_topk_prob = gate.k >= 2 if norm_topk_prob is None else norm_topk_prob
         self.expert_fast_path = fast_path_kind(list(experts.deepspeed_experts))
+        self._experts_checked_at = module_assignments()
         if self.expert_fast_path is not None:
             pack_expert_params(experts.deepspeed_experts)
 
     def _apply(self, fn, recurse=True):
-        # .to() / .cuda() / .half() give every parameter new storage: pack the experts again.
+        # .to() / .cuda() / .half() give every parameter new storage: pack the experts again (where
+        # they did: share_memory() and a move that changes nothing keep theirs, still packed).
         super()._apply(fn, recurse)
         if self.expert_fast_path is not None:
             pack_expert_params(self.experts.deepspeed_experts)
         return self
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and self._experts_checked_at != module_assignments():
+            # a module assigned since (an expert swapped, a Linear wrapped): the experts checked again
+            self.expert_fast_path = fast_path_kind(list(self.experts.deepspeed_experts))
+            self._experts_checked_at = module_assignments()
         with _timed(self, MOE_TIMER, "time_moe"):
             M = hidden_states.shape[-1]
             # Views only where the shape changes: each is an autograd node, host time in every backward.

@@ -68,10 +68,29 @@ def fast_path_kind(experts: List[nn.Module]) -> Optional[str]:
     return None if sig is None else sig[0]
 
 
-# module -> its descendants, listed on first use: walking the tree (modules()) every forward cost
-# ~0.2 ms of host time at 64 experts. The fast path's structure check (fast_path_kind) is made
-# once too; experts swapped in later are not seen by either.
-_DESCENDANTS: "weakref.WeakKeyDictionary[nn.Module, Tuple[nn.Module, ...]]" = weakref.WeakKeyDictionary()
+# Counts the modules assigned as a submodule anywhere (torch's global registration hook), so that the
+# walk and the structure check below, made once, are made again after an expert was swapped or wrapped
+# (PEFT puts a LoRA module in its Linear's place): they would miss its hooks, or run its old weights.
+_assignments = 0
+
+
+def _count_assignment(parent: nn.Module, name: str, module: Optional[nn.Module]) -> None:
+    global _assignments
+    _assignments += 1
+
+
+nn.modules.module.register_module_module_registration_hook(_count_assignment)
+
+
+def module_assignments() -> int:
+    """How many modules have been assigned as a submodule so far: a structure checked at one count
+    still holds while the count stays."""
+    return _assignments
+
+
+# module -> (module_assignments(), its descendants) when listed: walking the tree (modules()) every
+# forward cost ~0.2 ms of host time at 64 experts.
+_DESCENDANTS: "weakref.WeakKeyDictionary[nn.Module, Tuple[int, Tuple[nn.Module, ...]]]" = weakref.WeakKeyDictionary()
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -80,10 +99,12 @@ def _hooked(module: nn.Module) -> bool:
         # position, and a module of another model collected meanwhile broke the guard (IndexError).
         descendants = tuple(module.modules())[1:]
     else:
-        descendants = _DESCENDANTS.get(module)
-        if descendants is None:  # without module itself: the value must not hold its weak key alive
-            descendants = _DESCENDANTS[module] = tuple(module.modules())[1:]
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in (module, ) + descendants)
+        listed = _DESCENDANTS.get(module)
+        if listed is None or listed[0] != _assignments:  # (without module itself: it must not hold its weak key alive)
+            listed = _DESCENDANTS[module] = (_assignments, tuple(module.modules())[1:])
+        descendants = listed[1]
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in (module, ) + descendants)
 
 
 def _stack(blocks: List[List[torch.Tensor]], dtype: Optional[torch.dtype]) -> torch.Tensor:

@@ -235,6 +235,8 @@ def pack_expert_params(experts: nn.ModuleList) -> None:
     params = [p for e in experts for p in e.parameters()]
     if not params or len({(p.dtype, p.device) for p in params}) != 1:
         return
+    if _back_to_back(params):  # packed already: a new buffer would drop what holds this one (share_memory's)
+        return
     flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     offset = 0
     with torch.no_grad():
@@ -243,6 +245,16 @@ def pack_expert_params(experts: nn.ModuleList) -> None:
             view.copy_(p)
             p.data = view
             offset += p.numel()
+
+
+def _back_to_back(params: List[torch.Tensor]) -> bool:
+    """Whether params lie contiguous and back to back in one storage, in order."""
+    storage, offset = params[0].untyped_storage().data_ptr(), params[0].storage_offset()
+    for p in params:
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset:
+            return False
+        offset += p.numel()
+    return True
 
 
 # The side stream of each device that EqualGroups' weight gradients run on when they have a buffer, and
