@@ -39,6 +39,11 @@ def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
         else:
             os.remove(os.path.join(ckpt_dir, "latest"))
         os.remove(marker)
+    if dist.get_rank() == 0 and os.path.isdir(os.path.join(ckpt_dir, tag)):
+        # The old tag's files go too: written by more ranks (a run resumed on fewer, or a save that
+        # crashed), their extra optimizer partitions would stay in the new tag and make it unreadable.
+        shutil.rmtree(os.path.join(ckpt_dir, tag))
+    dist.barrier()  # cleared before any rank writes there
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state={"step": step}, save_latest=False)
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:

@@ -32,6 +32,7 @@ from .models.hf_checkpoint import save_dir
 from .models.hf_names import to_hf_name
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
+OPTIM_STATES = "mp_rank_00_optim_states.pt"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.deepspeed_moe\.experts\.deepspeed_experts)\.(\d+)\.")
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -99,14 +100,22 @@ class RunCheckpoint:
 
     def check_files(self):
         """Raise ExportError naming the first file missing or cut short: every expert's of every MoE
-        layer, and every rank's optimizer partition where the run kept them (the model states file
-        was read already). Each file's zip directory is read, not its tensors: a copy cut short has
-        lost the end where torch.save writes it."""
+        layer, and every rank's optimizer partition where the run kept them, or at ZeRO stage 0 each
+        expert-parallel rank's optimizer state (the model states file was read already). Each file's
+        zip directory is read, not its tensors: a copy cut short has lost the end where torch.save
+        writes it."""
         for i in range(len(self.moe_layers)):
             for j in range(self.config.num_experts):
                 _check_complete(self._existing_expert_file(i, j))
         for _, path in self._partition_files():
             _check_complete(path)
+        if self.moe_layers and self.recipe.get("train", {}).get("zero_stage") == 0:  # DeepSpeed's load reads these
+            for r in range(self.ep_size):
+                path = os.path.join(self.tag_dir, f"expp_rank_{r}_{OPTIM_STATES}")
+                if not os.path.isfile(path):
+                    raise ExportError(f"{path} is missing: the optimizer state of expert-parallel rank {r} of "
+                                      f"{self.ep_size}")
+                _check_complete(path)
 
     def expert_file(self, moe_layer: int, expert: int) -> str:
         return os.path.join(self.tag_dir, f"layer_{moe_layer}_expert_{expert}_{MODEL_STATES}")
