@@ -415,3 +415,53 @@ def test_engine_on_a_device_not_current(tmp_path):
     got = gpu.generate(ids, 12, attention_mask=mask)
     assert got.device == torch.device("cuda", 1) and torch.cuda.current_device() == 0 and gpu.graphs
     assert torch.equal(got.cpu(), cpu.generate(ids, 12, attention_mask=mask))
+
+
+def test_engine_tune_stopped_leaves_the_model_whole(tmp_path, monkeypatch):
+    """Engine(model, tune=True) whose tune fails or is interrupted (minutes on a fresh GPU) leaves the
+    model whole: the tune runs on the first MoE layer before the model gives up any (a GPU faked: the
+    device the engine reads, and a tune that stops)."""
+    from turbomoe.inference import Engine, SparseMoE
+    from turbomoe.models import Qwen3MoeForCausalLM
+    from turbomoe.models.qwen3_moe import ExpertsMoved
+    _, path = hf_model(tmp_path, 5)
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    logits = model(ids).logits
+
+    class Cuda:
+        type = "cuda"
+    monkeypatch.setattr(Engine, "device", property(lambda self: Cuda, lambda self, device: None), raising=False)
+    tuned = []
+
+    def tune(self, token_counts):
+        tuned.append(sum(isinstance(layer.mlp, ExpertsMoved) for layer in model.model.layers))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(SparseMoE, "tune", tune)
+    with pytest.raises(KeyboardInterrupt):
+        Engine(model, max_batch=2, max_seq_len=16, tune=True)
+    assert tuned == [0] and torch.equal(model(ids).logits, logits)
+
+
+def test_generate_cli_tile_file_without_this_batch_size(tmp_path, capsys, monkeypatch):
+    """--tiles FILE whose table for this GPU and model lacks the batch's token count: the decode step
+    runs the rule's tilings, and the CLI says so rather than passing for tuned (a GPU faked: the
+    engine is the CPU's)."""
+    import turbomoe.inference
+    from turbomoe.data import ByteTokenizer
+    from turbomoe.generate import main
+    from turbomoe.inference.tiling import tile_key, write_tile_file
+    from turbomoe.models import Qwen3MoeForCausalLM
+    _, path = hf_model(tmp_path, 5, vocab_size=257, eos_token_id=256, pad_token_id=256)
+    out, tiles = os.path.join(tmp_path, "bytes"), str(tmp_path / "t.json")
+    Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out, tokenizer=ByteTokenizer())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(turbomoe.inference, "load", lambda *args, **kw: load(out, device="cpu", max_batch=kw["max_batch"]))
+    key = tile_key("a GPU", 6, 2, 48, 24, torch.float32)
+    write_tile_file(tiles, key, {1: (None, None), 4: (None, None)})
+    main([out, "--prompt", "abc", "--prompt", "d", "--max-new-tokens", "2", "--tiles", tiles])
+    assert "holds no tiling for 2 tokens (this batch size; it has [1, 4]): the rule's" in capsys.readouterr().err
+    main([out, "--prompt", "abc", "--max-new-tokens", "2", "--tiles", tiles])
+    assert "holds no tiling" not in capsys.readouterr().err

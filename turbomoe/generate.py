@@ -125,6 +125,9 @@ def main(argv=None):
                 write_tile_file(args.tiles, key, engine.few_rows_tiles)
             elif (tiles := read_tile_file(args.tiles, key)) is not None:
                 engine.few_rows_tiles = tiles
+                if B not in tiles:  # the decode step runs B tokens a MoE layer: the table's other counts unused
+                    print(f"{args.tiles}'s table for {key} holds no tiling for {B} tokens (this batch size; it has "
+                          f"{sorted(tiles)}): the rule's tilings (--tune measures them)", file=sys.stderr)
             else:
                 print(f"{args.tiles} holds no tile table for {key}: the rule's tilings (--tune measures them)",
                       file=sys.stderr)

@@ -87,6 +87,11 @@ class Engine:
                 prefix = f"model.layers.{i}.mlp."
                 self.moes[i] = SparseMoE.from_hf_state_dict(sd, prefix, cfg.num_experts,
                                                            cfg.num_experts_per_tok, cfg.norm_topk_prob, **moe_kw)
+                if tune and len(self.moes) == 1:
+                    # a decode step of bucket b runs b tokens through each MoE layer; tuned on the first
+                    # one before the model gives up any layer, so that a tune that fails or is
+                    # interrupted (minutes on a fresh machine) leaves the model whole
+                    tiles = self.moes[i].tune(self.buckets)
                 # The experts now live (stacked) in the SparseMoE: drop the model's copy before the next
                 # layer's stack, so building needs one layer's experts extra, not the whole model's.
                 if not keep_model:
@@ -94,8 +99,8 @@ class Engine:
                 for key in [key for key in sd if key.startswith(prefix)]:
                     del sd[key]
         del sd
-        if tune and self.moes:  # a decode step of bucket b runs b tokens through each MoE layer
-            self.few_rows_tiles = next(iter(self.moes.values())).tune(self.buckets)
+        if tune and self.moes:  # every MoE layer on the first one's table
+            self.few_rows_tiles = tiles
         self.cos, self.sin = rotary_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta, self.device)
         self.cache, self.cache_rows, self.cache_len = None, 0, 0
         self.graphs, self._pool = {}, None

@@ -11,6 +11,7 @@ load(..., few_rows_tiles=...)) for the same bits across loads, or keep it in a t
 (read_tile_file / write_tile_file: tables for any number of GPUs and layer shapes, as
 `python -m turbomoe.generate --tune --tiles FILE` keeps them).
 """
+import fcntl
 import itertools
 import json
 import os
@@ -184,14 +185,16 @@ def _block_us(moe, x, T: int, pair, timer, rounds: int = 3) -> Tuple[float, floa
     tiles = moe.few_rows_tiles
     saved = tiles.pop(T, None)
     rule_us, pair_us = [], []
-    for _ in range(rounds):
+    try:
+        for _ in range(rounds):
+            tiles.pop(T, None)
+            rule_us.append(timer("layer", None, lambda: moe(x)))
+            tiles[T] = pair
+            pair_us.append(timer("layer", pair, lambda: moe(x)))
+    finally:  # an error or Ctrl-C in a timing leaves the layer's table as it was, not on the untried pair
         tiles.pop(T, None)
-        rule_us.append(timer("layer", None, lambda: moe(x)))
-        tiles[T] = pair
-        pair_us.append(timer("layer", pair, lambda: moe(x)))
-    del tiles[T]
-    if saved is not None:
-        tiles[T] = saved
+        if saved is not None:
+            tiles[T] = saved
     return statistics.median(rule_us), statistics.median(pair_us)
 
 
@@ -264,6 +267,7 @@ def read_tile_tables(path: str) -> list:
 def read_tile_file(path: str, key: dict) -> Optional[TileTable]:
     """The table of a tile file measured for key (tile_key), or None where it holds none (or there is
     no file); ValueError if the file is not a tile file."""
+    key = json.loads(json.dumps(key))  # as the file keeps it: lists for tuples
     for entry in read_tile_tables(path):
         if entry["for"] == key:
             return check_tile_table(entry["tiles"])
@@ -272,14 +276,31 @@ def read_tile_file(path: str, key: dict) -> Optional[TileTable]:
 
 def write_tile_file(path: str, key: dict, table: TileTable):
     """Keeps table in the tile file for key: the file's entries for key updated by table's token
-    counts, the other keys' tables left as they are; written whole, then renamed over the file."""
-    tables = read_tile_tables(path)
-    entry = next((e for e in tables if e["for"] == key), None)
-    if entry is None:
-        entry = {"for": key, "tiles": {}}
-        tables.append(entry)
-    entry["tiles"] = {str(T): pair for T, pair in sorted({**check_tile_table(entry["tiles"]), **table}.items())}
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"tables": tables}, f, indent=1)
-    os.replace(tmp, path)
+    counts, the other keys' tables left as they are; written whole, then renamed over the file. table and
+    key are checked first: a file that read_tile_tables would refuse is never written."""
+    table = check_tile_table(table)  # an invalid tiling or a key "8" beside 8 would spoil every entry
+    if not isinstance(key, dict):
+        raise ValueError(f"a tile file's key must be a dict (tile_key), got {key!r}")
+    key = json.loads(json.dumps(key))  # as the file keeps it (lists for tuples), so a later write matches it
+    # One writer at a time in the file's folder (a lock on the folder, as the file itself is replaced):
+    # processes tuning on several GPUs into one file each keep their table, none lost to another's write.
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        tables = read_tile_tables(path)
+        entry = next((e for e in tables if e["for"] == key), None)
+        if entry is None:
+            entry = {"for": key, "tiles": {}}
+            tables.append(entry)
+        entry["tiles"] = {str(T): pair for T, pair in sorted({**check_tile_table(entry["tiles"]), **table}.items())}
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"tables": tables}, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk, Ctrl-C: the file as it was, no temporary file left
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    finally:
+        os.close(folder)  # releases the lock
