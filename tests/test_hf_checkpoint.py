@@ -85,6 +85,9 @@ def test_round_trip_through_transformers(tmp_path, name):
     # Read from a directory, the model keeps its token ids and generation_config.json; the source has no
     # tokenizer, so none is written (its vocabulary is not turbomoe's bytes).
     src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    # transformers 4.x's fields beside 5.x's, the same values (4.x ignores rope_parameters)
+    assert out_cfg["rope_theta"] == out_cfg["rope_parameters"]["rope_theta"] == ref.config.rope_parameters["rope_theta"]
+    assert out_cfg["torch_dtype"] == out_cfg["dtype"]
     assert [out_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [
         src_cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
     assert (out / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
@@ -230,6 +233,21 @@ def test_config_errors(sharded, changes, match):
         Qwen3MoeForCausalLM.from_pretrained(str(sharded))
 
 
+def test_sliding_window_left_out_is_transformers_default(sharded):
+    """use_sliding_window true with no sliding_window key: transformers' default window (4096) applies, so
+    attention past 4096 tokens is windowed there; refused, not read as full attention. An explicit null
+    window is full attention in transformers too, and is read."""
+    cfg = json.loads((sharded / "config.json").read_text())
+    cfg.pop("sliding_window", None)
+    (sharded / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
+    assert transformers.AutoConfig.from_pretrained(sharded).sliding_window == 4096
+    with pytest.raises(CheckpointError, match="config.json: use_sliding_window with sliding_window 4096"):
+        Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+    edit_config(sharded, sliding_window=None)
+    assert transformers.AutoConfig.from_pretrained(sharded).sliding_window is None
+    Qwen3MoeForCausalLM.from_pretrained(str(sharded))
+
+
 @pytest.mark.parametrize("changes, theta", [
     # rope_scaling replaces rope_parameters whole (theta 5000 there): the top-level default 10000 applies
     (dict(rope_scaling={"rope_type": "default"}), 10000.0),
@@ -292,6 +310,26 @@ def test_tied_config_with_another_lm_head(tmp_path):
               metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="stored lm_head.weight differs from model.embed_tokens.weight"):
         Qwen3MoeForCausalLM.from_pretrained(str(src))
+
+
+def test_save_with_a_broken_tie(tmp_path):
+    """A tied model whose lm_head became a tensor of its own (load_state_dict(assign=True)): the same values
+    are written once, as tied; other values are an error, not a tied config.json beside an lm_head.weight
+    (that transformers unties, this reader refuses and a reader that trusts the config drops)."""
+    ref = hf_model("tied_sparse_step")
+    ref.save_pretrained(tmp_path / "src")
+    ours = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "src"))
+    state = {k: v.clone() for k, v in ours.state_dict().items()}
+    ours.load_state_dict(state, assign=True)
+    assert ours.lm_head.weight is not ours.model.embed_tokens.weight
+    ours.save_pretrained(str(tmp_path / "same"))
+    assert sorted(tensors_of(tmp_path / "same")) == sorted(tensors_of(tmp_path / "src"))
+    Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "same"))
+    with torch.no_grad():
+        ours.lm_head.weight.add_(1)
+    with pytest.raises(ValueError, match="lm_head.weight is another tensor and differs"):
+        ours.save_pretrained(str(tmp_path / "differs"))
+    assert not (tmp_path / "differs").exists()
 
 
 def test_missing_tensor_and_directory(tmp_path, sharded):

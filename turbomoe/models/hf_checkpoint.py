@@ -54,7 +54,7 @@ _HF_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 
                 "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
                 "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
                 "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "initializer_range": 0.02,
-                "tie_word_embeddings": False, "attention_bias": False}
+                "tie_word_embeddings": False, "attention_bias": False, "sliding_window": 4096}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _OUR_EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
@@ -111,9 +111,10 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
         raise CheckpointError(f"{file}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
     if raw.get("attention_dropout", 0.0):
         raise CheckpointError(f"{file}: attention_dropout {raw['attention_dropout']} is not supported (only 0)")
-    if raw.get("use_sliding_window") and raw.get("sliding_window") is not None:
-        raise CheckpointError(f"{file}: use_sliding_window with sliding_window {raw['sliding_window']} is not "
-                              f"supported (full causal attention only)")
+    window = raw.get("sliding_window", _HF_DEFAULTS["sliding_window"])  # left out: on, unless it says null
+    if raw.get("use_sliding_window") and window is not None:
+        raise CheckpointError(f"{file}: use_sliding_window with sliding_window {window} is not supported (full "
+                              f"causal attention only)")
     d = {k: raw.get(k, _HF_DEFAULTS[k]) for k in _SAME}
     d["num_experts"] = raw.get("num_experts", raw.get("num_local_experts", _HF_DEFAULTS["num_experts"]))
     if not d["num_experts"]:
@@ -141,6 +142,9 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict) -> dict:
             "num_experts": cfg.num_experts, "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_dropout": 0.0,
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
             "use_sliding_window": False, "sliding_window": None, "dtype": names[dtype],
+            # transformers 4.x's names (and serving stacks on it): without them it would run rope_theta
+            # 10000 and guess the dtype; 5.x reads them as the same values
+            "rope_theta": cfg.rope_theta, "torch_dtype": names[dtype],
             **{k: token_ids.get(k) for k in TOKEN_IDS}, "use_cache": True}
 
 
@@ -317,7 +321,15 @@ def hf_tensors(model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     if model.moe_args.ep_size != 1:
         raise ValueError(f"this model holds 1/{model.moe_args.ep_size} of the experts; save a consolidated model "
                          f"(python -m turbomoe.export consolidates a run's checkpoint)")
-    for name, p in model.named_parameters():
+    params = dict(model.named_parameters())
+    head = params.get("lm_head.weight")  # there when the tie was broken (load_state_dict(assign=True), say)
+    if model.config.tie_word_embeddings and head is not None:
+        if not torch.equal(head, params["model.embed_tokens.weight"]):
+            raise ValueError("config ties the embeddings (tie_word_embeddings true) but lm_head.weight is another "
+                             "tensor and differs from model.embed_tokens.weight; tie them again or build the model "
+                             "with tie_word_embeddings false")
+        del params["lm_head.weight"]
+    for name, p in params.items():
         yield to_hf_name(name), p.detach()
 
 
