@@ -397,3 +397,22 @@ def test_grouped_experts_rows_past_the_counts_never_reach_the_results(monkeypatc
             return PoisonPast.apply(gmm(PoisonPast.apply(x_RK, n), w, counts_E, *args, **kw), n)
         monkeypatch.setattr(experts_module, "grouped_mm", poisoned)
     check_rows_past_unread(monkeypatch, make, poison, 16, device, dtype)
+
+
+@pytest.mark.parametrize("modify", ["w1", "w2", "b1", "x"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_cpu_recompute_keeps_autograds_inplace_check(modify, activation):
+    """A tensor the backward needs, modified in place after the forward, is an error, as without
+    recompute: autograd skips its version check for tensors packed by saved-tensor hooks, so with
+    recompute=True the experts' weight gradients were silently those of the modified weights, and rows
+    remade from a modified input (a frozen router, an input without grad: nothing else kept it) gave
+    w1 a gradient twice the true one."""
+    torch.manual_seed(0)
+    layer = MoELayer(16, 24, 4, 2, activation=activation, bias=True, recompute=True)
+    layer.router.requires_grad_(False)
+    x = torch.randn(30, 16)
+    out, _ = layer(x)
+    with torch.no_grad():
+        (x if modify == "x" else getattr(layer.experts, modify)).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.square().sum().backward()

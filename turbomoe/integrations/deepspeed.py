@@ -113,7 +113,7 @@ class TurboMOELayer(MOELayer):
                 row_scale_R = ops.row_scores(s, w_SK)
             if rows_layout:
                 # The rows again from x_SM (the router's GEMM keeps it).
-                with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s)) as remake:
+                with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s), (x_SM, )) as remake:
                     y_RM = grouped_mlp(self.expert_fast_path, self.experts.deepspeed_experts, buf_RM,
                                        RowGroups(s.kept_counts, s.num_rows, self.fused_grad_accumulation), remake,
                                        row_scale_R)

@@ -154,7 +154,7 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
         remake.release(x)
     a = act(h)
     if remake is not None:
-        remake.add(a, lambda: act(h))  # h is kept by the activation's own backward
+        remake.add(a, lambda: act(h), (h, ))  # h is kept by the activation's own backward
     return _grouped_linear(a, second, groups, dtype)
 
 

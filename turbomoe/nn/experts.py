@@ -92,7 +92,8 @@ class GroupedExperts(nn.Module):
                 h = bias_act(h, b1, groups_R)
         a = self._act(h, row_scale_R, bias1)
         if remake is not None:
-            remake.add(a, lambda: self._act(h, row_scale_R, bias1))  # h is kept by the activation's own backward
+            # h is kept by the activation's own backward; b1 (GELU's bias) is read again
+            remake.add(a, lambda: self._act(h, row_scale_R, bias1), (h, ) if bias1 is None else (h, bias1[0]))
         y = grouped_mm(a, w2, counts_E, self.gmm_backend, offs_E, grad_into_w=fused)
         if groups_R is not None:
             y = bias_act(y, b2, groups_R)

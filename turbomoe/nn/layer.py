@@ -94,7 +94,8 @@ class MoELayer(nn.Module):
         # SwiGLU experts weigh their rows by the scores before the second GEMM (SonicMoE's order): the
         # scores' gradient then comes from the activation's backward, and y [R, M] is not kept for it.
         row_scale_R = ops.row_scores(s, g.scores, self.backend) if self.experts.scales_rows else None
-        with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s, backend=self.backend)) as remake:
+        with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s, backend=self.backend),
+                      (x_SM, )) as remake:
             y_RM = self.experts(buf_RM, counts_E, remake, row_scale_R)
             shared_SM = (None if self.shared_expert is None else
                          self.shared_expert(x_SM, torch.full((1,), S, dtype=torch.int32, device=x.device), remake))

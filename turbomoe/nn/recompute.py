@@ -27,12 +27,30 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype and a.device == b.device)
 
 
-class _Remade:
-    """What a packed tensor became: the recipe to make it again."""
-    __slots__ = ("make",)
+def _check_version(t: torch.Tensor, version: int):
+    """Autograd's own check, which it skips for tensors packed by saved-tensor hooks: a tensor saved (or
+    read by a recipe) must not have been modified in place between the forward and the backward."""
+    if t._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                           f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+                           f"expected version {version} instead (turbomoe.nn.recompute)")
 
-    def __init__(self, make: Callable[[], torch.Tensor]):
+
+class _Kept:
+    """A saved tensor kept as it is, with its version at the save."""
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.version = t, t._version
+
+
+class _Remade:
+    """What a packed tensor became: the recipe to make it again, and the versions of the tensors it reads."""
+    __slots__ = ("make", "reads")
+
+    def __init__(self, make: Callable[[], torch.Tensor], reads=()):
         self.make = make
+        self.reads = [(t, t._version) for t in reads]
 
 
 class Remake:
@@ -40,19 +58,21 @@ class Remake:
     tensor that is one of them (the same view of the same storage) is stored as its recipe."""
 
     def __init__(self):
-        self.rules: List[Tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        self.rules: List[Tuple[torch.Tensor, Callable[[], torch.Tensor], Tuple[torch.Tensor, ...]]] = []
         self.stored: List[torch.Tensor] = []  # the registered tensors stored as recipes so far
 
-    def add(self, t: torch.Tensor, make: Callable[[], torch.Tensor]):
-        self.rules.append((t, make))
+    def add(self, t: torch.Tensor, make: Callable[[], torch.Tensor], reads: Tuple[torch.Tensor, ...] = ()):
+        """reads: the tensors make() reads that the caller's code could modify in place (their versions
+        are checked when the backward remakes t, as autograd checks a kept tensor's)."""
+        self.rules.append((t, make, tuple(reads)))
 
     def _pack(self, t: torch.Tensor):
-        for src, make in self.rules:
+        for src, make, reads in self.rules:
             if _same_view(t, src):
                 if not any(s is src for s in self.stored):
                     self.stored.append(src)
-                return _Remade(make)
-        return t
+                return _Remade(make, reads)
+        return _Kept(t)
 
     def release(self, t: torch.Tensor):
         """Frees t's memory now if t is registered here, was stored as its recipe (so the backward
@@ -64,15 +84,18 @@ class Remake:
         storage = t.untyped_storage()
         if storage.nbytes() != t.numel() * t.element_size():
             return
-        self.rules = [(src, make) for src, make in self.rules if src is not t]  # nothing may match it again
+        self.rules = [rule for rule in self.rules if rule[0] is not t]  # nothing may match it again
         storage.resize_(0)
 
     @staticmethod
     def _unpack(packed):
-        if isinstance(packed, _Remade):
-            with torch.no_grad():
-                return packed.make()
-        return packed
+        if isinstance(packed, _Kept):
+            _check_version(packed.t, packed.version)
+            return packed.t
+        for t, version in packed.reads:
+            _check_version(t, version)
+        with torch.no_grad():
+            return packed.make()
 
     @contextmanager
     def hooks(self):
@@ -97,7 +120,8 @@ def remake_for(enabled: bool) -> Optional[Remake]:
 
 
 @contextmanager
-def remaking(enabled: bool, rows: torch.Tensor, make_rows: Callable[[], torch.Tensor]):
+def remaking(enabled: bool, rows: torch.Tensor, make_rows: Callable[[], torch.Tensor],
+             reads: Tuple[torch.Tensor, ...] = ()):
     """The experts' forward runs inside: where recompute applies (remake_for), the expert rows are
     stored as make_rows and the Remake is yielded for the experts to add their activations to; else
     None and nothing changes."""
@@ -105,6 +129,6 @@ def remaking(enabled: bool, rows: torch.Tensor, make_rows: Callable[[], torch.Te
     if remake is None:
         yield None
         return
-    remake.add(rows, make_rows)
+    remake.add(rows, make_rows, reads)
     with remake.hooks():
         yield remake
