@@ -257,5 +257,5 @@ def _key(input_ids_BT, labels_BT):
     """What a replay must match: the inputs' shapes, dtypes and device, and autocast's state there
     (the graphs ran without the casts it would add, or with the ones it added at capture)."""
     kind = input_ids_BT.device.type
-    amp = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None)
+    amp = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
     return tuple((t.shape, t.dtype, t.device) for t in (input_ids_BT, labels_BT)) + (amp, )

@@ -48,7 +48,7 @@ class _Remade:
     """What a packed tensor became: the recipe to make it again, and the versions of the tensors it reads."""
     __slots__ = ("make", "reads")
 
-    def __init__(self, make: Callable[[], torch.Tensor], reads=()):
+    def __init__(self, make: Callable[[], torch.Tensor], reads: Tuple[torch.Tensor, ...]):
         self.make = make
         self.reads = [(t, t._version) for t in reads]
 
@@ -61,7 +61,7 @@ class Remake:
         self.rules: List[Tuple[torch.Tensor, Callable[[], torch.Tensor], Tuple[torch.Tensor, ...]]] = []
         self.stored: List[torch.Tensor] = []  # the registered tensors stored as recipes so far
 
-    def add(self, t: torch.Tensor, make: Callable[[], torch.Tensor], reads: Tuple[torch.Tensor, ...] = ()):
+    def add(self, t: torch.Tensor, make: Callable[[], torch.Tensor], reads: Tuple[torch.Tensor, ...]):
         """reads: the tensors make() reads that the caller's code could modify in place (their versions
         are checked when the backward remakes t, as autograd checks a kept tensor's)."""
         self.rules.append((t, make, tuple(reads)))
@@ -121,7 +121,7 @@ def remake_for(enabled: bool) -> Optional[Remake]:
 
 @contextmanager
 def remaking(enabled: bool, rows: torch.Tensor, make_rows: Callable[[], torch.Tensor],
-             reads: Tuple[torch.Tensor, ...] = ()):
+             reads: Tuple[torch.Tensor, ...]):
     """The experts' forward runs inside: where recompute applies (remake_for), the expert rows are
     stored as make_rows and the Remake is yielded for the experts to add their activations to; else
     None and nothing changes."""
