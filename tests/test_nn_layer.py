@@ -227,6 +227,118 @@ def test_expert_bias_stays_fp32(cast):
     assert layer.state_dict()["router.expert_bias"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("cast", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double(),
+                                  lambda m: m.to("cpu", torch.float16)])
+def test_expert_bias_keeps_its_bits_through_casts(cast):
+    """The cast rounded the bias to 16 bits before _apply made it fp32 again: a trained bias of
+    0.123456 came back 0.12353515625 (bf16), every balancing step below bf16's spacing lost."""
+    torch.manual_seed(7)
+    layer = MoELayer(8, 6, 4, 2, expert_bias=True)
+    layer.router.expert_bias.copy_(torch.randn(4) * 0.3 + 1e-3)
+    before_E = layer.router.expert_bias.clone()
+    cast(layer)
+    assert torch.equal(layer.router.expert_bias, before_E)
+
+
+def test_update_expert_bias_rejects_bad_load_and_rate():
+    """A load of shape [1] or a scalar broadcast into a no-op, a NaN rate made every bias NaN: both
+    silently. They raise, and the bias is left as it was."""
+    router = TopKRouter(8, 4, 1, expert_bias=True)
+    router.expert_bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    before_E = router.expert_bias.clone()
+    for load in (torch.tensor([7]), torch.tensor(7), torch.ones(2, 4), torch.ones(5)):
+        with pytest.raises(ValueError, match=r"load must be a tensor of shape \[4\]"):
+            router.update_expert_bias(load)
+    for rate in (float("nan"), -1e-3, float("inf")):
+        with pytest.raises(ValueError, match="rate must be a finite number >= 0"):
+            router.update_expert_bias(torch.tensor([4, 0, 2, 2]), rate=rate)
+    assert torch.equal(router.expert_bias, before_E)
+    router.update_expert_bias(torch.tensor([4, 0, 2, 2]), rate=0.5)
+    assert torch.equal(router.expert_bias, before_E + torch.tensor([-0.5, 0.5, 0.0, 0.0]))
+
+
+def check_expert_load_modified_before_backward(backend, gmm_backend, kw):
+    """expert_load was a detached alias of the kept counts the backward reads, sharing their version
+    counter: an in-place all-reduce of it (summing the load over ranks for update_expert_bias) between
+    forward and backward failed the backward. The gradients are those of a run without it."""
+    torch.manual_seed(8)
+    layer = MoELayer(16, 24, 4, 2, backend=backend, gmm_backend=gmm_backend, **kw)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(2, 15, 16)
+    grads = []
+    for mod, all_reduce in ((layer, True), (twin, False)):
+        out, aux = mod(x)
+        load_E = mod.expert_load.clone()
+        if all_reduce:
+            mod.expert_load.mul_(2)  # what dist.all_reduce over two equal ranks does, in place
+            assert torch.equal(mod.expert_load, 2 * load_E)
+        (out.square().sum() + aux).backward()
+        grads.append([p.grad for p in mod.parameters()])
+    for g, g_twin in zip(*grads):
+        assert torch.equal(g, g_twin)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(activation="gelu", bias=True), dict(recompute=True)])
+def test_cpu_expert_load_can_be_reduced_before_backward(kw):
+    check_expert_load_modified_before_backward(None, None, kw)
+
+
+def test_fp64_layer_under_autocast_stays_fp64():
+    """autocast casts no fp64 tensor (an fp64 nn.Linear stays fp64 inside it), but the experts cast
+    their fp64 rows and weights to bf16: a float64 check run inside an autocast region came out bf16.
+    The same bits as outside autocast now, forward and backward."""
+    torch.manual_seed(9)
+    layer = MoELayer(16, 24, 4, 2, activation="gelu", bias=True, shared_ffn_hidden_size=8, dtype=torch.float64)
+    x = torch.randn(20, 16, dtype=torch.float64)
+    runs = []
+    for autocast in (False, True):
+        xg = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, aux = layer(xg)
+        (out.square().sum() + aux).backward()
+        runs.append([out, aux, xg.grad] + [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad(set_to_none=True)
+    assert runs[1][0].dtype == torch.float64
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_cpu_router_dtype_through_the_layer():
+    """README's native-layer section offers router_dtype=torch.float32 for bf16 tokens, but MoELayer took
+    no such argument (a TypeError; the benchmarks set layer.router.router_dtype after construction)."""
+    torch.manual_seed(10)
+    layer = MoELayer(32, 48, 6, 2, dtype=torch.bfloat16, router_dtype=torch.float32)
+    assert layer.router.router_dtype == torch.float32
+    x = torch.randn(2, 40, 32, dtype=torch.bfloat16)
+    layer(x)
+    logits = x.reshape(-1, 32).float() @ layer.router.weight.float().t()  # exact products, fp32 sums
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :2]
+    assert torch.equal(layer.expert_load, torch.bincount(ids.reshape(-1), minlength=6).int())
+    compare(layer, x, 2e-2, 3e-2)
+    with pytest.raises(TypeError, match="router_dtype"):
+        MoELayer(32, 48, 6, 2, router_dtype="fp32")
+
+
+def test_router_and_experts_bad_arguments():
+    """router_dtype="float32" was accepted and failed at the first forward as an invalid device string;
+    a router given [B, T, M] or the wrong M raised torch.mm's messages; a non-bool expert_bias / bias
+    was taken by its truth value."""
+    with pytest.raises(TypeError, match="router_dtype must be None or a floating-point torch.dtype"):
+        TopKRouter(8, 4, 2, router_dtype="float32")
+    with pytest.raises(TypeError, match="router_dtype"):
+        TopKRouter(8, 4, 2, router_dtype=torch.int32)
+    with pytest.raises(TypeError, match="expert_bias must be a bool"):
+        TopKRouter(8, 4, 2, expert_bias="no")
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        GroupedExperts(4, 8, 12, bias=1)
+    router = TopKRouter(8, 4, 2, router_dtype=torch.float64)
+    for x in (torch.randn(2, 3, 8), torch.randn(3, 7)):
+        with pytest.raises(ValueError, match=r"x must be \[S, 8\]"):
+            router(x)
+    g, loss = router(torch.randn(3, 8))
+    assert g.scores.dtype == torch.float64 and loss.dtype == torch.float64
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="k must be"):
         MoELayer(16, 24, 4, 5)

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from test_nn_layer import check_no_expert_output_kept, compare
+from test_nn_layer import check_expert_load_modified_before_backward, check_no_expert_output_kept, compare
 from turbomoe.nn import MoELayer
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -26,3 +26,8 @@ def test_triton_path_against_loop(kw):
 
 def test_triton_path_keeps_no_expert_output():
     check_no_expert_output_kept("triton", "cpu", "triton")
+
+
+@pytest.mark.parametrize("kw", [dict(capacity_factor=0.75), dict(recompute=True)])
+def test_triton_path_expert_load_can_be_reduced_before_backward(kw):
+    check_expert_load_modified_before_backward("triton", "triton", kw)

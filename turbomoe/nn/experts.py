@@ -16,9 +16,12 @@ ACTIVATIONS = ("swiglu", "gelu")
 
 
 def autocast_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
-    """The dtype torch.autocast gives a linear layer on t's device, or None outside its regions: the
-    experts' GEMMs then take their input and weights in it, as nn.Linear's would."""
+    """The dtype torch.autocast gives a linear layer on t's device, or None outside its regions and for
+    an fp64 t (autocast casts no fp64 tensor): the experts' GEMMs then take their input and weights in
+    it, as nn.Linear's would."""
     device = t.device.type
+    if t.dtype == torch.float64:  # autocast leaves fp64 as it is: nn.Linear on fp64 stays fp64
+        return None
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
@@ -45,6 +48,7 @@ class GroupedExperts(nn.Module):
                  fused_grad_accumulation: bool = False):
         super().__init__()
         ops.check_bool("fused_grad_accumulation", fused_grad_accumulation)
+        ops.check_bool("bias", bias)
         self.fused_grad_accumulation = fused_grad_accumulation
         for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                             ("ffn_hidden_size", ffn_hidden_size)):

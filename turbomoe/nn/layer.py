@@ -35,6 +35,7 @@ class MoELayer(nn.Module):
     a global one) could keep them.
     fused_grad_accumulation=True: over micro-batches, the experts' weight gradients are added into
     their .grad inside the weight-gradient GEMMs (see GroupedExperts for what hooks then see).
+    router_dtype: the dtype of the router's logits (TopKRouter's; None: the tokens' dtype).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, k: int, *,
@@ -43,7 +44,8 @@ class MoELayer(nn.Module):
                  drop_policy: str = "position", aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0,
                  expert_bias: bool = False, shared_ffn_hidden_size: int = 0, backend: Optional[str] = None,
                  gmm_backend: Optional[str] = None, seed: int = 0, recompute: bool = False,
-                 fused_grad_accumulation: bool = False, device=None, dtype=None):
+                 fused_grad_accumulation: bool = False, router_dtype: Optional[torch.dtype] = None, device=None,
+                 dtype=None):
         super().__init__()
         # The sizes, k and renormalize are checked by the router and the experts.
         ops.check_int("min_capacity", min_capacity, 0)
@@ -60,7 +62,7 @@ class MoELayer(nn.Module):
         self.backend, self.seed, self.recompute = backend, seed, recompute
         kw = dict(device=device, dtype=dtype)
         self.router = TopKRouter(hidden_size, num_experts, k, score_func, renormalize, aux_loss_coef,
-                                 z_loss_coef, expert_bias, backend=backend, **kw)
+                                 z_loss_coef, expert_bias, router_dtype, backend=backend, **kw)
         kw_experts = dict(kw, fused_grad_accumulation=fused_grad_accumulation)
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, activation, bias, gmm_backend, **kw_experts)
         self.shared_expert = (GroupedExperts(1, hidden_size, shared_ffn_hidden_size, activation, bias, gmm_backend,
@@ -102,7 +104,9 @@ class MoELayer(nn.Module):
         out_SM = ops.gather_tokens(y_RM, s, None if row_scale_R is not None else g.scores, backend=self.backend)
         if shared_SM is not None:
             out_SM = out_SM + shared_SM
-        self.expert_load = s.kept_counts.detach()
+        # A copy: a detached alias shares kept_counts' version counter, so an in-place all-reduce of the
+        # load between forward and backward failed the backward (kept_counts is saved for it).
+        self.expert_load = s.kept_counts.clone()
         return out_SM.view(x.shape), aux_loss
 
     def _rts_draw(self, capacity: Optional[int]) -> Optional[torch.Tensor]:

@@ -29,6 +29,10 @@ class TopKRouter(nn.Module):
         ops.check_int("hidden_size", hidden_size, 1)
         ops.check_int("num_experts", num_experts, 1)
         ops.check_bool("renormalize", renormalize)
+        ops.check_bool("expert_bias", expert_bias)
+        # Checked here: a bad one (the string "float32") failed at the first forward, as a device string.
+        if router_dtype is not None and not (isinstance(router_dtype, torch.dtype) and router_dtype.is_floating_point):
+            raise TypeError(f"router_dtype must be None or a floating-point torch.dtype, got {router_dtype!r}")
         ops.check_number("aux_loss_coef", aux_loss_coef, 0)
         ops.check_number("z_loss_coef", z_loss_coef, 0)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= min(num_experts, ops.MAX_K):
@@ -50,14 +54,19 @@ class TopKRouter(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """.to(), .half() and the like keep expert_bias fp32: in bf16 a 1e-3 update step is below the
-        spacing from |bias| 0.25, so balancing would stop (Megatron keeps its bias fp32 the same way)."""
+        spacing from |bias| 0.25, so balancing would stop (Megatron keeps its bias fp32 the same way).
+        The fp32 values are kept as they were, not recast from fn's 16-bit rounding of them."""
+        bias_E = self.expert_bias
         super()._apply(fn, recurse)
-        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias = self.expert_bias.float()
+        if bias_E is not None and self.expert_bias.dtype != torch.float32:
+            # fn moved it (device) and cast it: take the device, keep the old fp32 bits
+            self.expert_bias = bias_E.to(device=self.expert_bias.device, dtype=torch.float32)
         return self
 
     def forward(self, x_SM: torch.Tensor) -> Tuple[GatingOutput, torch.Tensor]:
         """x [S, M] -> (GatingOutput: expert_ids [S, k], scores [S, k] fp32, counts [E], ...; loss)."""
+        if not isinstance(x_SM, torch.Tensor) or x_SM.dim() != 2 or x_SM.shape[1] != self.hidden_size:
+            raise ValueError(f"x must be [S, {self.hidden_size}], got {tuple(getattr(x_SM, 'shape', ()))}")
         dtype = self.router_dtype or x_SM.dtype
         if dtype == torch.float32:
             logits_SE = fp32_logits(x_SM, self.weight)
@@ -76,6 +85,11 @@ class TopKRouter(nn.Module):
         On the device, no host sync."""
         if self.expert_bias is None:
             raise RuntimeError("this router was built with expert_bias=False")
+        # A load of another shape would broadcast: [1] or a scalar left the bias as it was, silently.
+        if not isinstance(load_E, torch.Tensor) or tuple(load_E.shape) != (self.num_experts, ):
+            raise ValueError(f"load must be a tensor of shape [{self.num_experts}] (tokens per expert), got "
+                             f"{tuple(load_E.shape) if isinstance(load_E, torch.Tensor) else type(load_E).__name__}")
+        ops.check_number("rate", rate, 0)  # a NaN rate would make every bias NaN
         load = load_E.to(torch.float32)
         self.expert_bias.add_(rate * torch.sign(load.mean() - load))
 
