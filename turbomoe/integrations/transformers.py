@@ -38,7 +38,9 @@ def _plain_swiglu(experts) -> bool:
     from transformers.activations import SiLUActivation
     if not (_flag(experts, "has_gate") and _flag(experts, "is_concatenated")):
         return False
-    silu = isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU))
+    act = getattr(experts, "act_fn", None)
+    # Lfm2-MoE holds the function itself, not a module
+    silu = isinstance(act, (SiLUActivation, torch.nn.SiLU)) or act is torch.nn.functional.silu
     return silu and getattr(type(experts)._apply_gate, "__name__", None) == "_default_apply_gate"
 
 
@@ -65,14 +67,21 @@ def turbomoe_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
     if _flag(self, "has_post_expert_norm"):
         raise NotImplementedError(f"{type(self).__name__} normalises each expert's output; experts_implementation "
                                   f"'turbomoe' does not")
+    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2:
+        # checked before k: a 1-D index's last dim is the token count, not k
+        raise ValueError(f"top_k_index must be a 2-D [S, k] tensor of expert ids, got "
+                         f"{tuple(top_k_index.shape) if isinstance(top_k_index, torch.Tensor) else type(top_k_index)}")
     if top_k_index.shape[-1] > ops.MAX_K:
         raise NotImplementedError(f"{type(self).__name__} routes {top_k_index.shape[-1]} experts a token; "
                                   f"experts_implementation 'turbomoe' takes at most {ops.MAX_K} (its slot tables)")
     E = self.num_experts
-    s = ops.assign_slots(top_k_index, top_k_weights, E)  # dropless: rows [0, S*k), expert-contiguous
-    x_RH = ops.scatter_tokens(hidden_states, s)
     gated, biased, transposed = _flag(self, "has_gate"), _flag(self, "has_bias"), _flag(self, "is_transposed")
     up = self.gate_up_proj if gated else self.up_proj
+    s = ops.assign_slots(top_k_index, top_k_weights, E)  # dropless: rows [0, S*k), expert-contiguous
+    # In the weights' dtype, as transformers' grouped_mm: under autocast a bf16 projection (NemotronH's
+    # latent MoE) meets fp32 weights, which F.linear's autocast takes and the grouped GEMM does not.
+    cast = isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point()  # else ops' error
+    x_RH = ops.scatter_tokens(hidden_states.to(up.dtype) if cast else hidden_states, s)
     up_bias = (self.gate_up_proj_bias if gated else self.up_proj_bias) if biased else None
     h = _grouped_linear(x_RH, up, up_bias, s.kept_counts, transposed)
     plain = _plain_swiglu(self)
