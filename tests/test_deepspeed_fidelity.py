@@ -217,9 +217,9 @@ def test_empty_batch(expert, k):
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_rts_under_activation_checkpointing(reentrant):
-    """The drop-in draws its RTS seed from torch's CPU generator, whose state torch.utils.checkpoint
-    (as DeepSpeed's and Megatron's recomputation) saves and restores: the recompute drops the same
-    routes, so the gradients equal those without checkpointing."""
+    """The drop-in draws RTS's uniforms from torch's generator of the tokens' device, as stock, whose
+    state torch.utils.checkpoint (as DeepSpeed's and Megatron's recomputation) saves and restores: the
+    recompute drops the same routes, so the gradients equal those without checkpointing."""
     from torch.utils.checkpoint import checkpoint
     _, turbo = make_pair("mlp", k=1, capacity_factor=0.5, use_rts=True)
     x = torch.randn(64, M) + 3.0  # skewed router: over-full experts, so RTS drops
@@ -336,7 +336,7 @@ def test_rts_keeps_uniform_random_subsets():
 
 
 def test_activation_checkpointing_recomputes_the_same_routes():
-    """The RTS seed comes from the CPU generator, which checkpointing restores before recomputing."""
+    """RTS's uniforms come from torch's generator, which checkpointing restores before recomputing."""
     _, turbo = make_pair("mlp", k=1, capacity_factor=0.5, use_rts=True)
     x = torch.randn(64, M)
     plain = run(turbo, x, seed=3)
@@ -579,8 +579,7 @@ def test_swiglu_experts_keep_no_output(k, drop_tokens):
     the weights' gradient, as it does for the GELU experts with biases), and the layer still matches
     stock (fp32)."""
     for expert, kept in (("swiglu", False), ("mlp", True)):
-        # capacity factor E: the [E, C, M] buffers with nothing dropped (stock draws top-1's random
-        # token selection on the GPU from another stream of numbers than turbomoe's)
+        # capacity factor E: the [E, C, M] buffers with nothing dropped
         stock, turbo = make_pair(expert, "cuda", k=k, drop_tokens=drop_tokens, capacity_factor=float(E))
         outputs = []
         grouped = tds.grouped_mlp

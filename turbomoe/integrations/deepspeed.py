@@ -134,21 +134,25 @@ class TurboMOELayer(MOELayer):
         gate = self.gate
         routes = route(gate, router_logits(gate, x_SM), used_token)
         self.l_aux = routes.l_aux
-        self.exp_counts = routes.counts.long().detach()  # stock: int64 routes per expert before capacity
+        # stock: routes per expert before capacity, int64; top-1 multiplies its mask by used_token, so
+        # a float used_token gives float counts
+        counts_dtype = torch.int64
+        if gate.k == 1 and used_token is not None:
+            counts_dtype = torch.promote_types(used_token.dtype, torch.int64)
+        self.exp_counts = routes.counts.to(counts_dtype).detach()
         C = None if rows_layout else expert_capacity(gate, x_SM.shape[0], routes.counts, self.ep_group)
         policy = drop_policy(gate)
-        # A tensor (assign_slots mixes it into seed 0), not an int: torch.compile traces it.
-        seed_draw = torch.randint(0, 2**31 - 1, (1, )) if gate.drop_tokens and policy == "rts" else None
-        ids_SK, scores_SK = routes.expert_ids, routes.scores
+        # What an over-full expert keeps the largest of: top-1's RTS draws, else the router's scores
+        ids_SK = routes.expert_ids
+        rank_SK = routes.scores if routes.priority is None else routes.priority
         # With tensor parallelism the row within C decides which TP rank runs a route (drop_tokens
         # splits the C dim), so place top-2 routes where stock does: all first choices, then all
         # second choices. assign_slots places kept routes in token order; routed as [k * S, 1] in
         # choice-major order, its "position" policy keeps the same routes in stock's order.
         choice_major = gate.k == 2 and C is not None and bwc_tensor_model_parallel_world_size(groups.mpu) > 1
         if choice_major:
-            ids_SK, scores_SK = ids_SK.t().reshape(-1, 1), scores_SK.t().reshape(-1, 1)
-        s = ops.assign_slots(ids_SK, scores_SK, routes.counts.shape[0], capacity=C, drop_policy=policy,
-                             seed_draw=seed_draw)
+            ids_SK, rank_SK = ids_SK.t().reshape(-1, 1), rank_SK.t().reshape(-1, 1)
+        s = ops.assign_slots(ids_SK, rank_SK, routes.counts.shape[0], capacity=C, drop_policy=policy)
         if choice_major:
             s = s._replace(slots=s.slots.view(gate.k, -1).t().contiguous())
         return s, routes.scores

@@ -3,8 +3,9 @@
 `route` turns the tokens and a stock `TopKGate` (which holds the router weight and the config)
 into the four tables; `expert_capacity` and `drop_policy` pick C and the drop rule the way stock
 does. What stock computes as [S, E] / [S, E, C] masks is here O(S * k), except the draws that stock
-makes per (token, expert) -- the Gumbel noise of top-2 sampling and of RSample -- which keep their
-[S, E] shape so that the same seed gives the same routes as stock.
+makes per (token, expert) -- the Gumbel noise of top-2 sampling and of RSample, the uniforms of top-1's
+random token selection -- which keep their [S, E] shape so that the same seed gives the same routes
+(and kept tokens) as stock, and leaves torch's generators where stock leaves them.
 """
 from typing import NamedTuple, Optional
 
@@ -25,6 +26,7 @@ class Routes(NamedTuple):
     scores: torch.Tensor  # [S, k] fp32 router probability of each route (not renormalised)
     counts: torch.Tensor  # [E] int32 routes per expert before capacity (stock's exp_counts)
     l_aux: torch.Tensor  # scalar, stock's load-balancing loss
+    priority: Optional[torch.Tensor] = None  # [S, k] an over-full expert keeps its largest; None: scores
 
 
 def router_logits(gate: TopKGate, x_SM: torch.Tensor) -> torch.Tensor:
@@ -39,9 +41,9 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
     """Stock's expert choice, router scores, exp_counts and l_aux.
 
     k = 2 with top2_2nd_expert_sampling draws the second expert from softmax(logits) minus the first
-    (Gumbel-max over the logits, as stock). k = 1 honours used_token (nonzero = used; unused tokens
-    route nowhere) and, in training, RSample (first expert by Gumbel-max). Stock ignores used_token
-    for k >= 2, and so does this.
+    (Gumbel-max over the logits, as stock); without, it is the best other logit (second_by_logits).
+    k = 1 honours used_token (nonzero = used; unused tokens route nowhere) and, in training, RSample
+    (first expert by Gumbel-max). Stock ignores used_token for k >= 2, and so does this.
     """
     S, E = logits_SE.shape
     k = gate.k
@@ -54,9 +56,11 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
     if rsample:  # drawn before anything else, as stock does
         noisy_SE = logits_SE.detach() + gumbel_rsample(logits_SE.shape, device=logits_SE.device)
 
-    g = ops.topk_gating(logits_SE, 1 if sample_second else k)
+    g = ops.topk_gating(logits_SE, 1 if k == 2 else k)
     if sample_second:  # draws its noise from torch.rand(S, E), as stock's gumbel_rsample
         g = ops.sample_second_expert(logits_SE, g)
+    elif k == 2:
+        g = second_by_logits(logits_SE, g)
     # l_aux stays the op's: for k <= 2 stock counts only first choices, with coefficient E.
     ids, scores, counts, l_aux = g.expert_ids, g.scores, g.counts, g.aux_loss
     if rsample:
@@ -71,16 +75,40 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
         counts = count_routes(ids, E)
         # Stock's l_aux averages the router probability over all S tokens but counts the noisy or
         # masked routes, which the op's l_aux (its own choices) cannot express: rebuild it here.
-        me_E = torch.softmax(logits_SE, dim=1).mean(0)
-        l_aux = E * (me_E * counts.to(me_E.dtype) / S).sum()
-    return Routes(ids, scores, counts, l_aux)
+        # max(S, 1): S = 0 gives l_aux 0, as the op's (stock's mean over no tokens is NaN)
+        me_E = torch.softmax(logits_SE, dim=1).sum(0) / max(S, 1)
+        l_aux = E * (me_E * counts.to(me_E.dtype) / max(S, 1)).sum()
+    priority = None
+    if k == 1 and gate.use_rts:
+        # Stock's random token selection: uniforms [S, E] (its Uniform(0, 1).rsample is torch.rand) drawn
+        # after RSample's noise on every forward, eval and dropless too, so that the generator moves as
+        # stock's (dropout after the layer, the next RSample); an over-full expert keeps the routes of
+        # the largest draws, so the same seed keeps the same tokens as stock.
+        u_SE = torch.rand(S, E, device=logits_SE.device)
+        priority = u_SE.gather(1, ids.long().clamp_min(0))
+    return Routes(ids, scores, counts, l_aux, priority)
+
+
+def second_by_logits(logits_SE: torch.Tensor, first: ops.GatingOutput) -> ops.GatingOutput:
+    """Stock's unsampled top-2: the second expert is the argmax of the logits over the others (ties to
+    the lower id, as torch.argmax), its score its router probability. Not the op's top-2, which ranks
+    probabilities: where the router saturates (a logit gap past ~100), softmax rounds the others to
+    0 and its tie rule sent every such token's second route to the lowest id, filling that expert."""
+    first_S1 = first.expert_ids.long()
+    others_SE = logits_SE.detach().scatter(1, first_S1.clamp_min(0), float("-inf"))
+    second_S1 = torch.where(first_S1 >= 0, others_SE.argmax(1, keepdim=True), first_S1)  # -1: no route
+    p2_S1 = score_of_other_expert(first.scores, logits_SE, first_S1, second_S1)
+    counts_E = first.counts + count_routes(second_S1, logits_SE.shape[1])
+    return first._replace(expert_ids=torch.cat([first_S1, second_S1], 1).to(torch.int32),
+                          scores=torch.cat([first.scores, p2_S1], 1), counts=counts_E)
 
 
 def drop_policy(gate: TopKGate) -> str:
-    """Stock's choice of the routes an over-full expert keeps: random (RTS) or first come for top-1,
-    first choices before second choices for top-2, highest probability for top-k (k >= 3)."""
+    """Stock's choice of the routes an over-full expert keeps: random for top-1 with RTS (those of the
+    largest uniforms drawn, Routes.priority), else first come; first choices before second choices for
+    top-2; highest probability for top-k (k >= 3)."""
     if gate.k == 1:
-        return "rts" if gate.use_rts else "position"
+        return "probs" if gate.use_rts else "position"
     return "position" if gate.k == 2 else "probs"
 
 
@@ -94,8 +122,13 @@ def expert_capacity(gate: TopKGate, num_tokens: int, counts_E: torch.Tensor, ep_
     """
     E = counts_E.shape[0]
     if gate.drop_tokens:
-        factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
-        return ops.capacity(num_tokens, E, gate.k, factor, gate.min_capacity, fp32=True)
+        # Whatever stock's torch.tensor() takes: numpy and tensor scalars, a float min_capacity
+        # (truncated, as stock's .to(int64)), a factor <= 0 (C = min_capacity).
+        factor = float(gate.capacity_factor if gate.training else gate.eval_capacity_factor)
+        min_capacity = max(int(gate.min_capacity), 0)  # a negative one never binds: stock's C >= 0 here
+        if factor <= 0:  # stock's ceil of a product <= 0 is <= 0
+            return min_capacity
+        return ops.capacity(num_tokens, E, gate.k, factor, min_capacity, fp32=True)
     cap = counts_E.max().to(torch.int64)
     if pg_utils.is_parallel(ep_group):
         dist.all_reduce(cap, op=dist.ReduceOp.MAX, group=ep_group)
