@@ -15,6 +15,16 @@ transformers = pytest.importorskip("transformers")
 from turbomoe.inference import load  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: on a loaded machine torch's spinning threads, not the work, set the time (115 s for
+    this file on two busy cores, 13 s on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def hf_model(tmp_path, seed, **over):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     cfg = dict(vocab_size=101, hidden_size=48, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=3,

@@ -91,15 +91,19 @@ def main(argv=None):
         # AutoTokenizer would not fail: it makes an empty tokenizer that turns any prompt into no tokens
         p.error(f"{args.model_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save one beside the model")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
-    tok.padding_side = "left"
     eos = eos_ids(args.model_dir, tok)
     if tok.pad_token_id is None and eos:
         tok.pad_token_id = eos[0]
-    batch = tok(args.prompt, return_tensors="pt", padding=True)
-    B, T = batch["input_ids"].shape
-    empty = [i for i, n in enumerate(batch["attention_mask"].sum(1).tolist()) if n == 0]
+    # Left-padded here, not by the tokenizer, which refuses to pad (even one prompt) without a pad token;
+    # the mask marks the padding, so its id is any the embedding has.
+    rows = tok(args.prompt)["input_ids"]
+    empty = [i for i, row in enumerate(rows) if not row]
     if empty:
         p.error(f"--prompt number {empty[0] + 1} makes no tokens with {args.model_dir}'s tokenizer")
+    B, T = len(rows), max(map(len, rows))
+    fill = tok.pad_token_id if tok.pad_token_id is not None else 0
+    batch = {"input_ids": torch.tensor([[fill] * (T - len(row)) + row for row in rows]),
+             "attention_mask": torch.tensor([[0] * (T - len(row)) + [1] * len(row) for row in rows])}
     positions = config.get("max_position_embeddings")
     if positions is not None and T + args.max_new_tokens > positions:
         p.error(f"a prompt of {T} tokens + --max-new-tokens {args.max_new_tokens} exceeds the model's "
@@ -140,21 +144,27 @@ def main(argv=None):
 
     def timed(n, seed):
         gen = torch.Generator(device=engine.device).manual_seed(seed)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize()
+        if engine.device.type == "cuda":  # the engine's GPU, which need not be the current one
+            torch.cuda.synchronize(engine.device)
         t0 = time.perf_counter()
         out = engine.generate(batch["input_ids"], n, generator=gen, **kw)
         if engine.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(engine.device)
         return out, time.perf_counter() - t0
 
+    # The cache for the whole run first: else a run past the warm-up's slots would make it again (and
+    # recapture the decode graph) inside the timed call.
+    engine.reserve(B, T + args.max_new_tokens)
     # the warm-up compiles kernels and captures the decode graph of this batch size; each call its own
     # generator, so the text printed is the one a generator seeded --seed gives
     _, warm = timed(min(2, args.max_new_tokens), args.seed)
     _, prefill = timed(1, args.seed)
     out, total = timed(args.max_new_tokens, args.seed)
-    for row in out[:, T:]:
-        print(tok.decode(row, skip_special_tokens=True))
+    stops = set(eos)
+    for row in out[:, T:].tolist():
+        # cut after the row's EOS: the pad ids that follow it are text where the tokenizer has them as no special token
+        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+        print(tok.decode(row[:end], skip_special_tokens=True))
     steps = out.shape[1] - T - 1
     decode = total - prefill  # the two calls' difference: noise can exceed it when little is decoded
     rate = f"{B * steps / decode:.1f} tokens/s" if steps > 0 and decode > 0 else "too short to time"

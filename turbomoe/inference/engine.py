@@ -70,7 +70,8 @@ class Engine:
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
-        self.buckets = tuple(b for b in sorted(buckets) if b < max_batch) + (max_batch, )
+        # each bucket once: a repeated one would be tuned (minutes) twice
+        self.buckets = tuple(b for b in sorted(set(buckets)) if b < max_batch) + (max_batch, )
         self.max_batch = max_batch
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -121,6 +122,19 @@ class Engine:
         self.graphs = {}
 
     # ---- buffers -------------------------------------------------------------------------------
+    def reserve(self, batch: int, tokens: int):
+        """Makes now the KV cache that a generate call of `batch` rows and `tokens` prompt + new tokens
+        a row would make (checked as generate checks them), so that such a call, timed, neither
+        allocates nor (on CUDA) recaptures its decode graph."""
+        batch, tokens = _positive_index("batch", batch), _positive_index("tokens", tokens)
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the engine's largest batch bucket {self.max_batch} "
+                             f"(Engine(max_batch=...))")
+        if tokens > self.max_seq_len:
+            raise ValueError(f"tokens {tokens} exceeds the KV cache's max_seq_len {self.max_seq_len}")
+        steps = -(-tokens // CACHE_SLOTS_STEP)
+        self._allocate(self._bucket(batch), min(self.max_seq_len, steps * CACHE_SLOTS_STEP))
+
     def _allocate(self, rows: int, slots: int):
         """The KV cache and the decode step's inputs for at least `rows` rows and `slots` slots (checked
         arguments first): kept while calls fit, else made again at the larger size. The decode graphs
@@ -272,8 +286,7 @@ class Engine:
     def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator, eos, pad):
         B, T = input_ids.shape
         Bb = self._bucket(B)
-        steps = -(-(T + max_new_tokens) // CACHE_SLOTS_STEP)
-        self._allocate(Bb, min(self.max_seq_len, steps * CACHE_SLOTS_STEP))
+        self.reserve(B, T + max_new_tokens)
         ids = input_ids.to(self.device, torch.long)
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.to(self.device, torch.bool))
