@@ -34,8 +34,9 @@ __device__ __forceinline__ acc_t load_routes(const int32_t* __restrict__ slots, 
   }
   if (!RENORM) return acc_t(1);
   const acc_t eps = std::numeric_limits<acc_t>::epsilon();
-  if (clamped) *clamped = !(sum >= eps);
-  const acc_t denom = sum >= eps ? sum : eps;
+  // As the reference's clamp_min: a NaN sum stays NaN (NaN weights and gradients), not eps
+  if (clamped) *clamped = sum < eps;
+  const acc_t denom = sum < eps ? eps : sum;
 #pragma unroll
   for (int j = 0; j < MAX_K; ++j) score[j] = slot[j] >= 0 ? score[j] / denom : acc_t(0);
   return denom;

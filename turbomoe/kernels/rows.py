@@ -73,7 +73,8 @@ def _renormalized(slots_ptr, scores_ptr, toks, tmask, R, K: tl.constexpr, KP: tl
     kept = (slot >= 0) & (slot < R)
     p = tl.load(scores_ptr + idx, mask=kept, other=0.0).to(ACC)
     total = tl.sum(p, axis=1)
-    clamped = ~(total >= EPS)
+    # As the reference's clamp_min: a NaN sum stays NaN (NaN weights, NaN gradients), not eps.
+    clamped = total < EPS
     denom = tl.where(clamped, EPS, total)
     # IEEE division: a lone kept route weighs exactly 1, so its score's gradient is exactly 0, as in
     # the CUDA kernels and the reference.
@@ -122,7 +123,8 @@ def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kep
                     tl.store(out_ptr + row, v.to(out_ptr.dtype.element_ty), mask=ok)
                 if DOT:
                     y = tl.load(y_ptr + row, mask=ok, other=0.0).to(ACC)
-                    d = tl.sum(v.to(ACC) * y, axis=1)
+                    # A dropped route's score gets no gradient: not 0 x (NaN or Inf in grad_out).
+                    d = tl.where(tmask & (slot >= 0) & (slot < R), tl.sum(v.to(ACC) * y, axis=1), 0.0)
                     dots = tl.where(kcol[None, :] == j, dots + d[:, None], dots)
         if DOT:
             if RENORM:  # dL/dp_j = (d_j - sum_i w_i d_i) / D, or d_j / EPS where EPS replaced D
@@ -158,13 +160,14 @@ def _pull_rows_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, S, M, R,
         acc = tl.zeros([BLOCK_T, BLOCK_M], ACC)
         for j in tl.static_range(K):
             slot = tl.load(slots_ptr + toks * K + j, mask=tmask, other=-1)
-            ok = (tmask & (slot >= 0) & (slot < R))[:, None] & cmask[None, :]
+            routed = tmask & (slot >= 0) & (slot < R)
+            ok = routed[:, None] & cmask[None, :]
             y = tl.load(y_ptr + slot.to(tl.int64)[:, None] * M + cols[None, :], mask=ok, other=0.0).to(ACC)
             if HAS_SCORES:
                 if RENORM:
                     score = _column(w, kcol, j)
-                else:
-                    score = tl.load(scores_ptr + toks * K + j, mask=tmask, other=0.0).to(ACC)
+                else:  # a dropped route adds nothing, whatever its score (0 x NaN or Inf would be NaN)
+                    score = tl.load(scores_ptr + toks * K + j, mask=routed, other=0.0).to(ACC)
                 y = y * score[:, None]
             acc += y
         tl.store(out_ptr + toks[:, None].to(tl.int64) * M + cols[None, :], acc.to(out_ptr.dtype.element_ty),
