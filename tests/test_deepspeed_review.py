@@ -6,51 +6,14 @@ single process."""
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 pytest.importorskip("deepspeed")
-import deepspeed.moe.layer as ds_layer  # noqa: E402
 from deepspeed.moe.sharded_moe import _capacity  # noqa: E402
 
 from conftest import rel_err  # noqa: E402
-from turbomoe.integrations import deepspeed as tds  # noqa: E402
+from test_deepspeed_fidelity import E, M, assert_same, make_pair, run  # noqa: E402
 
-M, F, E = 16, 24, 8
 D = torch.float64
-
-
-def make_pair(**kw):
-    """Stock's MoE and turbomoe's on the same weights, float64, each expert its own."""
-    kw = dict(dict(hidden_size=M, num_experts=E, min_capacity=0), **kw)
-    torch.manual_seed(1)
-    stock = ds_layer.MoE(expert=nn.Sequential(nn.Linear(M, F), nn.GELU(), nn.Linear(F, M)), **kw)
-    with torch.no_grad():
-        for p in stock.deepspeed_moe.experts.parameters():
-            p.add_(torch.randn_like(p), alpha=0.3)
-    turbo = tds.MoE(expert=nn.Sequential(nn.Linear(M, F), nn.GELU(), nn.Linear(F, M)), **kw)
-    turbo.load_state_dict(stock.state_dict())
-    return stock.to(D), turbo.to(D)
-
-
-def run(layer, x_SM, used_token=None, seed=5):
-    """Forward + backward of sum(out^2) + l_aux: (out, l_aux, counts, dx, grads)."""
-    x_SM = x_SM.detach().clone().requires_grad_()
-    torch.manual_seed(seed)
-    out, l_aux, counts = layer(x_SM, used_token)
-    (out.square().sum() + l_aux).backward()
-    grads = {n: p.grad for n, p in layer.named_parameters()}
-    layer.zero_grad(set_to_none=True)
-    return out, l_aux, counts, x_SM.grad, grads
-
-
-def assert_same(want, got):
-    """Same counts (dtype and values); the rest to the fp32 router's rounding (relative norm error:
-    the router's gradient is an fp32 sum of many terms, elementwise near-cancelling)."""
-    assert got[2].dtype == want[2].dtype and torch.equal(got[2], want[2]), (want[2], got[2])
-    pairs = [("out", got[0], want[0]), ("l_aux", got[1], want[1]), ("dx", got[3], want[3])]
-    pairs += [(name, got[4][name], g) for name, g in want[4].items()]
-    for name, a, b in pairs:
-        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
 
 
 def test_unsampled_top2_saturated_router_matches_stock():
@@ -58,7 +21,7 @@ def test_unsampled_top2_saturated_router_matches_stock():
     others. Where the router saturates (logit gaps past ~100) softmax rounds every other expert to 0;
     ranked by probability, ties to the lower id sent all those second routes to expert 0 (or 1),
     which took 17 routes where stock's got 5 and dropped other tokens' routes at its capacity."""
-    stock, turbo = make_pair(k=2, capacity_factor=1.0, top2_2nd_expert_sampling=False)
+    stock, turbo = make_pair(dtype=D, k=2, capacity_factor=1.0, top2_2nd_expert_sampling=False)
     x_SM = torch.randn(32, M, dtype=D)
     x_SM[:16] *= 1200  # half the tokens saturate the router
     with torch.no_grad():
@@ -66,7 +29,7 @@ def test_unsampled_top2_saturated_router_matches_stock():
     assert ((probs_SE[:16] == 0).sum(1) >= 2).all()  # ties among the candidates for second place
     want, got = run(stock, x_SM), run(turbo, x_SM)
     assert (want[2] > 8).any()  # C = 8: an expert over capacity, so the second routes' experts matter
-    assert_same(want, got)
+    assert_same(want, got, 1e-5)
 
 
 @pytest.mark.parametrize("kw", [
@@ -83,17 +46,17 @@ def test_capacity_arguments_stock_takes(kw, k):
     """Stock builds C with torch.tensor(capacity_factor) and torch.tensor(min_capacity): numpy and
     tensor scalars, a float min_capacity and a factor <= 0 all work there. The drop-in raised
     TypeError / ValueError at the first forward."""
-    stock, turbo = make_pair(k=k, **kw)
+    stock, turbo = make_pair(dtype=D, k=k, **kw)
     x_SM = torch.randn(32, M, dtype=D)
     want, got = run(stock, x_SM), run(turbo, x_SM)
-    assert_same(want, got)
+    assert_same(want, got, 1e-5)
     factor, min_capacity = kw["capacity_factor"], kw.get("min_capacity", 0)
     C = _capacity(torch.empty(32, E), torch.as_tensor(factor * k), torch.tensor(min_capacity))
     assert (got[2] > C).any()  # capacity binds
 
 
 def test_capacity_factor_not_finite_raises():
-    _, turbo = make_pair(k=2, capacity_factor=float("nan"))
+    _, turbo = make_pair(dtype=D, k=2, capacity_factor=float("nan"))
     with pytest.raises(ValueError, match="capacity_factor"):
         turbo(torch.randn(8, M, dtype=D))
 
@@ -102,12 +65,12 @@ def test_capacity_factor_not_finite_raises():
 def test_used_token_counts_dtype_as_stock(dtype):
     """Stock's top-1 multiplies its one-hot mask by used_token: a float used_token gives float
     exp_counts (int64 before, whatever used_token was)."""
-    stock, turbo = make_pair(k=1, capacity_factor=float(E))
+    stock, turbo = make_pair(dtype=D, k=1, capacity_factor=float(E))
     S = 48
     x_SM = torch.randn(S, M, dtype=D)
     used_S = (torch.randperm(S) % 3 != 0).to(dtype)
-    want, got = run(stock, x_SM, used_S), run(turbo, x_SM, used_S)
-    assert_same(want, got)
+    want, got = run(stock, x_SM, used_token=used_S), run(turbo, x_SM, used_token=used_S)
+    assert_same(want, got, 1e-5)
     assert got[2].sum() == int(used_S.sum())
 
 
@@ -115,8 +78,8 @@ def test_used_token_counts_dtype_as_stock(dtype):
 def test_empty_batch_l_aux_is_zero_on_rebuilt_path(kw, used):
     """S = 0 gives l_aux 0 (tests/test_deepspeed_fidelity.py::test_empty_batch); with RSample or
     used_token the drop-in rebuilds l_aux, and that mean over no tokens was NaN."""
-    _, turbo = make_pair(k=1, **kw)
-    out, l_aux, counts, dx, grads = run(turbo, torch.randn(0, M, dtype=D), torch.ones(0) if used else None)
+    _, turbo = make_pair(dtype=D, k=1, **kw)
+    out, l_aux, counts, dx, grads = run(turbo, torch.randn(0, M, dtype=D), used_token=torch.ones(0) if used else None)
     assert out.shape == (0, M) and l_aux.item() == 0.0 and int(counts.sum()) == 0
     assert all(torch.isfinite(g).all() for g in grads.values())
 
@@ -127,14 +90,14 @@ def test_random_token_selection_keeps_stocks_tokens(kw, used):
     """use_rts (stock's default): stock keeps, of an over-full expert's tokens, those of the largest
     uniforms [S, E] it draws each forward. The drop-in kept a hashed subset seeded from one CPU draw:
     other tokens than stock's for the same seed (the outputs differed by ~50%)."""
-    stock, turbo = make_pair(k=1, capacity_factor=0.5, **kw)
+    stock, turbo = make_pair(dtype=D, k=1, capacity_factor=0.5, **kw)
     S = 64
     x_SM = torch.randn(S, M, dtype=D) + 0.5  # skewed router: over-full experts
     used_S = (torch.randperm(S) % 4 != 0).long() if used else None
-    want, got = run(stock, x_SM, used_S), run(turbo, x_SM, used_S)
+    want, got = run(stock, x_SM, used_token=used_S), run(turbo, x_SM, used_token=used_S)
     C = _capacity(torch.empty(S, E), torch.tensor(0.5), torch.tensor(0))
     assert (got[2] > C).any()  # something is dropped
-    assert_same(want, got)
+    assert_same(want, got, 1e-5)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(noisy_gate_policy="RSample"), dict(noisy_gate_policy="Jitter"),
@@ -144,7 +107,7 @@ def test_random_draws_follow_stocks_stream(kw):
     (eval and dropless too), the drop-in drew one int. So torch's generator moved on differently: from
     the second step RSample's and Jitter's noise differed from stock's (other routes), and any later
     draw in the model (dropout) differed from stock's from the first."""
-    stock, turbo = make_pair(k=1, capacity_factor=float(E), **kw)
+    stock, turbo = make_pair(dtype=D, k=1, capacity_factor=float(E), **kw)
     xs_SM = [torch.randn(48, M, dtype=D) for _ in range(3)]
     for train in (True, False):
         seen = []
