@@ -127,13 +127,20 @@ class Engine:
         a row would make (checked as generate checks them), so that such a call, timed, neither
         allocates nor (on CUDA) recaptures its decode graph."""
         batch, tokens = _positive_index("batch", batch), _positive_index("tokens", tokens)
+        self._check_batch(batch)
+        if tokens > self.max_seq_len:
+            raise ValueError(f"tokens {tokens} exceeds the KV cache's max_seq_len {self.max_seq_len}")
+        self._reserve(batch, tokens)
+
+    def _reserve(self, batch: int, tokens: int):
+        """reserve's cache, for arguments already checked."""
+        steps = -(-tokens // CACHE_SLOTS_STEP)
+        self._allocate(self._bucket(batch), min(self.max_seq_len, steps * CACHE_SLOTS_STEP))
+
+    def _check_batch(self, batch: int):
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} exceeds the engine's largest batch bucket {self.max_batch} "
                              f"(Engine(max_batch=...))")
-        if tokens > self.max_seq_len:
-            raise ValueError(f"tokens {tokens} exceeds the KV cache's max_seq_len {self.max_seq_len}")
-        steps = -(-tokens // CACHE_SLOTS_STEP)
-        self._allocate(self._bucket(batch), min(self.max_seq_len, steps * CACHE_SLOTS_STEP))
 
     def _allocate(self, rows: int, slots: int):
         """The KV cache and the decode step's inputs for at least `rows` rows and `slots` slots (checked
@@ -242,8 +249,7 @@ class Engine:
             raise ValueError(f"input_ids must lie in [0, vocab_size {V}), got ids from {int(lo)} to {int(hi)}")
         if not _positive_int(max_new_tokens):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if B > self.max_batch:
-            raise ValueError(f"batch {B} exceeds the engine's largest batch bucket {self.max_batch} (Engine(max_batch=...))")
+        self._check_batch(B)
         if T + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds the KV cache's "
                              f"max_seq_len {self.max_seq_len}")
@@ -286,7 +292,7 @@ class Engine:
     def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator, eos, pad):
         B, T = input_ids.shape
         Bb = self._bucket(B)
-        self.reserve(B, T + max_new_tokens)
+        self._reserve(B, T + max_new_tokens)  # checked by _check
         ids = input_ids.to(self.device, torch.long)
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.to(self.device, torch.bool))

@@ -111,7 +111,8 @@ def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kep
                         mask=tmask[:, None] & cmask[None, :], other=0.0)
             for j in tl.static_range(K):
                 slot = tl.load(slots_ptr + toks * K + j, mask=tmask, other=-1)
-                ok = (tmask & (slot >= 0) & (slot < R))[:, None] & cmask[None, :]
+                routed = tmask & (slot >= 0) & (slot < R)
+                ok = routed[:, None] & cmask[None, :]
                 row = slot.to(tl.int64)[:, None] * M + cols[None, :]
                 if HAS_SCORES:
                     if RENORM:
@@ -124,7 +125,7 @@ def _push_rows_kernel(src_ptr, slots_ptr, scores_ptr, y_ptr, row_routes_ptr, kep
                 if DOT:
                     y = tl.load(y_ptr + row, mask=ok, other=0.0).to(ACC)
                     # A dropped route's score gets no gradient: not 0 x (NaN or Inf in grad_out).
-                    d = tl.where(tmask & (slot >= 0) & (slot < R), tl.sum(v.to(ACC) * y, axis=1), 0.0)
+                    d = tl.where(routed, tl.sum(v.to(ACC) * y, axis=1), 0.0)
                     dots = tl.where(kcol[None, :] == j, dots + d[:, None], dots)
         if DOT:
             if RENORM:  # dL/dp_j = (d_j - sum_i w_i d_i) / D, or d_j / EPS where EPS replaced D
