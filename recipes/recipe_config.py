@@ -37,7 +37,7 @@ class MoESection:
     capacity_factor: Optional[float] = None  # None (null): dropless
     eval_capacity_factor: Optional[float] = None  # None: same as capacity_factor (dropless evaluates dropless)
     min_capacity: int = 4
-    aux_loss_coef: float = 0.001  # Qwen3-MoE's router_aux_loss_coef
+    aux_loss_coef: float = 0.001  # weight of DeepSpeed's l_aux (mean over MoE layers), not Qwen3-MoE's aux loss
     recompute: bool = False  # remake the expert rows and activation in backward (model.moe_impl turbomoe)
 
 
@@ -48,7 +48,7 @@ class DataSection:
     text_key: str = "text"  # jsonl field holding the document
     seq_len: int = 256
     valid_fraction: float = 0.01
-    max_tokens: int = 0  # > 0: use only the first max_tokens of a text corpus
+    max_tokens: int = 0  # > 0: use only the first max_tokens of the corpus
 
 
 @dataclass

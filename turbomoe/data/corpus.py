@@ -6,7 +6,8 @@ Sources (the recipe's data.source):
   jsonl     JSON-lines files, one document per line in the field data.text_key
   megatron  Megatron .bin/.idx indexed datasets (already tokenized, e.g. by Megatron-DeepSpeed's
             tools/preprocess_data.py), read through megatron-core's IndexedDataset, never loaded whole
-The three text sources are tokenized with the byte-level tokenizer, end-of-document between documents.
+The three text sources are tokenized with the byte-level tokenizer, end-of-document after every document
+(an empty one adds nothing).
 """
 import glob
 import json
@@ -35,18 +36,20 @@ class ArrayStream:
 
 
 class IndexedStream:
-    """The sequences of Megatron indexed datasets, end to end, read lazily through IndexedDataset.get."""
+    """The sequences of Megatron indexed datasets, end to end, read lazily through IndexedDataset.get;
+    max_tokens > 0 keeps only the first max_tokens."""
 
-    def __init__(self, prefixes: List[str]):
+    def __init__(self, prefixes: List[str], max_tokens: int = 0):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
         self.datasets = [IndexedDataset(p) for p in prefixes]
         lengths = [np.asarray(ds.sequence_lengths, dtype=np.int64) for ds in self.datasets]
         self.seq_dataset = np.concatenate([np.full(len(l), i) for i, l in enumerate(lengths)])
         self.seq_local = np.concatenate([np.arange(len(l)) for l in lengths])
         self.starts = np.concatenate([[0], np.cumsum(np.concatenate(lengths))])  # token offset of every sequence
+        self.length = min(int(self.starts[-1]), max_tokens) if max_tokens else int(self.starts[-1])
 
     def __len__(self):
-        return int(self.starts[-1])
+        return self.length
 
     def read(self, start: int, length: int) -> np.ndarray:
         out, pos, end = [], start, start + length
@@ -111,7 +114,8 @@ def _documents(source: str, paths: List[str], text_key: str):
                     doc = json.loads(line.decode("utf-8"))[text_key]
                     if not isinstance(doc, str):
                         raise TypeError(f"its {text_key!r} is {type(doc).__name__}")
-                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                    doc = doc.encode("utf-8")  # here, so that a lone surrogate (JSON's "\ud800") names its line
+                except (UnicodeError, json.JSONDecodeError, KeyError, TypeError) as e:
                     raise ValueError(f"{path}:{lineno}: not a UTF-8 JSON object with a {text_key!r} string field "
                                      f"({type(e).__name__}: {e})") from None
                 yield doc
@@ -127,26 +131,30 @@ def check_megatron_prefixes(paths: List[str]) -> List[str]:
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             raise FileNotFoundError(f"Megatron dataset {p!r}: missing {missing}")
+        if os.path.getsize(prefix + ".bin") == 0:  # megatron-core cannot map it ("cannot mmap an empty file")
+            raise ValueError(f"Megatron dataset {p!r}: {prefix}.bin is empty (no tokens)")
         prefixes.append(prefix)
     return prefixes
 
 
 def load_stream(source: str, paths: Optional[List[str]] = None, text_key: str = "text", max_tokens: int = 0):
-    """The token stream of a corpus; max_tokens > 0 keeps only its first max_tokens (text sources)."""
+    """The token stream of a corpus; max_tokens > 0 keeps only its first max_tokens."""
     if source not in SOURCES:
         raise ValueError(f"data.source must be one of {SOURCES}, got {source!r}")
     if source == "megatron":
-        return IndexedStream(check_megatron_prefixes(paths or []))
+        return IndexedStream(check_megatron_prefixes(paths or []), max_tokens)
     tok = ByteTokenizer()
     chunks, total = [], 0
     for doc in _documents(source, paths or [], text_key):
+        if not doc:  # no tokens, so no end-of-document either: as Megatron's preprocess_data.py
+            continue
         ids = np.append(tok.encode(doc), np.uint16(tok.eos_id))
         chunks.append(ids)
         total += len(ids)
         if max_tokens and total >= max_tokens:
             break
     if not chunks:
-        raise ValueError(f"the {source} corpus {paths or ''} holds no documents")
+        raise ValueError(f"the {source} corpus {paths or ''} holds no documents, or only empty ones")
     tokens = np.concatenate(chunks)
     return ArrayStream(tokens[:max_tokens] if max_tokens else tokens)
 

@@ -9,6 +9,7 @@ Shapes: B batch, T tokens, H hidden, N query heads, G key/value heads, D head di
 """
 import hashlib
 import inspect
+import math
 import os
 from typing import NamedTuple, Optional
 
@@ -138,6 +139,17 @@ class MoEArgs(NamedTuple):
     min_capacity: int = 4
     recompute: bool = False  # turbomoe's MoE only: expert rows and activation remade in backward
 
+    def validate(self):
+        """Raises ValueError naming the field (the recipe's moe.* key): an ep_size < 1 failed deep inside
+        the layer, and a capacity factor <= 0 silently capped every expert at min_capacity tokens."""
+        if not isinstance(self.ep_size, int) or isinstance(self.ep_size, bool) or self.ep_size < 1:
+            raise ValueError(f"moe.ep_size must be a positive int, got {self.ep_size!r}")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if value is not None and not (number and value > 0):
+                raise ValueError(f"moe.{name} must be a positive finite number or None (dropless), got {value!r}")
+
 
 def build_moe(cfg: ModelConfig, args: MoEArgs) -> nn.Module:
     moe_cls, _ = moe_class(cfg.moe_impl)
@@ -227,6 +239,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_args: MoEArgs = MoEArgs()):
         super().__init__()
         cfg.validate()
+        moe_args.validate()
         if cfg.num_experts % moe_args.ep_size:
             raise ValueError(f"ep_size {moe_args.ep_size} does not divide num_experts {cfg.num_experts}")
         self.config = cfg
@@ -307,6 +320,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         from . import hf_checkpoint as hf
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        moe_args.validate()  # before ep_size places this rank
         if ep_rank is None:
             ep_rank = hf.default_ep_rank(moe_args.ep_size)
         hf.check_ep_rank(ep_rank, moe_args.ep_size)  # before any file is read
