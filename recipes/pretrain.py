@@ -110,8 +110,10 @@ def prepare(args):
 # train.seed; a step reads samples [step * n, (step + 1) * n) for n = micro_batch_size x grad_accum x
 # ranks, checked below), what DeepSpeed's optimizer files are (the precision; ZeRO stage 0 against
 # 1 or 2), and what they restore on the same layout but reshard.py does not: the optimizer's settings
-# (its parameter groups) and the base learning rate. train.steps may grow (a run continued further).
-RESUME_FIXED = {"data": None, "train": ("seed", "precision", "lr", "betas", "eps", "weight_decay", "fused_adamw")}
+# (its parameter groups), the base learning rate and the clipping (its clip_grad: a changed grad_clip was
+# ignored on the same layout, honoured on another). train.steps may grow (a run continued further).
+RESUME_FIXED = {"data": None, "train": ("seed", "precision", "lr", "betas", "eps", "weight_decay", "grad_clip",
+                                        "fused_adamw")}
 
 
 def same_layout(meta: dict, world: int, ep_size: int) -> bool:

@@ -82,11 +82,11 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                step: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                grad_scale: Optional[torch.Tensor] = None, found_inf: Optional[torch.Tensor] = None,
                param_lp: Optional[torch.Tensor] = None, zero_grad: bool = False) -> None:
-    """AdamW on contiguous buffers of one numel, in place (see the module doc). step: a one-element
-    float tensor on the device holding this step's count (already advanced); grad_scale: divides
-    the gradient (clipping's coefficient); found_inf: one element, nonzero skips the update
-    (param, moments and param_lp unchanged; the gradient is still cleared with zero_grad);
-    param_lp: the 16-bit copy of param, written from the updated value; zero_grad: clear grad."""
+    """AdamW on contiguous fp32 or fp64 buffers of one numel, in place (see the module doc). step: a
+    one-element float tensor on the device holding this step's count (already advanced); grad_scale:
+    divides the gradient (clipping's coefficient); found_inf: one element, nonzero skips the update
+    (param, moments and param_lp unchanged; the gradient is still cleared with zero_grad); param_lp:
+    the fp16 or bf16 copy of param, written from the updated value; zero_grad: clear grad."""
     n = param.numel()
     tensors = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if param_lp is not None:
@@ -95,6 +95,12 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         if t.numel() != n or t.device != param.device or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous with param's numel {n} on {param.device}, got "
                              f"{tuple(t.shape)} on {t.device}")
+    # the math is fp32 or fp64 (16-bit masters failed to compile, integer ones ran), and the copy a cast
+    # to param_lp's dtype (an int8 one got integers)
+    if param.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"param must be float32 or float64, got {param.dtype}")
+    if param_lp is not None and param_lp.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"param_lp must be float16 or bfloat16, got {param_lp.dtype}")
     for name, t in tensors.items():
         if name != "param_lp" and t.dtype != param.dtype:
             raise TypeError(f"{name} must share param's dtype {param.dtype}, got {t.dtype}")
