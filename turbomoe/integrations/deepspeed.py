@@ -125,6 +125,11 @@ class TurboMOELayer(MOELayer):
                 y_RM = self._exchange_and_run_experts(buf_RM, s.capacity)
             if row_scale_R is not None:
                 out_SM = ops.gather_tokens(y_RM, s, None)
+            elif self.norm_topk_prob and reference.compute_dtype(y_RM.dtype) != scores_SK.dtype:
+                # fp64 experts: the gather would renormalise in fp64, clamping the kept sum at fp64's
+                # eps; stock's fp32 gates clamp it at fp32's (a lone second route of p < 1.2e-7 weighs
+                # p / eps, not 1): renormalise the fp32 scores here, as the row-scale path does.
+                out_SM = ops.gather_tokens(y_RM, s, reference.renormalize_kept(scores_SK, s.slots))
             else:
                 out_SM = ops.gather_tokens(y_RM, s, scores_SK, renormalize=self.norm_topk_prob)
         return out_SM if hidden_states.dim() == 2 else out_SM.reshape(hidden_states.shape)
