@@ -230,13 +230,16 @@ class SparseMoE(nn.Module):
         return router_logits(x_TM, self.router)
 
     def _dense(self, x_TM: torch.Tensor, logits_TE: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token (batched GEMMs), combined by a dense [T, E'] weight matrix."""
+        """Every expert on every token (batched GEMMs), combined by a dense [T, E'] weight matrix in fp32
+        (fp64 for fp64, as the other modes)."""
         g = ops.topk_gating(logits_TE, self.k, self.score_func, self.renormalize, backend=self.backend)
         T, E = logits_TE.shape
+        acc = reference.compute_dtype(x_TM.dtype)
         ids = g.expert_ids.long().clamp_min(0)
         routed = g.expert_ids >= 0
-        w_TE = x_TM.new_zeros(T, E + self.shared, dtype=torch.float32).scatter_(1, ids, torch.where(routed, g.scores.float(), 0.0))
-        chosen_TE = torch.zeros_like(w_TE).scatter_(1, ids, routed.float())
+        w_TE = x_TM.new_zeros(T, E + self.shared, dtype=acc).scatter_(1, ids,
+                                                                      torch.where(routed, g.scores.to(acc), 0.0))
+        chosen_TE = torch.zeros_like(w_TE).scatter_(1, ids, routed.to(acc))
         if self.shared:
             w_TE[:, E] = chosen_TE[:, E] = 1.0
         xs = x_TM.expand(self.w1.shape[0], *x_TM.shape)
@@ -244,4 +247,7 @@ class SparseMoE(nn.Module):
             xs = (xs * w_TE.t()[:, :, None]).to(x_TM.dtype)
             w_TE = chosen_TE
         y_ETM = torch.bmm(swiglu_reference(torch.bmm(xs, self.w1)), self.w2)
-        return torch.einsum("te,etm->tm", w_TE, y_ETM.float()).to(x_TM.dtype)
+        # An expert a token did not choose adds nothing, whatever it computed there (its weight 0 times
+        # an Inf or NaN output would be NaN: the other modes never run it).
+        y_ETM = torch.where(chosen_TE.t()[:, :, None] > 0, y_ETM.to(acc), 0.0)
+        return torch.einsum("te,etm->tm", w_TE, y_ETM).to(x_TM.dtype)
