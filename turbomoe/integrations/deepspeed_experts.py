@@ -22,7 +22,7 @@ from ..autograd.swiglu import swiglu
 from ..nn.experts import autocast_dtype
 from ..nn.recompute import Remake
 from .expert_stack import EqualGroups, RowGroups, pack_expert_params, stack_expert_tensors  # noqa: F401 (re-exported)
-from .megatron_mlp import grouped_parallel_mlp, parallel_mlp_signature
+from .megatron_mlp import grouped_parallel_mlp, parallel_mlp_signature, same_known_activation
 
 # Element-wise activations the fast path may apply on the stacked hidden states.
 _ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
@@ -166,13 +166,15 @@ def scales_rows(kind: Optional[str], experts: nn.ModuleList) -> bool:
 
 
 def fast_path_applies(experts_module: nn.Module, kind: Optional[str], x: torch.Tensor) -> bool:
-    """The grouped path runs when the experts are a known MLP, nothing hooks into them (it would
-    bypass the hooks) and the input x has the weights' dtype, or torch.autocast is on (grouped_mlp
+    """The grouped path runs when the experts are a known MLP (Megatron's: still one known activation),
+    nothing hooks into them (it would bypass the hooks) and the input x has the weights' dtype, or torch.autocast is on (grouped_mlp
     then casts as autocast would; not Megatron's ParallelMLP experts, which run as they are)."""
     if kind is None:
         return False
     weight = next(experts_module.deepspeed_experts[0].parameters(), None)
     if weight is None or _hooked(experts_module):
+        return False
+    if kind == "megatron" and not same_known_activation(experts_module.deepspeed_experts):
         return False
     if autocast_dtype(x) is not None:
         return kind != "megatron"
