@@ -54,16 +54,17 @@ class TurboMoELayer(MoELayer):
                          pg_collection=pg_collection)
         if not isinstance(self.router, TurboTopKRouter):
             raise TypeError(f"TurboMoELayer needs a TurboTopKRouter, got {type(self.router).__name__}")
-        # The experts take the probs: in turbomoe's SwiGLU kernel, before fc2 with Megatron's rounding
-        # (probs_before_fc2), or on their input (moe_apply_probs_on_input); else the gather kernel does.
-        in_combine = not (getattr(self.experts, "probs_in_kernel", False) or probs_before_fc2
+        # The experts take the probs: in turbomoe's SwiGLU kernel or Megatron's fp8-storing one (takes_probs),
+        # before fc2 with Megatron's rounding (probs_before_fc2), or on their input (moe_apply_probs_on_input);
+        # else the gather kernel does.
+        in_combine = not (getattr(self.experts, "takes_probs", False) or probs_before_fc2
                           or config.moe_apply_probs_on_input)
         self.token_dispatcher = TurboTokenDispatcher(self.num_local_experts, config.num_moe_experts, self.ep_group,
                                                      backend, probs_in_combine=in_combine)
         self._hidden_shape = None
 
     def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        return self.router.route(hidden_states, padding_mask), None
+        return self.router(hidden_states, padding_mask, sparse=True), None
 
     def preprocess(self, hidden_states: torch.Tensor, routing, routing_map=None):
         self._hidden_shape = hidden_states.shape

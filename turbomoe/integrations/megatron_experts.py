@@ -3,10 +3,11 @@
 `TurboGroupedMLP(num_local_experts, config, pg_collection)` is called as Megatron calls its experts,
 `experts(tokens [R, H], tokens_per_expert [El] (int32, on the device), probs [R]) -> (out [R, H], None)`,
 and applies the probs as Megatron's experts do: after the activation, before fc2 (probs None: not at
-all, for a caller that weighs the output rows itself). With a plain SwiGLU (silu, no clamp, no offset)
-they scale the activation inside turbomoe's SwiGLU kernel, whose backward forms their gradient (one pass,
-rounded once), unless megatron_rounding asks for Megatron's own (its fused weighted SwiGLU, or the
-activation times the probs). Its parameters are
+all, for a caller that weighs the output rows itself). With a plain SwiGLU (silu, no clamp, no offset;
+or Megatron's fused one, bias_activation_fusion, which ignores the clamp) they scale the activation
+inside turbomoe's SwiGLU kernel, whose backward forms their gradient (one pass, rounded once), unless
+megatron_rounding asks for Megatron's own (its fused weighted SwiGLU, or the activation times the
+probs) or activation_func_fp8_input_store (with the fusion) its fp8-stored input. Its parameters are
 GroupedMLP's, weight1 [H, El * 2F] (gated: [gate | up] per expert; else El * F) and weight2 [El * F, H],
 which are turbomoe's w1 [El, H, 2F] and w2 [El, F, H] in memory, so the GEMMs read them as views.
 It is a GroupedMLP subclass for GroupedMLP's sharded_state_dict (the same distributed-checkpoint
@@ -104,15 +105,29 @@ class TurboGroupedMLP(GroupedMLP):
 
     @property
     def plain_swiglu(self) -> bool:
-        """silu(gate) * up exactly (no clamp, no offset): turbomoe's SwiGLU kernel computes it."""
+        """Megatron's experts compute silu(gate) * up exactly (turbomoe's SwiGLU kernel computes it): no
+        clamp and no offset, or its fused SwiGLU (bias_activation_fusion; the config refuses an offset
+        there), which ignores activation_func_clamp_value."""
         cfg = self.config
-        return (cfg.gated_linear_unit and cfg.activation_func is F.silu and cfg.activation_func_clamp_value is None
-                and cfg.glu_linear_offset == 0)
+        return (cfg.gated_linear_unit and cfg.activation_func is F.silu and cfg.glu_linear_offset == 0
+                and (cfg.activation_func_clamp_value is None or cfg.bias_activation_fusion))
+
+    @property
+    def fp8_input_store(self) -> bool:
+        """Megatron's fused weighted SwiGLU keeps its input in fp8 for backward (a SwiGLU-only option):
+        its gradients come from that rounded input, so the experts run it, the probs included."""
+        return self.config.activation_func_fp8_input_store and self.config.bias_activation_fusion
 
     @property
     def probs_in_kernel(self) -> bool:
         """Whether the probs scale the activation inside turbomoe's SwiGLU kernel."""
-        return self.plain_swiglu and not self.megatron_rounding
+        return self.plain_swiglu and not (self.megatron_rounding or self.fp8_input_store)
+
+    @property
+    def takes_probs(self) -> bool:
+        """Whether the experts apply the probs whatever the layer asks (else it may weigh their rows in the
+        gather): in turbomoe's SwiGLU kernel, or in Megatron's fused one storing its input in fp8."""
+        return self.probs_in_kernel or self.fp8_input_store
 
     def _activation_with_probs(self, h_RN: torch.Tensor, probs_R: Optional[torch.Tensor]) -> torch.Tensor:
         """act(h) * probs in h's dtype, as Megatron's MLP does it for experts (per_token_scale)."""

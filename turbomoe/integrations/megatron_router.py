@@ -2,8 +2,9 @@
 
 `TurboTopKRouter` subclasses megatron-core's `TopKRouter` (0.16): same parameters, buffers and
 config fields; `route(x)` returns a `Routing` (expert ids, probs, slots: O(T*k), no [T, E] tensor)
-for turbomoe's dispatcher, and `forward(x)` the dense `(probs, routing_map)` of the stock interface,
-so it also serves stock MoELayers. Mapping of Megatron's routing onto `turbomoe.ops`:
+for turbomoe's dispatcher (TurboMoELayer gets it as `router(x, sparse=True)`, so that hooks on the
+router run), and `forward(x)` the dense `(probs, routing_map)` of the stock interface, so it also serves
+stock MoELayers. Mapping of Megatron's routing onto `turbomoe.ops`:
   softmax, not pre-softmax   softmax over the top-k logits  = topk_gating(softmax, renormalize=True)
   softmax, pre-softmax       top-k of the softmax            = topk_gating(softmax, renormalize=False)
   sigmoid (+ expert bias)    top-k of sigmoid (+ bias, choice only), over their sum when k > 1
@@ -162,9 +163,12 @@ class TurboTopKRouter(TopKRouter):
                 self.local_tokens_per_expert += slots.kept_counts
         return Routing(g.expert_ids, probs_TK, slots)
 
-    def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """Stock interface: (probs [T, E], routing_map [T, E]) after drops."""
-        return dense_routing(self.route(input, padding_mask), self.num_experts)
+    def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, sparse: bool = False):
+        """Stock interface: (probs [T, E], routing_map [T, E]) after drops; sparse=True: the Routing
+        (TurboMoELayer's call, through Module.__call__ as stock's layer calls its router, so that hooks
+        on the router run: Megatron DDP's wait for the router weight's overlapped all-gather, for one)."""
+        routing = self.route(input, padding_mask)
+        return routing if sparse else dense_routing(routing, self.num_experts)
 
     def _attach_z_loss(self, probs_TK, z_loss, num_tokens: int):
         """TopKRouter.apply_z_loss with turbomoe's z (its gradient reaches the logits through the
