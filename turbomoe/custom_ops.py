@@ -93,6 +93,7 @@ def _(logits_SE, ids_SK, lse_S, ce_E, g_scores, g_aux, g_z, score_func, renormal
 def _gating_setup(ctx, inputs, output):
     logits_SE, k, score_func, renormalize, bias_E, backend = inputs
     ids, _, _, _, _, lse_S, ce_E = output
+    ctx.mark_non_differentiable(lse_S, ce_E)  # backward's inputs: a gradient through them would be dropped
     ctx.save_for_backward(logits_SE, ids, lse_S, ce_E)
     ctx.config = (score_func, renormalize, backend)
 
@@ -119,7 +120,11 @@ def _assign_slots(expert_ids_SK: torch.Tensor, scores_SK: torch.Tensor, num_expe
     impl = reference if backend == "reference" else ops._impl(backend)
     seed = seed if seed_draw is None else seed ^ int(seed_draw)
     s = impl.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
-    return s.slots.contiguous(), s.kept_counts
+    kept_E = s.kept_counts
+    # The Triton launcher's kept counts are the last row of its [blocks, E] running sums: past one block of
+    # routes a view at an offset, which the fake (a tensor of its own) does not have; inductor then asserts
+    # them 16-byte aligned, which they are not where E is no multiple of 4 (E = 5, two blocks: 20 bytes in).
+    return s.slots.contiguous(), kept_E.clone() if kept_E.storage_offset() else kept_E
 
 
 @_assign_slots.register_fake
