@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU, or TRITON_INTERPRET=1 on the CPU", allow_module_level=True)
 
+from test_fuzz_triton import layout  # noqa: E402 (t on DEV contiguous, transposed storage or strided rows)
 from turbomoe import reference as ref  # noqa: E402
 from turbomoe.autograd.swiglu import swiglu_reference  # noqa: E402
 from turbomoe.inference import SparseMoE  # noqa: E402
@@ -65,18 +66,6 @@ def edge_logits(kind: str, T: int, E: int, gen: torch.Generator) -> torch.Tensor
         x.view(-1)[at] = torch.tensor([NAN, INF, -INF], dtype=x.dtype)[torch.randint(0, 3, (len(at), ), generator=gen)]
         x[T // 2] = -INF
     return x
-
-
-def layout(t: torch.Tensor, how: str) -> torch.Tensor:
-    """t on DEV contiguous, with transposed storage, or with strided rows."""
-    t = t.to(DEV)
-    if how == "T":
-        return t.t().contiguous().t()
-    if how == "strided":
-        wide = torch.zeros(t.shape[0], 2 * t.shape[1] + 1, dtype=t.dtype, device=DEV)
-        wide[:, 1::2] = t
-        return wide[:, 1::2]
-    return t.contiguous()
 
 
 # (kind, T, E, k, dtype, layout): T = 1, T < E, T = 4 and 5 (one tile of 4 and one past it), E odd,
