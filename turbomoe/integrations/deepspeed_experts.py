@@ -167,8 +167,9 @@ def scales_rows(kind: Optional[str], experts: nn.ModuleList) -> bool:
 
 def fast_path_applies(experts_module: nn.Module, kind: Optional[str], x: torch.Tensor) -> bool:
     """The grouped path runs when the experts are a known MLP (Megatron's: still one known activation),
-    nothing hooks into them (it would bypass the hooks) and the input x has the weights' dtype, or torch.autocast is on (grouped_mlp
-    then casts as autocast would; not Megatron's ParallelMLP experts, which run as they are)."""
+    nothing hooks into them (it would bypass the hooks) and the input x has the weights' dtype, or
+    torch.autocast is on (grouped_mlp then casts as autocast would; not Megatron's ParallelMLP experts,
+    which run as they are)."""
     if kind is None:
         return False
     weight = next(experts_module.deepspeed_experts[0].parameters(), None)
