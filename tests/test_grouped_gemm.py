@@ -10,9 +10,12 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 
 
 def random_counts(R, G, gen, zero_groups=()):
-    """G counts summing to at most R, with the given groups empty."""
+    """G counts summing to at most R, with the given groups empty (every group empty: zeros, where
+    w / w.sum() would be NaN, which int32 makes negative counts)."""
     w = torch.rand(G, generator=gen)
     w[list(zero_groups)] = 0
+    if not w.any():
+        return torch.zeros(G, dtype=torch.int32)
     counts = (w / w.sum() * R).floor().to(torch.int32)
     counts[int(torch.argmax(w))] += R - int(counts.sum())
     return counts

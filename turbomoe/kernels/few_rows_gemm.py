@@ -54,14 +54,14 @@ def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 
 @triton.jit
 def _acc_add(acc, a, b, BLOCK_M: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
-    """acc += a [BLOCK_M, BLOCK_K] @ b [BLOCK_K, BLOCK_N] in acc's layout (and dtype: a dot of fp64
-    operands is fp64, which an fp32 acc would mistype)."""
+    """acc += a [BLOCK_M, BLOCK_K] @ b [BLOCK_K, BLOCK_N] in acc's layout and dtype (tl.dot's out_dtype
+    defaults to fp32: compiled, an fp64 acc then fails its type check, which the interpreter skips)."""
     if BLOCK_M < 16:
         return acc + a.to(acc.dtype)[:, :, None] * b.to(acc.dtype)[None, :, :]
     elif SWAP:  # the weights are the MMA's M side (64+ wide), the rows its N side
-        return tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
+        return tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION, out_dtype=acc.dtype)
     else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
+        return tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=acc.dtype)
 
 
 @triton.jit
