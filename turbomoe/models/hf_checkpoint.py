@@ -30,6 +30,9 @@ from .hf_names import to_hf_name
 MODEL_TYPE = "qwen3_moe"
 CONFIG = "config.json"
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# transformers' router loss when it trains the model: no part of the forward pass, but a directory written
+# from a model read from another keeps them (transformers' defaults would replace them).
+ROUTER_LOSS = ("router_aux_loss_coef", "output_router_logits")
 # What transformers' tokenizers save (any of them); a model read from a directory takes them along.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
@@ -56,9 +59,12 @@ _HF_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 
                 "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "initializer_range": 0.02,
                 "tie_word_embeddings": False, "attention_bias": False, "sliding_window": 4096}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}  # safetensors' names
+EMBED = "model.embed_tokens.weight"
 _OUR_EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
 _OUR_TO_HF_LINEAR = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(?:(gate_up_proj|down_proj)$|\d+\.)")
 
 
 class CheckpointError(ValueError):
@@ -116,6 +122,10 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
         raise CheckpointError(f"{file}: use_sliding_window with sliding_window {window} is not supported (full "
                               f"causal attention only)")
     d = {k: raw.get(k, _HF_DEFAULTS[k]) for k in _SAME}
+    if "num_experts" in raw and "num_local_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:
+        # transformers reads num_local_experts (num_experts is its alias): which one is meant is not guessed
+        raise CheckpointError(f"{file}: num_experts {raw['num_experts']!r} and num_local_experts "
+                              f"{raw['num_local_experts']!r} differ; keep one of them")
     d["num_experts"] = raw.get("num_experts", raw.get("num_local_experts", _HF_DEFAULTS["num_experts"]))
     if not d["num_experts"]:
         raise CheckpointError(f"{file}: num_experts is {d['num_experts']!r}; a Qwen3-MoE model needs experts")
@@ -135,7 +145,8 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict) -> dict:
-    """ModelConfig -> a config.json that transformers' Qwen3MoeConfig reads; token_ids: its TOKEN_IDS."""
+    """ModelConfig -> a config.json that transformers' Qwen3MoeConfig reads; token_ids: its TOKEN_IDS, and the
+    ROUTER_LOSS fields where it has them (a source config.json's)."""
     names = {v: k for k, v in _DTYPES.items()}
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": MODEL_TYPE,
             **{k: getattr(cfg, k) for k in _SAME},
@@ -145,12 +156,17 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict) -> dict:
             # transformers 4.x's names (and serving stacks on it): without them it would run rope_theta
             # 10000 and guess the dtype; 5.x reads them as the same values
             "rope_theta": cfg.rope_theta, "torch_dtype": names[dtype],
-            **{k: token_ids.get(k) for k in TOKEN_IDS}, "use_cache": True}
+            **{k: token_ids.get(k) for k in TOKEN_IDS}, **{k: token_ids[k] for k in ROUTER_LOSS if k in token_ids},
+            "use_cache": True}
 
 
-def config_dtype(raw: dict) -> torch.dtype:
-    """The dtype config.json says the weights are stored in (float32 when it says nothing we know)."""
-    return _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"), torch.float32)
+def config_dtype(raw: dict, reader: Optional["CheckpointReader"] = None) -> torch.dtype:
+    """The dtype config.json says the weights are stored in; where it names none we know, the embedding's
+    stored dtype (transformers' dtype="auto" takes the first floating weight's), else float32."""
+    named = _DTYPES.get(raw.get("dtype") or raw.get("torch_dtype"))
+    if named is None and reader is not None and EMBED in reader.weight_map:
+        named = _STORED.get(reader.stored_dtype(EMBED))
+    return named or torch.float32
 
 
 # ---------------------------------------------------------------- safetensors, read lazily
@@ -223,6 +239,10 @@ class CheckpointReader:
     def shape(self, key: str) -> List[int]:
         return list(self._handles[self.weight_map[key]].get_slice(key).get_shape())
 
+    def stored_dtype(self, key: str) -> str:
+        """safetensors' name of key's dtype ("BF16", "F32", ...), no tensor read."""
+        return self._handles[self.weight_map[key]].get_slice(key).get_dtype()
+
     def get(self, key: str, index: Optional[int] = None) -> torch.Tensor:
         """The tensor, or only its row `index` of the first dimension (one expert of a fused tensor)."""
         handle = self._handles[self.weight_map[key]]
@@ -262,18 +282,45 @@ def _expected_keys(cfg: ModelConfig, our_names: Iterable[str]) -> set:
     return keys
 
 
+def _math_of(cfg: ModelConfig) -> dict:
+    """The fields of cfg that change the model's output; the MoE layers as a list of indices ([1] and (1,),
+    or the same layers by two rules, are one model)."""
+    skip = {"decoder_sparse_step", "mlp_only_layers", "max_position_embeddings", "initializer_range", "moe_impl"}
+    return {**{k: v for k, v in cfg.to_dict().items() if k not in skip}, "moe_layers": cfg.moe_layers()}
+
+
+def check_config(cfg: ModelConfig, path: str):
+    """CheckpointError unless path's config.json describes the model cfg builds: weights copied into a model
+    with another rope_theta, norm_topk_prob or rms_norm_eps (no shape shows them) compute another model."""
+    file = os.path.join(path, CONFIG)
+    theirs, ours = _math_of(config_from_hf(read_config(path), file, cfg.moe_impl)), _math_of(cfg)
+    diff = {k: (v, ours[k]) for k, v in theirs.items() if v != ours[k]}
+    if diff:
+        raise CheckpointError(f"{file}: describes another model than the one its weights would go into "
+                              f"(field: (config.json, model)): {diff}")
+
+
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int = 0):
     """Copy the checkpoint into the model's parameters in place (expert packing is kept), casting to
-    their dtype; this rank's experts only. Every shape is checked before any tensor is read."""
+    their dtype; this rank's experts only. The directory's config.json must describe the model (check_config),
+    and every shape is checked before any tensor is read."""
     check_ep_rank(ep_rank, model.moe_args.ep_size)
     cfg = model.config
+    check_config(cfg, reader.path)
     num_local = cfg.num_experts // model.moe_args.ep_size
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     unexpected = sorted(set(reader.weight_map) - _expected_keys(cfg, params))
     if unexpected:
         raise CheckpointError(f"{reader.path}: tensors {unexpected[:5]} ({len(unexpected)} in all) are not part of "
                               f"a Qwen3-MoE model with this config.json")
+    layouts = {}  # layer -> how its experts are stored: two copies would leave which one is the model a guess
+    for m in filter(None, map(_HF_EXPERT.match, reader.weight_map)):
+        layouts.setdefault(int(m.group(1)), set()).add("fused" if m.group(2) else "per expert")
+    both = sorted(layer for layer, kinds in layouts.items() if len(kinds) == 2)
+    if both:
+        raise CheckpointError(f"{reader.path}: the experts of layers {both} are stored both fused (gate_up_proj, "
+                              f"down_proj) and per expert (experts.J.gate_proj.weight, ...); keep one layout")
     plan = []
     for name, p in params.items():
         key, row, rows = _source_of(name, reader, lambda j: ep_rank * num_local + j, cfg.moe_intermediate_size)
@@ -287,7 +334,7 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
             raise CheckpointError(f"{reader.file_of(key)}: {key} has shape {shape}, but {CONFIG} implies {expected}")
         plan.append((p, key, row, rows))
     if cfg.tie_word_embeddings and "lm_head.weight" in reader.weight_map:
-        head, embedding = reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")
+        head, embedding = reader.get("lm_head.weight"), reader.get(EMBED)
         if head.shape != embedding.shape or not torch.equal(head, embedding):
             raise CheckpointError(f"{reader.path}: {CONFIG} ties the embeddings (tie_word_embeddings true) but the "
                                   f"stored lm_head.weight differs from model.embed_tokens.weight; set "
@@ -324,7 +371,7 @@ def hf_tensors(model: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     params = dict(model.named_parameters())
     head = params.get("lm_head.weight")  # there when the tie was broken (load_state_dict(assign=True), say)
     if model.config.tie_word_embeddings and head is not None:
-        if not torch.equal(head, params["model.embed_tokens.weight"]):
+        if not torch.equal(head, params[EMBED]):
             raise ValueError("config ties the embeddings (tie_word_embeddings true) but lm_head.weight is another "
                              "tensor and differs from model.embed_tokens.weight; tie them again or build the model "
                              "with tie_word_embeddings false")
@@ -365,6 +412,9 @@ def atomic_dir(out_dir: str, force: bool):
     try:
         yield tmp
         if os.path.lexists(out_dir):  # force: the old output steps aside until the new one is in place
+            if not force:  # made by another writer while this one wrote: not ours to replace
+                raise FileExistsError(f"{out_dir} appeared while it was being written; pass force=True (--force) "
+                                      f"to replace it")
             old = os.path.join(parent, f".{os.path.basename(out_dir)}.old{os.getpid()}")
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
@@ -424,8 +474,9 @@ def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer
     model was read from; with tokenizer None its token ids, generation_config.json and tokenizer files
     come along instead (a vocabulary turbomoe did not make is not given the byte tokenizer)."""
     from ..data import ByteTokenizer
+    # source's config.json (moved since: its ids are unknown)
+    raw = read_config(source) if source is not None and os.path.isfile(os.path.join(source, CONFIG)) else {}
     if source is not None and tokenizer is None:
-        raw = read_config(source) if os.path.isfile(os.path.join(source, CONFIG)) else {}  # (moved since: ids unknown)
         with open(os.path.join(out_dir, CONFIG), "w") as f:
             json.dump(config_to_hf(cfg, dtype, raw), f, indent=2)
         for name in ("generation_config.json", *TOKENIZER_FILES):
@@ -436,7 +487,9 @@ def write_metadata(out_dir: str, cfg: ModelConfig, dtype: torch.dtype, tokenizer
         tokenizer = ByteTokenizer()
     eos = getattr(tokenizer, "eos_id", getattr(tokenizer, "eos_token_id", None))
     with open(os.path.join(out_dir, CONFIG), "w") as f:
-        json.dump(config_to_hf(cfg, dtype, {"eos_token_id": eos}), f, indent=2)
+        # the tokenizer's token ids; the source's router loss, which no tokenizer changes
+        json.dump(config_to_hf(cfg, dtype, {**{k: raw[k] for k in ROUTER_LOSS if k in raw}, "eos_token_id": eos}), f,
+                  indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": None, "eos_token_id": eos, "pad_token_id": eos, "do_sample": False}, f, indent=2)
     if tokenizer:
@@ -472,5 +525,5 @@ def check_ep_rank(ep_rank, ep_size: int):
 
 
 __all__ = ["CheckpointError", "CheckpointReader", "config_from_hf", "config_to_hf", "config_dtype", "read_config",
-           "load_weights", "hf_tensors", "save_dir", "write_weights", "write_metadata", "atomic_dir", "parse_size",
-           "default_ep_rank", "check_ep_rank"]
+           "check_config", "load_weights", "hf_tensors", "save_dir", "write_weights", "write_metadata", "atomic_dir",
+           "parse_size", "default_ep_rank", "check_ep_rank"]

@@ -314,8 +314,9 @@ class Qwen3MoeForCausalLM(nn.Module):
                         device=None, moe_args: MoEArgs = MoEArgs(), ep_rank: Optional[int] = None):
         """A Hugging Face Qwen3-MoE directory (config.json + safetensors) -> this model, in eval mode.
 
-        dtype None keeps config.json's dtype. With moe_args.ep_size > 1 the model holds, and reads, only
-        the experts of ep_rank (default: the process group's rank % ep_size, the recipe's placement).
+        dtype None keeps config.json's dtype (where it names none, the stored embedding's, as transformers).
+        With moe_args.ep_size > 1 the model holds, and reads, only the experts of ep_rank (default: the
+        process group's rank % ep_size, the recipe's placement).
         """
         from . import hf_checkpoint as hf
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -331,7 +332,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             # that ask for fp32 explicitly, as DeepSpeed's gate does, keep it), then allocated where it
             # runs: no fp32 copy, no random initialisation of weights the checkpoint overwrites.
             default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(dtype or hf.config_dtype(raw))
+            torch.set_default_dtype(dtype or hf.config_dtype(raw, reader))
             try:
                 with torch.device("meta"):
                     model = cls(cfg, moe_args)
