@@ -215,7 +215,12 @@ def bench_layer(argv):
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--json")
     p.add_argument("--profile", action="store_true", help="print each layer's kernels (torch.profiler)")
+    # one process: the layers are built with ep_size 1, so another size would be timed as 1
+    p.add_argument("--moe-expert-parallel-size", type=int, default=1)
     args, mds_argv = p.parse_known_args(argv)
+    if args.moe_expert_parallel_size != 1:
+        raise SystemExit(f"layer: one process, expert parallel size 1 (got --moe-expert-parallel-size "
+                         f"{args.moe_expert_parallel_size}); time expert parallelism with pretrain_gpt.py runs")
     import torch
     sys.argv = ["bench"] + mds_argv
     from megatron.initialize import initialize_megatron

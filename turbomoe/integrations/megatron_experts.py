@@ -20,12 +20,15 @@ linears do, instead of a bf16 gradient that DDP's hook then adds (no bf16 gradie
 back, none rounded to bf16): in the cutlass backend's kernel (bf16 on Hopper), else in the Triton
 kernel where experts average at most FUSED_WGRAD_MAX_ROWS rows, else the backend's gradient and an
 add (turbomoe.autograd.grouped_gemm.mm_wgrad).
+With Megatron's moe_act recompute (recompute_granularity "selective", "moe_act" in recompute_modules)
+the activation's output is freed after fc2 and recomputed in backward, as GroupedMLP does it.
 Expert tensor parallelism is not supported (expert_tensor_parallel_size must be 1).
 """
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
 from megatron.core.transformer.module import MegatronModule
@@ -52,6 +55,8 @@ class TurboGroupedMLP(GroupedMLP):
         self.num_local_experts, self.gmm_backend = num_local_experts, gmm_backend
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
         self.expert_parallel = config.expert_model_parallel_size > 1
+        self.activation_recompute = (config.recompute_granularity == "selective"
+                                     and "moe_act" in config.recompute_modules)
         H, Fe = config.hidden_size, config.moe_ffn_hidden_size
         fc1_size = Fe * num_local_experts * (2 if config.gated_linear_unit else 1)
         fc2_size = Fe * num_local_experts
@@ -85,9 +90,16 @@ class TurboGroupedMLP(GroupedMLP):
         w1_EHN, w2_EFH = self.weight1.view(El, H, -1), self.weight2.view(El, -1, H)
         h_RN = grouped_mm(tokens_RH, w1_EHN, counts_E, self.gmm_backend, offs_E,
                           self._fused_main_grad(self.weight1, w1_EHN))
-        a_RF = self._activation_with_probs(h_RN, probs_R)
+        if self.activation_recompute:
+            # config.fp8 is None without fp8: the class takes any other value, False too, for fp8 on
+            recompute = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
+            a_RF = recompute.checkpoint(self._activation_with_probs, h_RN, probs_R)
+        else:
+            a_RF = self._activation_with_probs(h_RN, probs_R)
         out_RH = grouped_mm(a_RF, w2_EFH, counts_E, self.gmm_backend, offs_E,
                             self._fused_main_grad(self.weight2, w2_EFH))
+        if self.activation_recompute:  # a_RF's memory freed; refilled before fc2's backward reads it
+            recompute.discard_output_and_register_recompute(out_RH)
         return out_RH, None
 
     def _fused_main_grad(self, weight: Parameter, w_GKN: torch.Tensor) -> Optional[torch.Tensor]:
