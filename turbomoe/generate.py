@@ -166,7 +166,8 @@ def main(argv=None):
         end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
         print(tok.decode(row[:end], skip_special_tokens=True))
     steps = out.shape[1] - T - 1
-    decode = total - prefill  # the two calls' difference: noise can exceed it when little is decoded
+    # the two calls' difference: noise can exceed it when little is decoded, and is all of it with no step
+    decode = total - prefill if steps > 0 else 0.0
     rate = f"{B * steps / decode:.1f} tokens/s" if steps > 0 and decode > 0 else "too short to time"
     print(f"\n[{B} x {out.shape[1] - T} new tokens] prefill {prefill * 1e3:.1f} ms, decode "
           f"{max(decode, 0) * 1e3:.1f} ms ({rate}), first call (kernel build, graph capture) {warm:.2f} s",

@@ -153,11 +153,14 @@ class Engine:
         cfg = self.config
         kw = dict(device=self.device, dtype=self.dtype)
         shape = (B, cfg.num_key_value_heads, L, cfg.head_dim)
-        self.cache = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in self.layers]
-        self.valid = torch.zeros(B, L, dtype=torch.bool, device=self.device)  # slot holds a real token
-        self.tokens = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
+        # Normal tensors even under torch.inference_mode: later calls outside it update them in place,
+        # which inference tensors refuse.
+        with torch.inference_mode(False):
+            self.cache = [(torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in self.layers]
+            self.valid = torch.zeros(B, L, dtype=torch.bool, device=self.device)  # slot holds a real token
+            self.tokens = torch.zeros(B, dtype=torch.long, device=self.device)
+            self.positions = torch.zeros(B, dtype=torch.long, device=self.device)
+            self.slot = torch.zeros(1, dtype=torch.long, device=self.device)
         self.cache_rows, self.cache_len = B, L
 
     # ---- the model -----------------------------------------------------------------------------
@@ -285,7 +288,9 @@ class Engine:
         if attention_mask is None and pad_token_id is not None and pad[0] not in eos and (input_ids == pad[0]).any():
             attention_mask = input_ids != pad[0]
             _check_left_padding(attention_mask, pad[0])
-        with on_device(self.device):  # the decode graphs are captured on the current device
+        # the decode graphs are captured on the current device; the engine runs in its own dtype (a caller's
+        # autocast would hand the cache keys of another dtype)
+        with on_device(self.device), torch.autocast(self.device.type, enabled=False):
             return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator,
                                   eos, pad[0])
 
