@@ -32,8 +32,9 @@ def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
     marker = os.path.join(ckpt_dir, tag, COMPLETE)
     if dist.get_rank() == 0 and os.path.exists(marker):
         # Overwriting a tag of a run resumed from an earlier one: incomplete until done, so `latest`
-        # first goes back to the newest other complete tag (a crash now must not leave it naming this one).
-        others = [n for _, n in _complete_tags(ckpt_dir) if n != tag]
+        # first goes back to the newest complete tag before it (a crash now must not leave it naming this
+        # one, nor a later one of the run that this one left).
+        others = [n for s, n in _complete_tags(ckpt_dir) if s < step]
         if others:
             _atomic_write(os.path.join(ckpt_dir, "latest"), others[-1])
         else:

@@ -108,12 +108,17 @@ def prepare(args):
 
 # What a resume needs unchanged beside the model: the data stream (its split and order are drawn from
 # train.seed; a step reads samples [step * n, (step + 1) * n) for n = micro_batch_size x grad_accum x
-# ranks, checked below), what DeepSpeed's optimizer files are (the precision; ZeRO stage 0 against
-# 1 or 2), and what they restore on the same layout but reshard.py does not: the optimizer's settings
-# (its parameter groups), the base learning rate and the clipping (its clip_grad: a changed grad_clip was
-# ignored on the same layout, honoured on another). train.steps may grow (a run continued further).
-RESUME_FIXED = {"data": None, "train": ("seed", "precision", "lr", "betas", "eps", "weight_decay", "grad_clip",
-                                        "fused_adamw")}
+# ranks, checked below), what DeepSpeed's optimizer files are (the precision trained in; ZeRO stage 0
+# against 1 or 2: both checked below), and what they restore on the same layout but reshard.py does not:
+# the optimizer's settings (its parameter groups), the base learning rate and the clipping (its clip_grad:
+# a changed grad_clip was ignored on the same layout, honoured on another). train.steps may grow (a run
+# continued further).
+RESUME_FIXED = {"data": None, "train": ("seed", "lr", "betas", "eps", "weight_decay", "grad_clip", "fused_adamw")}
+
+
+def precision_of(precision: str, on_gpu: bool) -> str:
+    """The dtype a run trains in: train.precision with auto resolved (bf16 on a GPU, fp32 on the CPU)."""
+    return ("bf16" if on_gpu else "fp32") if precision == "auto" else precision
 
 
 def same_layout(meta: dict, world: int, ep_size: int) -> bool:
@@ -135,6 +140,12 @@ def check_resumable(cfg, meta: dict, path: str):
         saved = meta["config"][section]
         diff.update({f"{section}.{k}": (v, getattr(getattr(cfg, section), k)) for k, v in saved.items()
                      if (keys is None or k in keys) and getattr(getattr(cfg, section), k) != v})
+    # The precision trained in, not as spelled: auto is fp32 on CPU ranks and bf16 on GPUs. A marker from
+    # before the recipe wrote it holds only the config's spelling.
+    saved = meta.get("precision", meta["config"]["train"]["precision"])
+    precision = cfg.train.precision if saved == "auto" else precision_of(cfg.train.precision, uses_gpu())
+    if precision != saved:
+        diff["train.precision"] = (saved, precision)
     stages = meta["config"]["train"]["zero_stage"], cfg.train.zero_stage
     if 0 in stages and stages[0] != stages[1]:
         diff["train.zero_stage"] = stages
@@ -595,7 +606,8 @@ def train(cfg, args, resume, samples):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     t = cfg.train
-    bf16 = t.precision == "bf16" or (t.precision == "auto" and on_gpu)
+    precision = precision_of(t.precision, on_gpu)
+    bf16 = precision == "bf16"
     ds_config = deepspeed_config(cfg, world, bf16)
     if rank == 0:  # the DeepSpeed config this run used, beside its log
         os.makedirs(cfg.log.dir, exist_ok=True)
@@ -676,7 +688,7 @@ def train(cfg, args, resume, samples):
             log.message(f"step {done}: valid loss {valid_losses[-1]:.4f}")
         if checkpoint_now:
             checkpointing.save(engine, cfg.checkpoint.dir, done, cfg.checkpoint.keep,
-                               {"world_size": world, "config": cfg.to_dict()})
+                               {"world_size": world, "precision": precision, "config": cfg.to_dict()})
             log.write({"type": "checkpoint", "step": done,
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})
         if evaluate_now or checkpoint_now:  # their time is not a training step's

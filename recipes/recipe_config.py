@@ -126,7 +126,10 @@ RECIPE_SETS = {"train_micro_batch_size_per_gpu": "train.micro_batch_size",
                "gradient_accumulation_steps": "train.grad_accum",
                "train_batch_size": "train.micro_batch_size and train.grad_accum",  # times the ranks
                "gradient_clipping": "train.grad_clip", "zero_optimization.stage": "train.zero_stage",
-               "bf16.enabled": "train.precision", "fp16.enabled": "train.precision"}
+               "bf16.enabled": "train.precision", "fp16.enabled": "train.precision",
+               # The recipe hands DeepSpeed its own optimizer and schedule, which win over these silently.
+               "optimizer": "train.lr, train.betas, train.eps, train.weight_decay and train.fused_adamw",
+               "scheduler": "train.lr, train.warmup_steps and train.min_lr_ratio"}
 
 
 class Rule(NamedTuple):

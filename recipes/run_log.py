@@ -48,7 +48,9 @@ class RunLog:
         self.write({"type": "start", "step": start_step, "resumed_from": resumed_from, "time": time.time()})
         if cfg.log.wandb:
             import wandb
-            mode = cfg.log.wandb_mode or ("online" if wandb_key_configured() else "offline")
+            # wandb.init's mode wins over WANDB_MODE: the user's environment comes before the key's default.
+            mode = (cfg.log.wandb_mode or os.environ.get("WANDB_MODE")
+                    or ("online" if wandb_key_configured() else "offline"))
             self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.name, dir=cfg.log.dir, mode=mode,
                                     config=cfg.to_dict())
         self.bar = tqdm(total=cfg.train.steps, initial=start_step, desc=cfg.name, dynamic_ncols=True,
