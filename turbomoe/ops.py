@@ -300,12 +300,13 @@ def _check_distinct_rows(table: torch.Tensor, num_rows: int):
                          "(or -1), as assign_slots makes them")
 
 
-def _unpack_slots(slots, num_rows, S: Optional[int], like: torch.Tensor):
+def _unpack_slots(slots, num_rows, S: Optional[int], like: torch.Tensor, rows_name: str = "num_rows"):
     """A Slots from assign_slots, or a bare [S, k] slots tensor with num_rows -> (tensor, rows,
-    kept counts or None, capacity or None). S None: any token count (nothing else gives it)."""
+    kept counts or None, capacity or None). S None: any token count (nothing else gives it).
+    rows_name: what num_rows is to the caller (gather passes y's rows), for the error."""
     if isinstance(slots, Slots):
         if num_rows is not None and num_rows != slots.num_rows:
-            raise ValueError(f"num_rows {num_rows} disagrees with the Slots' {slots.num_rows}")
+            raise ValueError(f"{rows_name} {num_rows} disagrees with the Slots' num_rows {slots.num_rows}")
         table, num_rows, kept, cap = slots.slots, slots.num_rows, slots.kept_counts, slots.capacity
     else:
         if num_rows is None:
@@ -353,6 +354,9 @@ def scatter_tokens(x_SM: torch.Tensor, slots, num_rows: Optional[int] = None,
     return _scatter_fn(x_SM, table, num_rows, kept, cap, _impl(backend))
 
 
+_Y_ROWS = "y's rows (the expert buffer's)"  # gather's num_rows is y's row count, not an argument
+
+
 def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: Optional[torch.Tensor], renormalize: bool = False,
                   backend: Optional[str] = None) -> torch.Tensor:
     """out [S, M] = sum over kept routes of w[s, j] * y[slots[s, j]], fp32 accumulation.
@@ -368,10 +372,10 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: Optional[torch.Tensor], 
     if scores_SK is None:
         if renormalize:
             raise ValueError("gather_tokens: renormalize needs scores")
-        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], None, y_RM)
+        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], None, y_RM, _Y_ROWS)
     else:
         _check_float("scores", scores_SK, 2)
-        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM)
+        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM, _Y_ROWS)
         if table.shape != scores_SK.shape:
             raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
         _check_same_device(y=y_RM, scores=scores_SK)  # slots were checked against y

@@ -366,13 +366,17 @@ def routed_slots(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 def scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Expert buffer [num_rows, M]: row slots[s, j] holds x[s]; rows no route reaches are zero."""
+    """Expert buffer [num_rows, M]: row slots[s, j] holds x[s]; rows no route reaches are zero.
+    Its gradient sums each token's k rows in fp32 and rounds once (fp64 for fp64)."""
     S, k = slots_SK.shape
     flat = routed_slots(slots_SK, num_rows).reshape(-1)
     keep = flat >= 0
     src = torch.arange(S, device=x_SM.device).repeat_interleave(k)[keep]
     buf = x_SM.new_zeros(num_rows, x_SM.shape[1])
-    return buf.index_copy(0, flat[keep], x_SM[src])
+    # Rows picked from x in the compute dtype (exact both ways): the backward of the pick is that
+    # sum, which in fp16 / bf16 would round after every add.
+    rows = x_SM.to(compute_dtype(x_SM.dtype))[src].to(x_SM.dtype)
+    return buf.index_copy(0, flat[keep], rows)
 
 
 def renormalize_kept(scores_SK: torch.Tensor, slots_SK: torch.Tensor) -> torch.Tensor:
