@@ -1,6 +1,7 @@
 """torch.compile(fullgraph=True) of MoELayer on the reference backend (float64) where the other compile
 tests do not reach: a loss that leaves some outputs without a gradient or hands the layer a
-non-contiguous one, and activation checkpointing inside the compiled region."""
+non-contiguous one, activation checkpointing inside the compiled region, and inductor with a capacity over
+changing token counts."""
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -73,3 +74,17 @@ def test_checkpoint_inside_the_compiled_region_without_config():
     compiled = torch.compile(lambda x_SM: checkpoint(layer, x_SM, use_reentrant=False)[0].sum(),
                              backend="aot_eager", fullgraph=True)
     compiled(torch.randn(7, 12, dtype=D, requires_grad=True)).backward()
+
+
+def test_inductor_capacity_over_changing_token_counts():
+    """With a capacity, the second token count (dynamic shapes) crashed inductor: the grouped GEMM's
+    offsets are a cumsum of the counts, full_like(C) there, which inductor rewrites and cannot with a
+    symbolic C. Compiled results equal eager at each count."""
+    torch._dynamo.reset()
+    layer = MoELayer(12, 6, 5, 2, capacity_factor=1.25, backend="reference", dtype=D)
+    compiled = torch.compile(layer, fullgraph=True)
+    for S in (13, 17, 29):
+        x_SM = torch.randn(S, 12, dtype=D)
+        ref = grads_of(lambda x: sum(t.square().sum() for t in layer(x)), layer, x_SM)
+        got = grads_of(lambda x: sum(t.square().sum() for t in compiled(x)), layer, x_SM)
+        assert_same(got, ref)

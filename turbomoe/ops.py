@@ -388,6 +388,18 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: Optional[torch.Tensor], 
     return _gather_fn(y_RM, table, scores_SK, kept, cap, _impl(backend), renormalize)
 
 
+def buffer_counts(slots: Slots) -> torch.Tensor:
+    """[E] int32: the expert buffer's rows per expert, the grouped GEMMs' counts: the kept counts, or
+    with a capacity C for every expert (a block of C rows whose tail is zero and never gathered)."""
+    if slots.capacity is None:
+        return slots.kept_counts
+    # Compiled not as full_like: inductor rewrites a cumsum of a full (the grouped GEMM's offsets) and
+    # fails on a symbolic fill (C of a dynamic token count); eager keeps the one launch.
+    if torch.compiler.is_compiling():
+        return torch.zeros_like(slots.kept_counts) + slots.capacity
+    return torch.full_like(slots.kept_counts, slots.capacity)
+
+
 def row_scores(slots: Slots, scores_SK: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     """w [R] of the expert buffer's rows: row slots[s, j] gets scores[s, j]; rows no route fills
     (capacity's padding) 0. Differentiable (a dropped route's gradient is 0). With them the experts

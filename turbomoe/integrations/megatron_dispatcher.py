@@ -58,8 +58,7 @@ class TurboTokenDispatcher:
         buf_RH = ops.scatter_tokens(x_TH, s, backend=self.backend)
         probs_R = None if self.probs_in_combine else ops.row_scores(s, routing.probs, self.backend)
         if self.ep_size == 1:
-            counts_E = s.kept_counts if s.capacity is None else torch.full_like(s.kept_counts, s.capacity)
-            return buf_RH, counts_E, probs_R
+            return buf_RH, ops.buffer_counts(s), probs_R
         if s.capacity is not None:
             return self._dispatch_blocks(buf_RH, probs_R, s.capacity)
         return self._dispatch_chunks(buf_RH, probs_R, s.kept_counts)

@@ -90,8 +90,7 @@ class MoELayer(nn.Module):
                              backend=self.backend, seed_draw=self._rts_draw(C))
         # Passing the Slots (not the bare table) lets the kernels find empty rows from the kept counts.
         buf_RM = ops.scatter_tokens(x_SM, s, backend=self.backend)
-        # Capacity mode: every expert owns a block of C rows (its tail rows are zero and never gathered).
-        counts_E = s.kept_counts if C is None else torch.full_like(s.kept_counts, C)
+        counts_E = ops.buffer_counts(s)
         # The rows again from x_SM, which the router keeps.
         # SwiGLU experts weigh their rows by the scores before the second GEMM (SonicMoE's order): the
         # scores' gradient then comes from the activation's backward, and y [R, M] is not kept for it.
