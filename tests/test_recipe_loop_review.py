@@ -1,7 +1,7 @@
 """Review of the pretraining recipe's loop and bookkeeping (recipes/pretrain.py, checkpointing.py,
 recipe_config.py, run_log.py): a resume compares the precision a run trained in, not its spelling;
 the deepspeed section may not set an optimizer or schedule that the recipe's own silently replace;
-wandb honours WANDB_MODE; a crash while a tag is saved again leaves `latest` on this run's own line."""
+wandb honours WANDB_MODE (a tag saved again: tests/test_recipes.py::test_overwriting_a_tag_moves_latest_back_first)."""
 import json
 import os
 import subprocess
@@ -117,24 +117,3 @@ def test_wandb_honours_wandb_mode(tmp_path, monkeypatch):
     assert mode(None) == "online"  # the key's default
     assert mode("offline") == "offline" and mode("disabled") == "disabled"
     assert mode("offline", "log.wandb_mode=online") == "online"
-
-
-def test_tag_saved_again_falls_back_to_this_runs_own_latest(tmp_path, monkeypatch):
-    """A run resumed from step 4 has saved step 5 (`latest`) and now saves step 6 again over the run it
-    left, whose step 8 is still there. A crash inside that save left `latest` on the left run's step 8
-    (the newest other complete tag); it goes back to step 5, the newest before the tag being saved."""
-    class OneRank:
-        get_rank = staticmethod(lambda: 0)
-        barrier = staticmethod(lambda: None)
-
-    class Crashes:
-        def save_checkpoint(self, *args, **kwargs):
-            raise KeyboardInterrupt  # killed while writing
-
-    monkeypatch.setattr(checkpointing, "dist", OneRank)
-    for step in (4, 5, 6, 8):
-        write_marker(tmp_path / checkpointing.tag_of(step))
-    (tmp_path / "latest").write_text("global_step5")
-    with pytest.raises(KeyboardInterrupt):
-        checkpointing.save(Crashes(), str(tmp_path), 6, keep=3, meta={})
-    assert checkpointing.resolve(str(tmp_path)) == (str(tmp_path), "global_step5")

@@ -431,7 +431,8 @@ def test_lr_schedule():
 
 def test_overwriting_a_tag_moves_latest_back_first(tmp_path, monkeypatch):
     """A run resumed from step 4 saves step 6 again over the run it left: until the new step 6 is
-    whole, `latest` names step 4, so a crash inside the save leaves a resumable directory."""
+    whole, `latest` names step 4, so a crash inside the save leaves a resumable directory; not the left
+    run's later step 8 (the newest other complete tag, which `latest` named before 2026-12-05)."""
     class OneRank:
         get_rank = staticmethod(lambda: 0)
         barrier = staticmethod(lambda: None)
@@ -441,7 +442,7 @@ def test_overwriting_a_tag_moves_latest_back_first(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # killed while writing
 
     monkeypatch.setattr(checkpointing, "dist", OneRank)
-    for step in (2, 4, 6):
+    for step in (2, 4, 6, 8):
         (tmp_path / checkpointing.tag_of(step)).mkdir()
         (tmp_path / checkpointing.tag_of(step) / checkpointing.COMPLETE).write_text(json.dumps({"step": step}))
     (tmp_path / "latest").write_text("global_step6")
