@@ -373,9 +373,11 @@ def scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int) ->
     keep = flat >= 0
     src = torch.arange(S, device=x_SM.device).repeat_interleave(k)[keep]
     buf = x_SM.new_zeros(num_rows, x_SM.shape[1])
-    # Rows picked from x in the compute dtype (exact both ways): the backward of the pick is that
-    # sum, which in fp16 / bf16 would round after every add.
-    rows = x_SM.to(compute_dtype(x_SM.dtype))[src].to(x_SM.dtype)
+    # Where a backward will run, rows picked from x in the compute dtype (exact both ways): the pick's
+    # backward is that sum, which in fp16 / bf16 would round after every add. Without one (inference's
+    # reference mode) no upcast copy of x.
+    grad = torch.is_grad_enabled() and x_SM.requires_grad
+    rows = (x_SM.to(compute_dtype(x_SM.dtype)) if grad else x_SM)[src].to(x_SM.dtype)
     return buf.index_copy(0, flat[keep], rows)
 
 
