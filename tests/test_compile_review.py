@@ -49,8 +49,9 @@ def test_partial_and_strided_output_gradients(loss_of, capacity_factor):
 @pytest.mark.parametrize("capacity_factor, drop_policy, recompute", [(None, "position", True), (0.5, "rts", False)])
 def test_checkpoint_inside_the_compiled_region(capacity_factor, drop_policy, recompute):
     """The custom ops replayed by checkpoint's recompute inside the graph: the same gradients as eager
-    (RTS drops the same routes). MoELayer sets expert_load in forward, a side effect dynamo refuses
-    inside a checkpoint unless told to skip it on recompute (test below)."""
+    (RTS drops the same routes), and the same expert_load. Dynamo refused this (Unsupported) while
+    MoELayer.forward assigned a new expert_load tensor, a side effect inside a checkpoint; it now
+    writes its buffer in place."""
     torch._dynamo.reset()
     layer = MoELayer(12, 6, 5, 2, capacity_factor=capacity_factor, drop_policy=drop_policy, recompute=recompute,
                      backend="reference", dtype=D).train()
@@ -61,19 +62,10 @@ def test_checkpoint_inside_the_compiled_region(capacity_factor, drop_policy, rec
 
     x_SM = torch.randn(13, 12, dtype=D)
     ref = grads_of(loss, layer, x_SM)
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
-        assert_same(grads_of(torch.compile(loss, backend="aot_eager", fullgraph=True), layer, x_SM), ref)
-
-
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
-                   reason="MoELayer.forward assigns self.expert_load: a side effect dynamo refuses inside "
-                          "torch.utils.checkpoint (turbomoe/nn/layer.py, not fixed here)")
-def test_checkpoint_inside_the_compiled_region_without_config():
-    torch._dynamo.reset()
-    layer = MoELayer(12, 6, 5, 2, backend="reference", dtype=D)
-    compiled = torch.compile(lambda x_SM: checkpoint(layer, x_SM, use_reentrant=False)[0].sum(),
-                             backend="aot_eager", fullgraph=True)
-    compiled(torch.randn(7, 12, dtype=D, requires_grad=True)).backward()
+    load_E = layer.expert_load.clone()
+    layer.expert_load.zero_()
+    assert_same(grads_of(torch.compile(loss, backend="aot_eager", fullgraph=True), layer, x_SM), ref)
+    assert torch.equal(layer.expert_load, load_E)
 
 
 def test_inductor_capacity_over_changing_token_counts():

@@ -195,6 +195,25 @@ def test_cpu_expert_load_and_dropless_shapes():
     assert int(capped.expert_load.max()) <= reference.capacity(50, 4, 2, 0.5)
 
 
+
+def test_cpu_expert_load_of_a_layer_made_under_inference_mode():
+    """expert_load is written in place; a buffer made under inference_mode cannot be, outside it (a
+    layer built there and then run under no_grad): the forward replaces it once, and in place after."""
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        layer = MoELayer(16, 24, 4, 2)
+    x = torch.randn(9, 16)
+    with torch.no_grad():
+        layer(x)
+    assert not layer.expert_load.is_inference() and int(layer.expert_load.sum()) == 18
+    with torch.inference_mode():
+        layer(x[:5])
+    assert int(layer.expert_load.sum()) == 10
+    with torch.no_grad():
+        buf = layer.expert_load
+        layer(x)
+        assert layer.expert_load is buf and int(buf.sum()) == 18
+
 def test_cpu_nonfinite_token_routes_nowhere():
     torch.manual_seed(2)
     layer = MoELayer(16, 24, 4, 2)

@@ -103,9 +103,15 @@ class MoELayer(nn.Module):
         out_SM = ops.gather_tokens(y_RM, s, None if row_scale_R is not None else g.scores, backend=self.backend)
         if shared_SM is not None:
             out_SM = out_SM + shared_SM
-        # A copy: a detached alias shares kept_counts' version counter, so an in-place all-reduce of the
-        # load between forward and backward failed the backward (kept_counts is saved for it).
-        self.expert_load = s.kept_counts.clone()
+        # Copied into the buffer: a detached alias shares kept_counts' version counter, so an in-place
+        # all-reduce of the load between forward and backward failed the backward (kept_counts is saved
+        # for it); and assigning a new tensor is a side effect that dynamo refuses inside
+        # torch.utils.checkpoint in a compiled region. A buffer made under inference_mode cannot be
+        # written outside it: then a normal tensor replaces it once (eager: dynamo cannot trace the test).
+        if (not torch.compiler.is_compiling() and self.expert_load.is_inference()
+                and not torch.is_inference_mode_enabled()):
+            self.expert_load = torch.empty_like(s.kept_counts)
+        self.expert_load.copy_(s.kept_counts)
         return out_SM.view(x.shape), aux_loss
 
     def _rts_draw(self, capacity: Optional[int]) -> Optional[torch.Tensor]:
