@@ -63,6 +63,36 @@ def test_greedy_equals_transformers(tmp_path, seed, over):
         assert torch.equal(engine.generate(one, 9), hf.generate(one, max_new_tokens=9, do_sample=False, pad_token_id=0))
 
 
+@pytest.mark.parametrize("prefill_tokens", [1, 7, 20])
+def test_prefill_in_passes_equals_transformers(tmp_path, prefill_tokens):
+    """A prompt prefilled a few columns a pass (prefill_tokens // B, at least one): the same greedy
+    tokens as transformers', passes that split the padding and the prompts alike; no pass attends
+    over more than its columns x the keys so far (the mask was [B, T, T] in one pass)."""
+    hf, path = hf_model(tmp_path, 3)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48, prefill_tokens=prefill_tokens)
+    g = torch.Generator().manual_seed(prefill_tokens)
+    rows = [torch.randint(0, 101, (n, ), generator=g).tolist() for n in (13, 4, 9)]
+    ids, mask = left_padded(rows, pad=0)
+    passes = []
+    forward = engine._forward
+
+    def spy(x_BTH, pos_BT, slots_T, mask_B1TL, L, head=True):
+        passes.append((x_BTH.shape[1], tuple(mask_B1TL.shape), L, head))
+        return forward(x_BTH, pos_BT, slots_T, mask_B1TL, L, head)
+
+    engine._forward = spy
+    want = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = engine.generate(ids, 8, attention_mask=mask, pad_token_id=0)
+    assert torch.equal(got, want), (got, want)
+    step = max(1, prefill_tokens // 3)
+    prefill = passes[:-(8 - 1)]  # then one decode step per new token after the first
+    assert [p[0] for p in prefill] == [min(step, 13 - c0) for c0 in range(0, 13, step)]
+    assert all(m == (3, 1, t, L) and L == min(13, c0 + t) for (t, m, L, _), c0 in zip(prefill, range(0, 13, step)))
+    assert [p[3] for p in prefill] == [False] * (len(prefill) - 1) + [True]  # logits of the last pass only
+    with pytest.raises(ValueError, match="prefill_tokens must be a positive int"):
+        load(path, device="cpu", prefill_tokens=0)
+
+
 def test_eos_per_row_equals_transformers(tmp_path):
     hf, path = hf_model(tmp_path, 2)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48)
@@ -339,11 +369,14 @@ def test_cuda_fp32_tokens_equal_cpu(tmp_path, seed):
     _, path = hf_model(tmp_path, seed)
     cpu = load(path, device="cpu", dtype=torch.float32, max_batch=8, max_seq_len=48)
     gpu = load(path, device="cuda", dtype=torch.float32, max_batch=8, max_seq_len=48)
+    passes = load(path, device="cuda", dtype=torch.float32, max_batch=8, max_seq_len=48, prefill_tokens=10)
     g = torch.Generator().manual_seed(seed)
     for lengths in ((7, 3, 11), (5, 9, 2, 4, 8)):
         ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
         want = cpu.generate(ids, 14, attention_mask=mask)
         got = gpu.generate(ids, 14, attention_mask=mask)
+        assert torch.equal(got.cpu(), want), (got, want)
+        got = passes.generate(ids, 14, attention_mask=mask)  # prefill a few columns a pass
         assert torch.equal(got.cpu(), want), (got, want)
     assert gpu.graphs  # the decode steps ran from CUDA graphs
 

@@ -35,6 +35,7 @@ from .moe import SparseMoE, check_options
 from .tiling import check_tile_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PREFILL_TOKENS = 8192  # tokens (rows x columns) a prefill pass runs: bounds its activations and mask
 CACHE_SLOTS_STEP = 256  # the cache's length grows in these steps: fewer remakes (and graph captures)
 
 
@@ -45,10 +46,13 @@ class Engine:
     needed, see the module's docstring); cuda_graphs: capture the decode step per bucket on CUDA;
     keep_model: leave the model whole (its experts then take memory twice), else its MoE blocks move
     into the engine; tune: measure the few-rows GEMMs' tilings at each bucket's decode step on this GPU
-    (SparseMoE.tune, on the first MoE layer; every MoE layer then uses its table, few_rows_tiles)."""
+    (SparseMoE.tune, on the first MoE layer; every MoE layer then uses its table, few_rows_tiles);
+    prefill_tokens: the prompt runs in passes of about this many tokens (whole columns of the batch,
+    at least one), so that a long prompt's activations and attention mask stay bounded."""
 
     def __init__(self, model, max_batch: int = 64, max_seq_len: Optional[int] = None, cuda_graphs: bool = True,
-                 buckets: Sequence[int] = BUCKETS, keep_model: bool = False, tune: bool = False, **moe_kw):
+                 buckets: Sequence[int] = BUCKETS, keep_model: bool = False, tune: bool = False,
+                 prefill_tokens: int = PREFILL_TOKENS, **moe_kw):
         if not isinstance(model, Qwen3MoeForCausalLM):  # transformers' class has the same name
             raise TypeError(f"Engine takes turbomoe's Qwen3MoeForCausalLM (turbomoe.models), got "
                             f"{type(model).__module__}.{type(model).__qualname__}: turbomoe.inference.load(model_dir) "
@@ -66,6 +70,7 @@ class Engine:
         max_batch = _positive_index("max_batch", max_batch)
         max_seq_len = None if max_seq_len is None else _positive_index("max_seq_len", max_seq_len)
         buckets = tuple(_positive_index("bucket", b) for b in buckets)
+        self.prefill_tokens = _positive_index("prefill_tokens", prefill_tokens)
         self.max_seq_len = cfg.max_position_embeddings if max_seq_len is None else max_seq_len
         if self.max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
@@ -164,8 +169,9 @@ class Engine:
         self.cache_rows, self.cache_len = B, L
 
     # ---- the model -----------------------------------------------------------------------------
-    def _forward(self, x_BTH, pos_BT, slots_T, mask_B1TL, L: int):
-        """Decoder layers over x; writes keys/values at cache slots; attends over slots [0, L)."""
+    def _forward(self, x_BTH, pos_BT, slots_T, mask_B1TL, L: int, head: bool = True):
+        """Decoder layers over x; writes keys/values at cache slots; attends over slots [0, L). Returns
+        the last position's logits [B, V] (None without head)."""
         B, T, _ = x_BTH.shape
         cos, sin = self.cos[pos_BT][:, None], self.sin[pos_BT][:, None]  # [B, 1, T, D]
         for i, layer in enumerate(self.layers):
@@ -183,6 +189,8 @@ class Engine:
                 x_BTH = x_BTH + self.moes[i](h.reshape(B * T, -1)).view(B, T, -1)
             else:
                 x_BTH = x_BTH + layer.mlp(h)
+        if not head:
+            return None
         return self.lm_head(self.norm(x_BTH[:, -1])).float()  # [B, V] logits of the last position
 
     @torch.no_grad()
@@ -193,11 +201,16 @@ class Engine:
         self.positions[:Bb].zero_()
         self.valid[:B, :T] = mask_BT
         pos = (mask_BT.long().cumsum(1) - 1).clamp_min(0)
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        # Keys: earlier real tokens; a pad query also sees itself (no empty softmax row).
-        mask = (causal & mask_BT[:, None, :]) | torch.eye(T, dtype=torch.bool, device=self.device)
         slots = torch.arange(T, device=self.device)
-        logits = self._forward(self.embed(ids_BT), pos, slots, mask[:, None], T)
+        # Columns [c0, c1) a pass, each writing its keys to the cache before the next attends to them.
+        step = max(1, self.prefill_tokens // B)
+        for c0 in range(0, T, step):
+            c1 = min(T, c0 + step)
+            q_slots, k_slots = slots[c0:c1, None], slots[None, :c1]
+            # Keys: earlier real tokens; a pad query also sees itself (no empty softmax row).
+            mask = ((k_slots <= q_slots) & mask_BT[:, None, :c1]) | (k_slots == q_slots)  # [B, c, c1]
+            logits = self._forward(self.embed(ids_BT[:, c0:c1]), pos[:, c0:c1], slots[c0:c1], mask[:, None], c1,
+                                   head=c1 == T)
         self.positions[:B] = mask_BT.sum(1)
         return logits
 
@@ -417,7 +430,9 @@ def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **eng
     """An Engine for a Hugging Face Qwen3-MoE directory, read by Qwen3MoeForCausalLM.from_pretrained.
     device: default CUDA where available; dtype: default the checkpoint's."""
     check_model_dir(model_dir)
-    moe_kw = _check_keywords(engine_kw)  # the arguments checked before the checkpoint is read
+    moe_kw = _check_keywords(engine_kw)
+    if "prefill_tokens" in engine_kw:
+        _positive_index("prefill_tokens", engine_kw["prefill_tokens"])  # the arguments checked before the checkpoint is read
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if engine_kw.get("tune") and device.type != "cuda":
         raise ValueError(f"tune measures the few-rows kernels on a GPU; device is {device}")
