@@ -138,3 +138,31 @@ def test_experts_wrapped_or_swapped_after_a_forward_run_as_they_are_now():
         local_experts(layer)[3].register_forward_hook(lambda m, i, o: calls.append(o.shape))
     assert_same(run(stock, x), run(turbo, x))
     assert len(calls) == 2
+
+
+def test_assignment_count_makes_no_recompile():
+    """The drop-in counts module assignments through torch's global registration hook. A compiled
+    model that makes a module in its forward (transformers' decoder slices its ModuleList each call)
+    recompiled on every call while the hook changed the global under dynamo, until the recompile
+    limit (transformers' static-cache compiled generate fell to eager speed after importing turbomoe)."""
+    from torch._dynamo.utils import counters
+
+    class Sliced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers[:2]:
+                x = layer(x)
+            return x
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Sliced()
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(4):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()

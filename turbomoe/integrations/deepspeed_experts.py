@@ -75,6 +75,11 @@ _assignments = 0
 
 
 def _count_assignment(parent: nn.Module, name: str, module: Optional[nn.Module]) -> None:
+    # Not while dynamo traces: a model that makes a module in its forward (transformers' decoder
+    # slices its ModuleList every call) would change the global each call, a guard that failed every
+    # time and recompiled to the limit. Compiled code walks the tree at trace time (_hooked).
+    if torch.compiler.is_compiling():
+        return
     global _assignments
     _assignments += 1
 
