@@ -93,6 +93,29 @@ def test_prefill_in_passes_equals_transformers(tmp_path, prefill_tokens):
         load(path, device="cpu", prefill_tokens=0)
 
 
+def test_compiled_decode_equals_transformers(tmp_path):
+    """compile=True (CUDA's default): a decode step's dense parts through torch.compile give
+    transformers' greedy tokens in fp32 over batch buckets 4, 1, 8 and 2, with no graph break; once
+    a batch size above 1 has changed, the graphs are dynamic in it: bucket 2 compiles nothing new
+    (nor does a layer: all share the graphs)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    hf, path = hf_model(tmp_path, 4)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=8, max_seq_len=48, compile=True)
+    g = torch.Generator().manual_seed(4)
+    graphs = []
+    for lengths in ((7, 3, 11), (5, ), (2, 9, 4, 8, 6), (6, 10)):
+        ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+        want = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        got = engine.generate(ids, 10, attention_mask=mask, pad_token_id=0)
+        assert torch.equal(got, want), (lengths, got, want)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[0] > 0 and graphs[3] == graphs[2], graphs
+    torch._dynamo.reset()
+
+
 def test_eos_per_row_equals_transformers(tmp_path):
     hf, path = hf_model(tmp_path, 2)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48)

@@ -39,6 +39,40 @@ PREFILL_TOKENS = 8192  # tokens (rows x columns) a prefill pass runs: bounds its
 CACHE_SLOTS_STEP = 256  # the cache's length grows in these steps: fewer remakes (and graph captures)
 
 
+# The dense parts of a layer between the KV cache writes and the MoE. In a decode step torch.compile
+# fuses their norms, rotary and adds: eager they are ~45 of its ~65 kernels a layer.
+def _attention_in(layer, x_BTH, mlp_BTH, cos, sin):
+    """x plus the previous layer's MLP output (None at the first layer), and q, k, v of its norm."""
+    if mlp_BTH is not None:
+        x_BTH = x_BTH + mlp_BTH
+    return (x_BTH, ) + layer.self_attn.project(layer.input_layernorm(x_BTH), cos, sin)
+
+
+def _attention_out(layer, x_BTH, o_BNTD):
+    """x plus attention's output projection, and its post-attention norm (the MLP's input)."""
+    B, N, T, D = o_BNTD.shape
+    x_BTH = x_BTH + layer.self_attn.o_proj(o_BNTD.transpose(1, 2).reshape(B, T, N * D))
+    return x_BTH, layer.post_attention_layernorm(x_BTH)
+
+
+def _logits(norm, lm_head, x_BH, mlp_BH):
+    return lm_head(norm(x_BH + mlp_BH)).float()
+
+
+_EAGER_PARTS = (_attention_in, _attention_out, _logits)
+_COMPILED_PARTS = None
+
+
+def _compiled_parts():
+    """The parts compiled, for decode steps (one token a row): dynamic in the batch, so every layer
+    and bucket of every engine shares a few graphs (batch 1 or more, the first layer without an MLP
+    output to add). Prefill passes run them eager: their GEMMs set their time, and their shapes vary."""
+    global _COMPILED_PARTS
+    if _COMPILED_PARTS is None:
+        _COMPILED_PARTS = tuple(torch.compile(f) for f in _EAGER_PARTS)
+    return _COMPILED_PARTS
+
+
 class Engine:
     """model: a turbomoe Qwen3MoeForCausalLM (moe_impl turbomoe or deepspeed) on its device and dtype.
     max_batch: the largest batch (the last bucket); max_seq_len: the most prompt + new tokens a call
@@ -48,11 +82,13 @@ class Engine:
     into the engine; tune: measure the few-rows GEMMs' tilings at each bucket's decode step on this GPU
     (SparseMoE.tune, on the first MoE layer; every MoE layer then uses its table, few_rows_tiles);
     prefill_tokens: the prompt runs in passes of about this many tokens (whole columns of the batch,
-    at least one), so that a long prompt's activations and attention mask stay bounded."""
+    at least one), so that a long prompt's activations and attention mask stay bounded; compile:
+    torch.compile the dense parts around attention (norms, rotary, projections, residual adds; default
+    on CUDA), compiled on the first call of each shape (seconds), once per process."""
 
     def __init__(self, model, max_batch: int = 64, max_seq_len: Optional[int] = None, cuda_graphs: bool = True,
                  buckets: Sequence[int] = BUCKETS, keep_model: bool = False, tune: bool = False,
-                 prefill_tokens: int = PREFILL_TOKENS, **moe_kw):
+                 prefill_tokens: int = PREFILL_TOKENS, compile: Optional[bool] = None, **moe_kw):
         if not isinstance(model, Qwen3MoeForCausalLM):  # transformers' class has the same name
             raise TypeError(f"Engine takes turbomoe's Qwen3MoeForCausalLM (turbomoe.models), got "
                             f"{type(model).__module__}.{type(model).__qualname__}: turbomoe.inference.load(model_dir) "
@@ -81,6 +117,9 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        if compile is None:
+            compile = self.device.type == "cuda"
+        self._decode_parts = _compiled_parts() if compile else _EAGER_PARTS
         if tune and self.device.type != "cuda":
             raise ValueError(f"tune measures the few-rows kernels on a GPU; the model is on {self.device}")
         inner = model.model
@@ -174,24 +213,27 @@ class Engine:
         the last position's logits [B, V] (None without head)."""
         B, T, _ = x_BTH.shape
         cos, sin = self.cos[pos_BT][:, None], self.sin[pos_BT][:, None]  # [B, 1, T, D]
+        # The mask as SDPA makes it from a boolean one, made once, not in every layer's call
+        bias_B1TL = torch.zeros(mask_B1TL.shape, dtype=x_BTH.dtype, device=x_BTH.device).masked_fill_(
+            mask_B1TL.logical_not(), float("-inf"))
+        attention_in, attention_out, logits_of = self._decode_parts if T == 1 else _EAGER_PARTS
+        mlp_BTH = None  # the previous layer's MLP output, added to x by the next part
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x_BTH)
-            q, k, v = attn.project(h, cos, sin)
+            x_BTH, q, k, v = attention_in(layer, x_BTH, mlp_BTH, cos, sin)
             kc, vc = self.cache[i]
             kc[:B].index_copy_(2, slots_T, k)
             vc[:B].index_copy_(2, slots_T, v)
-            o = F.scaled_dot_product_attention(q, kc[:B, :, :L], vc[:B, :, :L], attn_mask=mask_B1TL,
+            o = F.scaled_dot_product_attention(q, kc[:B, :, :L], vc[:B, :, :L], attn_mask=bias_B1TL,
                                                enable_gqa=attn.num_heads != attn.num_kv_heads)
-            x_BTH = x_BTH + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            h = layer.post_attention_layernorm(x_BTH)
+            x_BTH, h = attention_out(layer, x_BTH, o)
             if i in self.moes:
-                x_BTH = x_BTH + self.moes[i](h.reshape(B * T, -1)).view(B, T, -1)
+                mlp_BTH = self.moes[i](h.reshape(B * T, -1)).view(B, T, -1)
             else:
-                x_BTH = x_BTH + layer.mlp(h)
+                mlp_BTH = layer.mlp(h)
         if not head:
             return None
-        return self.lm_head(self.norm(x_BTH[:, -1])).float()  # [B, V] logits of the last position
+        return logits_of(self.norm, self.lm_head, x_BTH[:, -1], mlp_BTH[:, -1])  # [B, V] of the last position
 
     @torch.no_grad()
     def _prefill(self, ids_BT, mask_BT):
