@@ -116,6 +116,27 @@ def test_compiled_decode_equals_transformers(tmp_path):
     torch._dynamo.reset()
 
 
+def test_compiled_engines_of_other_models_in_one_process(tmp_path, caplog):
+    """Engines of three model shapes in one process (a draft model beside a target, say), each called
+    in and out of inference_mode: their compiled parts stay within dynamo's recompile limit (they
+    shared one cache, hit it at the second model and ran eager past it), and give transformers'
+    tokens."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    for seed, over in [(0, {}), (1, dict(num_attention_heads=6, num_key_value_heads=3, head_dim=8)),
+                       (2, dict(hidden_size=40, mlp_only_layers=[]))]:
+        hf, path = hf_model(tmp_path, seed, **over)
+        engine = load(path, device="cpu", dtype=torch.float32, max_batch=8, max_seq_len=48, compile=True)
+        for lengths in ((7, 3, 11), (5, )):
+            ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+            want = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            with torch.inference_mode():
+                assert torch.equal(engine.generate(ids, 6, attention_mask=mask, pad_token_id=0), want)
+            assert torch.equal(engine.generate(ids, 6, attention_mask=mask, pad_token_id=0), want)
+    assert "recompile_limit" not in caplog.text
+    torch._dynamo.reset()
+
+
 def test_eos_per_row_equals_transformers(tmp_path):
     hf, path = hf_model(tmp_path, 2)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48)

@@ -155,8 +155,9 @@ def main(argv=None):
     # The cache for the whole run first: else a run past the warm-up's slots would make it again (and
     # recapture the decode graph) inside the timed call.
     engine.reserve(B, T + args.max_new_tokens)
-    # the warm-up compiles kernels and captures the decode graph of this batch size; each call its own
-    # generator, so the text printed is the one a generator seeded --seed gives
+    # the warm-up compiles kernels (on CUDA the decode step's dense parts too) and captures the decode
+    # graph of this batch size; each call its own generator, so the text printed is the one a generator
+    # seeded --seed gives
     _, warm = timed(min(2, args.max_new_tokens), args.seed)
     _, prefill = timed(1, args.seed)
     out, total = timed(args.max_new_tokens, args.seed)
@@ -170,7 +171,7 @@ def main(argv=None):
     decode = total - prefill if steps > 0 else 0.0
     rate = f"{B * steps / decode:.1f} tokens/s" if steps > 0 and decode > 0 else "too short to time"
     print(f"\n[{B} x {out.shape[1] - T} new tokens] prefill {prefill * 1e3:.1f} ms, decode "
-          f"{max(decode, 0) * 1e3:.1f} ms ({rate}), first call (kernel build, graph capture) {warm:.2f} s",
+          f"{max(decode, 0) * 1e3:.1f} ms ({rate}), first call (kernel builds, torch.compile, graph capture) {warm:.2f} s",
           file=sys.stderr)
 
 

@@ -23,6 +23,7 @@ import json
 import numbers
 import operator
 import os
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -60,17 +61,17 @@ def _logits(norm, lm_head, x_BH, mlp_BH):
 
 
 _EAGER_PARTS = (_attention_in, _attention_out, _logits)
-_COMPILED_PARTS = None
 
 
 def _compiled_parts():
-    """The parts compiled, for decode steps (one token a row): dynamic in the batch, so every layer
-    and bucket of every engine shares a few graphs (batch 1 or more, the first layer without an MLP
-    output to add). Prefill passes run them eager: their GEMMs set their time, and their shapes vary."""
-    global _COMPILED_PARTS
-    if _COMPILED_PARTS is None:
-        _COMPILED_PARTS = tuple(torch.compile(f) for f in _EAGER_PARTS)
-    return _COMPILED_PARTS
+    """The parts compiled for decode steps, for one engine: copies of their code, so that the engine's
+    graphs live in a cache of their own (dynamo keeps one per code object) and count alone against
+    its recompile limit (8): another model in the process (a draft model, say) would otherwise share
+    them, and past the limit the parts ran eager. A few graphs an engine: batch 1, the first batch
+    above 1, then dynamic in the batch; the first layer has no MLP output to add. Prefill passes run
+    the parts eager: their GEMMs set their time, and their shapes vary."""
+    return tuple(torch.compile(types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                                                  f.__closure__)) for f in _EAGER_PARTS)
 
 
 class Engine:
@@ -344,8 +345,9 @@ class Engine:
             attention_mask = input_ids != pad[0]
             _check_left_padding(attention_mask, pad[0])
         # the decode graphs are captured on the current device; the engine runs in its own dtype (a caller's
-        # autocast would hand the cache keys of another dtype)
-        with on_device(self.device), torch.autocast(self.device.type, enabled=False):
+        # autocast would hand the cache keys of another dtype); inference_mode off, under a caller's too
+        # (no_grad holds): one state for the compiled parts' guards, not a second set of graphs
+        with on_device(self.device), torch.autocast(self.device.type, enabled=False), torch.inference_mode(False):
             return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator,
                                   eos, pad[0])
 
