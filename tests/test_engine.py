@@ -173,6 +173,22 @@ def test_sampling_is_seeded_and_in_vocab(tmp_path):
     assert torch.equal(a, b) and a.shape == (2, 11) and int(a.max()) < 101 and torch.equal(a[:, :3], ids)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampling_generator_on_another_device(tmp_path):
+    """A CPU generator for a CUDA engine: a ValueError naming both devices before the prefill (torch's
+    multinomial refused it after), and nothing made; greedy decoding ignores the generator."""
+    _, path = hf_model(tmp_path, 3)
+    engine = load(path, device="cuda", dtype=torch.float32, max_batch=2, max_seq_len=32)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="generator is on cpu; sampling runs on the engine's device cuda"):
+        engine.generate(ids, 4, do_sample=True, generator=torch.Generator().manual_seed(0))
+    assert engine.cache is None
+    engine.generate(ids, 4, generator=torch.Generator())
+    out = engine.generate(ids, 4, do_sample=True, generator=torch.Generator(device=engine.device).manual_seed(0))
+    assert out.shape == (1, 7)
+
+
 def test_engine_errors(tmp_path, monkeypatch):
     hf, path = hf_model(tmp_path, 4)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=2, max_seq_len=16)

@@ -340,6 +340,10 @@ class Engine:
             raise ValueError(f"pad_token_id must be one id below vocab_size {V}, {given}")
         if do_sample and not (_real(temperature) and _real(top_p) and temperature > 0 and 0 < top_p <= 1):
             raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
+        if do_sample and generator is not None and torch.device(generator.device) != self.device:
+            # torch.multinomial refuses it, after the prefill has run
+            raise ValueError(f"generator is on {generator.device}; sampling runs on the engine's device {self.device}: "
+                             f"torch.Generator(device={str(self.device)!r})")
         # transformers' generate rule: an explicit pad id, not an EOS, found in the prompt marks its padding
         if attention_mask is None and pad_token_id is not None and pad[0] not in eos and (input_ids == pad[0]).any():
             attention_mask = input_ids != pad[0]
