@@ -76,9 +76,9 @@ def test_prefill_in_passes_equals_transformers(tmp_path, prefill_tokens):
     passes = []
     forward = engine._forward
 
-    def spy(x_BTH, pos_BT, slots_T, mask_B1TL, L, head=True):
+    def spy(x_BTH, pos_BT, slots_T, mask_B1TL, L, head=True, **kw):
         passes.append((x_BTH.shape[1], tuple(mask_B1TL.shape), L, head))
-        return forward(x_BTH, pos_BT, slots_T, mask_B1TL, L, head)
+        return forward(x_BTH, pos_BT, slots_T, mask_B1TL, L, head, **kw)
 
     engine._forward = spy
     want = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -91,6 +91,8 @@ def test_prefill_in_passes_equals_transformers(tmp_path, prefill_tokens):
     assert [p[3] for p in prefill] == [False] * (len(prefill) - 1) + [True]  # logits of the last pass only
     with pytest.raises(ValueError, match="prefill_tokens must be a positive int"):
         load(path, device="cpu", prefill_tokens=0)
+    with pytest.raises(ValueError, match="compile must be True, False or None"):
+        load(path, device="cpu", compile="no")
 
 
 def test_compiled_decode_equals_transformers(tmp_path):
@@ -568,3 +570,29 @@ def test_generate_cli_tile_file_without_this_batch_size(tmp_path, capsys, monkey
     assert "holds no tiling for 2 tokens (this batch size; it has [1, 4]): the rule's" in capsys.readouterr().err
     main([out, "--prompt", "abc", "--max-new-tokens", "2", "--tiles", tiles])
     assert "holds no tiling" not in capsys.readouterr().err
+
+
+def test_compiled_parts_few_graphs_and_shared_by_engines_of_one_model(tmp_path):
+    """The compiled parts see one kind of input whatever the batch, the layer (MoE or dense) or the pass
+    (a one-column prefill pass runs eager): at most 6 graphs for _attention_in (batch 1 and the first
+    batch above 1 static, then dynamic; with and without the previous MLP output), room left under
+    dynamo's recompile limit (8); engines of one model share them (dynamo frees no code object it compiled:
+    a copy an engine leaked its graphs with every engine made)."""
+    import gc
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    torch._dynamo.reset()
+    hf, path = hf_model(tmp_path, 4, num_hidden_layers=4, mlp_only_layers=[1])
+    g = torch.Generator().manual_seed(4)
+    parts = None
+    for _ in range(2):
+        engine = load(path, device="cpu", dtype=torch.float32, max_batch=16, max_seq_len=48, compile=True)
+        assert parts is None or engine._decode_parts is parts
+        parts = engine._decode_parts
+        for B, T in [(2, 5), (1, 5), (4, 5), (3, 1), (16, 2), (1, 1)]:
+            ids = torch.randint(1, 101, (B, T), generator=g)
+            assert torch.equal(engine.generate(ids, 4), hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+        del engine
+        gc.collect()
+    entries = [len(_debug_get_cache_entry_list(f._torchdynamo_orig_callable.__code__)) for f in parts]
+    assert entries[0] <= 6 and entries[1] <= 3 and entries[2] <= 3, entries
+    torch._dynamo.reset()

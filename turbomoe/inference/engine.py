@@ -63,15 +63,23 @@ def _logits(norm, lm_head, x_BH, mlp_BH):
 _EAGER_PARTS = (_attention_in, _attention_out, _logits)
 
 
-def _compiled_parts():
-    """The parts compiled for decode steps, for one engine: copies of their code, so that the engine's
-    graphs live in a cache of their own (dynamo keeps one per code object) and count alone against
-    its recompile limit (8): another model in the process (a draft model, say) would otherwise share
-    them, and past the limit the parts ran eager. A few graphs an engine: batch 1, the first batch
-    above 1, then dynamic in the batch; the first layer has no MLP output to add. Prefill passes run
-    the parts eager: their GEMMs set their time, and their shapes vary."""
-    return tuple(torch.compile(types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
-                                                  f.__closure__)) for f in _EAGER_PARTS)
+_COMPILED_PARTS = {}  # (device, dtype, model config) -> the compiled parts of engines of that model
+
+
+def _compiled_parts(key):
+    """The parts compiled for decode steps, for the engines of one model (key: its device, dtype and
+    config): copies of their code, so that its graphs live in a cache of their own (dynamo keeps one
+    per code object) and count alone against the recompile limit (8), which another model in the
+    process (a draft model, say) would otherwise share, the parts running eager past it. Per model, not
+    per engine: dynamo frees no code object it compiled, so a copy per engine leaked its graphs with
+    every engine made. A few graphs a model: batch 1, the first batch above 1, then dynamic in the
+    batch; the first layer has no MLP output to add. Prefill passes run the parts eager: their GEMMs
+    set their time, and their shapes vary."""
+    if key not in _COMPILED_PARTS:
+        _COMPILED_PARTS[key] = tuple(
+            torch.compile(types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                                             f.__closure__)) for f in _EAGER_PARTS)
+    return _COMPILED_PARTS[key]
 
 
 class Engine:
@@ -85,7 +93,7 @@ class Engine:
     prefill_tokens: the prompt runs in passes of about this many tokens (whole columns of the batch,
     at least one), so that a long prompt's activations and attention mask stay bounded; compile:
     torch.compile the dense parts around attention (norms, rotary, projections, residual adds; default
-    on CUDA), compiled on the first call of each shape (seconds), once per process."""
+    on CUDA), compiled on the first decode at batch 1 and above (seconds), once per model a process."""
 
     def __init__(self, model, max_batch: int = 64, max_seq_len: Optional[int] = None, cuda_graphs: bool = True,
                  buckets: Sequence[int] = BUCKETS, keep_model: bool = False, tune: bool = False,
@@ -118,9 +126,10 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        if compile is None:
+        if _check_compile(compile) is None:
             compile = self.device.type == "cuda"
-        self._decode_parts = _compiled_parts() if compile else _EAGER_PARTS
+        self._decode_parts = (_compiled_parts((str(self.device), self.dtype, json.dumps(cfg.to_dict(), sort_keys=True)))
+                              if compile else _EAGER_PARTS)
         if tune and self.device.type != "cuda":
             raise ValueError(f"tune measures the few-rows kernels on a GPU; the model is on {self.device}")
         inner = model.model
@@ -209,15 +218,16 @@ class Engine:
         self.cache_rows, self.cache_len = B, L
 
     # ---- the model -----------------------------------------------------------------------------
-    def _forward(self, x_BTH, pos_BT, slots_T, mask_B1TL, L: int, head: bool = True):
+    def _forward(self, x_BTH, pos_BT, slots_T, mask_B1TL, L: int, head: bool = True, decode: bool = False):
         """Decoder layers over x; writes keys/values at cache slots; attends over slots [0, L). Returns
-        the last position's logits [B, V] (None without head)."""
+        the last position's logits [B, V] (None without head). decode: a decode step (the compiled parts;
+        a prefill pass of one column runs them eager, as its longer passes do)."""
         B, T, _ = x_BTH.shape
         cos, sin = self.cos[pos_BT][:, None], self.sin[pos_BT][:, None]  # [B, 1, T, D]
         # The mask as SDPA makes it from a boolean one, made once, not in every layer's call
         bias_B1TL = torch.zeros(mask_B1TL.shape, dtype=x_BTH.dtype, device=x_BTH.device).masked_fill_(
             mask_B1TL.logical_not(), float("-inf"))
-        attention_in, attention_out, logits_of = self._decode_parts if T == 1 else _EAGER_PARTS
+        attention_in, attention_out, logits_of = self._decode_parts if decode else _EAGER_PARTS
         mlp_BTH = None  # the previous layer's MLP output, added to x by the next part
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -231,7 +241,8 @@ class Engine:
             if i in self.moes:
                 mlp_BTH = self.moes[i](h.reshape(B * T, -1)).view(B, T, -1)
             else:
-                mlp_BTH = layer.mlp(h)
+                # a view of [B * T, H] like the MoE's: the compiled parts' guards see one kind of input
+                mlp_BTH = layer.mlp(h.reshape(B * T, -1)).view(B, T, -1)
         if not head:
             return None
         return logits_of(self.norm, self.lm_head, x_BTH[:, -1], mlp_BTH[:, -1])  # [B, V] of the last position
@@ -260,8 +271,9 @@ class Engine:
     def _decode_step(self, B: int):
         """One token per row at cache slot self.slot; reads self.tokens/positions[:B]."""
         self.valid[:B].index_fill_(1, self.slot, True)
-        x = self.embed(self.tokens[:B])[:, None]
-        return self._forward(x, self.positions[:B, None], self.slot, self.valid[:B, None, None, :], self.cache_len)
+        x = self.embed(self.tokens[:B, None])  # [B, 1, H], no view: as a prefill pass's x
+        return self._forward(x, self.positions[:B, None], self.slot, self.valid[:B, None, None, :], self.cache_len,
+                             decode=True)
 
     def _bucket(self, B: int) -> int:
         return next(b for b in self.buckets if b >= B)
@@ -406,6 +418,12 @@ def _check_left_padding(mask_BT: torch.Tensor, inferred_from: Optional[int] = No
                          f"attention_mask")
 
 
+def _check_compile(value) -> Optional[bool]:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"compile must be True, False or None (on CUDA), got {value!r}")
+    return value
+
+
 def _real(value) -> bool:
     """A real number: a Python or numpy number, or a 0-d real tensor (what the sampling checks compare)."""
     if isinstance(value, torch.Tensor):
@@ -478,9 +496,10 @@ def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **eng
     """An Engine for a Hugging Face Qwen3-MoE directory, read by Qwen3MoeForCausalLM.from_pretrained.
     device: default CUDA where available; dtype: default the checkpoint's."""
     check_model_dir(model_dir)
-    moe_kw = _check_keywords(engine_kw)
+    moe_kw = _check_keywords(engine_kw)  # the arguments checked before the checkpoint is read
     if "prefill_tokens" in engine_kw:
-        _positive_index("prefill_tokens", engine_kw["prefill_tokens"])  # the arguments checked before the checkpoint is read
+        _positive_index("prefill_tokens", engine_kw["prefill_tokens"])
+    _check_compile(engine_kw.get("compile"))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if engine_kw.get("tune") and device.type != "cuda":
         raise ValueError(f"tune measures the few-rows kernels on a GPU; device is {device}")
