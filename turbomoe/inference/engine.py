@@ -238,11 +238,8 @@ class Engine:
             o = F.scaled_dot_product_attention(q, kc[:B, :, :L], vc[:B, :, :L], attn_mask=bias_B1TL,
                                                enable_gqa=attn.num_heads != attn.num_kv_heads)
             x_BTH, h = attention_out(layer, x_BTH, o)
-            if i in self.moes:
-                mlp_BTH = self.moes[i](h.reshape(B * T, -1)).view(B, T, -1)
-            else:
-                # a view of [B * T, H] like the MoE's: the compiled parts' guards see one kind of input
-                mlp_BTH = layer.mlp(h.reshape(B * T, -1)).view(B, T, -1)
+            # over [B * T, H] rows, MoE or dense alike: the compiled parts' guards see one kind of input (a view)
+            mlp_BTH = self.moes.get(i, layer.mlp)(h.reshape(B * T, -1)).view(B, T, -1)
         if not head:
             return None
         return logits_of(self.norm, self.lm_head, x_BTH[:, -1], mlp_BTH[:, -1])  # [B, V] of the last position
