@@ -46,6 +46,11 @@ def left_padded(rows, pad):
     return ids, mask
 
 
+def random_prompts(lengths, g):
+    """ids, mask of random prompts of these lengths (ids below the tiny models' vocabulary), left-padded with 0."""
+    return left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+
+
 @pytest.mark.parametrize("seed,over", [(0, {}), (1, dict(norm_topk_prob=False, num_experts_per_tok=1,
                                                          mlp_only_layers=[], tie_word_embeddings=True))])
 def test_greedy_equals_transformers(tmp_path, seed, over):
@@ -70,9 +75,7 @@ def test_prefill_in_passes_equals_transformers(tmp_path, prefill_tokens):
     over more than its columns x the keys so far (the mask was [B, T, T] in one pass)."""
     hf, path = hf_model(tmp_path, 3)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48, prefill_tokens=prefill_tokens)
-    g = torch.Generator().manual_seed(prefill_tokens)
-    rows = [torch.randint(0, 101, (n, ), generator=g).tolist() for n in (13, 4, 9)]
-    ids, mask = left_padded(rows, pad=0)
+    ids, mask = random_prompts((13, 4, 9), torch.Generator().manual_seed(prefill_tokens))
     passes = []
     forward = engine._forward
 
@@ -108,7 +111,7 @@ def test_compiled_decode_equals_transformers(tmp_path):
     g = torch.Generator().manual_seed(4)
     graphs = []
     for lengths in ((7, 3, 11), (5, ), (2, 9, 4, 8, 6), (6, 10)):
-        ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+        ids, mask = random_prompts(lengths, g)
         want = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
         got = engine.generate(ids, 10, attention_mask=mask, pad_token_id=0)
         assert torch.equal(got, want), (lengths, got, want)
@@ -130,7 +133,7 @@ def test_compiled_engines_of_other_models_in_one_process(tmp_path, caplog):
         hf, path = hf_model(tmp_path, seed, **over)
         engine = load(path, device="cpu", dtype=torch.float32, max_batch=8, max_seq_len=48, compile=True)
         for lengths in ((7, 3, 11), (5, )):
-            ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+            ids, mask = random_prompts(lengths, g)
             want = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
             with torch.inference_mode():
                 assert torch.equal(engine.generate(ids, 6, attention_mask=mask, pad_token_id=0), want)
@@ -304,7 +307,7 @@ def test_cache_made_as_calls_need_it(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(6)
     for lengths, new, size in (((3, ), 5, (1, 16)), ((11, 4, 7), 12, (4, 32)), ((5, ), 4, (4, 32)),
                                ((20, 9), 30, (4, 64))):
-        ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+        ids, mask = random_prompts(lengths, g)
         want = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
         assert torch.equal(engine.generate(ids, new, attention_mask=mask, pad_token_id=0), want), lengths
         assert (engine.cache_rows, engine.cache_len) == size
@@ -434,7 +437,7 @@ def test_cuda_fp32_tokens_equal_cpu(tmp_path, seed):
     passes = load(path, device="cuda", dtype=torch.float32, max_batch=8, max_seq_len=48, prefill_tokens=10)
     g = torch.Generator().manual_seed(seed)
     for lengths in ((7, 3, 11), (5, 9, 2, 4, 8)):
-        ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+        ids, mask = random_prompts(lengths, g)
         want = cpu.generate(ids, 14, attention_mask=mask)
         got = gpu.generate(ids, 14, attention_mask=mask)
         assert torch.equal(got.cpu(), want), (got, want)
@@ -457,7 +460,7 @@ def test_cuda_tuned_tiles_tokens_equal_cpu(tmp_path):
                  few_rows_tiles=json.loads(json.dumps(table)))  # a table kept as JSON
     g = torch.Generator().manual_seed(2)
     for lengths in ((6, ), (7, 3, 11), (5, 9, 2, 4, 8)):
-        ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
+        ids, mask = random_prompts(lengths, g)
         got = gpu.generate(ids, 14, attention_mask=mask)
         assert torch.equal(got.cpu(), cpu.generate(ids, 14, attention_mask=mask))
         assert torch.equal(again.generate(ids, 14, attention_mask=mask), got)

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_engine import hf_model, left_padded, one_thread  # noqa: E402,F401 (one_thread: autouse here too)
+from test_engine import hf_model, left_padded, one_thread, random_prompts  # noqa: E402,F401 (one_thread: autouse here too)
 from turbomoe.inference import load  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def test_sampling_draws_as_transformers(tmp_path):
     hf, path = hf_model(tmp_path, 8)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=32)
     g = torch.Generator().manual_seed(8)
-    ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in (5, 2, 9)], pad=0)
+    ids, mask = random_prompts((5, 2, 9), g)
     for temperature, top_p, eos in ((1.0, 1.0, None), (0.7, 0.9, 5), (2.0, 1e-6, None), (0.4, 0.999, [7, 9])):
         kw = dict(do_sample=True, temperature=temperature, top_p=top_p, eos_token_id=eos, pad_token_id=0)
         torch.manual_seed(1)
@@ -45,7 +45,7 @@ def test_cache_filled_exactly_at_the_largest_bucket(tmp_path):
     hf, path = hf_model(tmp_path, 9)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=3, max_seq_len=24, buckets=(1, ))
     g = torch.Generator().manual_seed(9)
-    ids, mask = left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in (4, 9, 1)], pad=0)
+    ids, mask = random_prompts((4, 9, 1), g)
     greedy = engine.generate(ids, 24 - 9, attention_mask=mask)
     assert greedy.shape == (3, 24) and (engine.cache_rows, engine.cache_len) == (3, 24)
     for eos in (None, int(greedy[1, 11]), [int(greedy[2, 12]), int(greedy[0, 10])]):

@@ -8,21 +8,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_engine import hf_model, left_padded, one_thread  # noqa: E402,F401 (one_thread: autouse here too)
+from test_engine import hf_model, one_thread, random_prompts  # noqa: E402,F401 (one_thread: autouse here too)
 from test_engine_review import byte_model  # noqa: E402
 from turbomoe.inference import load  # noqa: E402
-
-
-def ragged_batch(seed, lengths):
-    g = torch.Generator().manual_seed(seed)
-    return left_padded([torch.randint(0, 101, (n, ), generator=g).tolist() for n in lengths], pad=0)
 
 
 def test_cache_made_under_inference_mode_serves_later_calls(tmp_path):
     """A cache made inside torch.inference_mode (by generate or reserve) is updated in place by the calls
     after it, outside: it must be made of normal tensors, not inference tensors (which refuse that)."""
     hf, path = hf_model(tmp_path, 21)
-    ids, mask = ragged_batch(21, (6, 1, 4))
+    ids, mask = random_prompts((6, 1, 4), torch.Generator().manual_seed(21))
     want = hf.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=0)
     for make in ("generate", "reserve"):
         engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=24)
@@ -41,7 +36,7 @@ def test_generate_under_autocast_runs_in_the_engines_dtype(tmp_path):
     fp32 engine's tokens, not an error about the cache's dtype."""
     hf, path = hf_model(tmp_path, 22)
     engine = load(path, device="cpu", dtype=torch.float32, max_batch=2, max_seq_len=24)
-    ids, mask = ragged_batch(22, (3, 8))
+    ids, mask = random_prompts((3, 8), torch.Generator().manual_seed(22))
     want = hf.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = engine.generate(ids, 9, attention_mask=mask, pad_token_id=0)

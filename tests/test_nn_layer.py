@@ -195,7 +195,6 @@ def test_cpu_expert_load_and_dropless_shapes():
     assert int(capped.expert_load.max()) <= reference.capacity(50, 4, 2, 0.5)
 
 
-
 def test_cpu_expert_load_of_a_layer_made_under_inference_mode():
     """expert_load is written in place; a buffer made under inference_mode cannot be, outside it (a
     layer built there and then run under no_grad): the forward replaces it once, and in place after."""
@@ -213,6 +212,7 @@ def test_cpu_expert_load_of_a_layer_made_under_inference_mode():
         buf = layer.expert_load
         layer(x)
         assert layer.expert_load is buf and int(buf.sum()) == 18
+
 
 def test_cpu_nonfinite_token_routes_nowhere():
     torch.manual_seed(2)
