@@ -2,7 +2,7 @@
 replayed (median of 50 replays), generate's tokens/s (fastest of 3 calls), and torch.profiler's
 kernels summed by name over 20 replays, with the dense parts eager and compiled (Engine's compile).
 
-    python scripts/profile_decode.py [--batches 1,8,64] [--top 12] [--out DIR]
+    python scripts/profile_decode.py [--batches 1,8,64] [--modes eager,compiled] [--top 12] [--out DIR]
 """
 import argparse
 import collections
@@ -64,9 +64,13 @@ def profile_step(engine, B, top, say):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], default=[1, 8, 64])
+    p.add_argument("--modes", type=lambda v: v.split(","), default=["eager", "compiled"],
+                   help="the dense parts eager, compiled or both (an A/B of two trees needs one)")
     p.add_argument("--top", type=int, default=12, help="kernels listed a batch, most time first")
     p.add_argument("--out", default=None, help="folder for profile_decode.txt")
     args = p.parse_args()
+    if not args.modes or set(args.modes) - {"eager", "compiled"}:
+        p.error(f"--modes: eager, compiled or both, not {','.join(args.modes)}")
     require_gpu("scripts/profile_decode.py")
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -84,14 +88,14 @@ def main():
     del hf
     say(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     tokens = {}
-    for compiled in (False, True):
+    for compiled in (mode == "compiled" for mode in args.modes):
         engine = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(args.batches),
                       max_seq_len=PROMPT + NEW_TOKENS, compile=compiled)
         say(f"dense parts {'compiled' if compiled else 'eager'}")
         torch.manual_seed(1)  # the same prompts both ways
         tokens[compiled] = [profile_step(engine, B, args.top, say) for B in args.batches]
         del engine
-    for B, eager, comp in zip(args.batches, tokens[False], tokens[True]):
+    for B, eager, comp in zip(args.batches, tokens.get(False, ()), tokens.get(True, ())):
         say(f"batch {B}: greedy tokens equal eager / compiled: {float((eager == comp).float().mean()):.3f}")
     if args.out:
         with open(os.path.join(args.out, "profile_decode.txt"), "w") as f:
