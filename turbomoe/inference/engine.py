@@ -42,11 +42,15 @@ CACHE_SLOTS_STEP = 256  # the cache's length grows in these steps: fewer remakes
 
 # The dense parts of a layer between the KV cache writes and the MoE. In a decode step torch.compile
 # fuses their norms, rotary and adds: eager they are ~45 of its ~65 kernels a layer.
-def _attention_in(layer, x_BTH, mlp_BTH, cos, sin):
-    """x plus the previous layer's MLP output (None at the first layer), and q, k, v of its norm."""
+def _attention_in(layer, qkv_w, qkv_b, x_BTH, mlp_BTH, cos, sin):
+    """x plus the previous layer's MLP output (None at the first layer), and q, k, v of its norm (the
+    three projections in one GEMM over qkv_w, the layer's weights stacked)."""
     if mlp_BTH is not None:
         x_BTH = x_BTH + mlp_BTH
-    return (x_BTH, ) + layer.self_attn.project(layer.input_layernorm(x_BTH), cos, sin)
+    attn = layer.self_attn
+    q, k, v = F.linear(layer.input_layernorm(x_BTH), qkv_w, qkv_b).split(
+        [attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim], -1)
+    return (x_BTH, ) + attn.heads(q, k, v, cos, sin)
 
 
 def _attention_out(layer, x_BTH, o_BNTD):
@@ -156,6 +160,9 @@ class Engine:
         del sd
         if tune and self.moes:  # every MoE layer on the first one's table
             self.few_rows_tiles = tiles
+        # q, k and v of a layer in one GEMM (a decode step's projections are launch-bound); the model's
+        # q / k / v weights become views of the stack, unless it stays whole (keep_model: its own copy)
+        self.qkv = [_stack_qkv(layer.self_attn, keep_model) for layer in self.layers]
         self.cos, self.sin = rotary_cos_sin(self.max_seq_len, cfg.head_dim, cfg.rope_theta, self.device)
         self.cache, self.cache_rows, self.cache_len = None, 0, 0
         self.graphs, self._pool = {}, None
@@ -231,7 +238,7 @@ class Engine:
         mlp_BTH = None  # the previous layer's MLP output, added to x by the next part
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x_BTH, q, k, v = attention_in(layer, x_BTH, mlp_BTH, cos, sin)
+            x_BTH, q, k, v = attention_in(layer, *self.qkv[i], x_BTH, mlp_BTH, cos, sin)
             kc, vc = self.cache[i]
             kc[:B].index_copy_(2, slots_T, k)
             vc[:B].index_copy_(2, slots_T, v)
@@ -419,6 +426,26 @@ def _check_compile(value) -> Optional[bool]:
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"compile must be True, False or None (on CUDA), got {value!r}")
     return value
+
+
+def _stack_qkv(attn, copy: bool):
+    """attn's q, k and v weights (and biases) as one [(N + 2G) D, H] weight; without copy, the
+    modules' own weights become views of it (one copy in memory)."""
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    stacked = []
+    for name in ("weight", "bias"):
+        if getattr(attn.q_proj, name) is None:
+            stacked.append(None)
+            continue
+        whole = torch.cat([getattr(p, name).detach() for p in projs])
+        if not copy:
+            start = 0
+            for p in projs:
+                n = getattr(p, name).shape[0]
+                setattr(p, name, torch.nn.Parameter(whole[start:start + n], requires_grad=False))
+                start += n
+        stacked.append(whole)
+    return tuple(stacked)
 
 
 def _real(value) -> bool:

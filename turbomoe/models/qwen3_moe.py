@@ -73,12 +73,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def project(self, x_BTH, cos_TD, sin_TD):
-        """q [B, N, T, D], k and v [B, G, T, D]: normed and rotated (the inference engine's KV cache
-        takes k and v from here too). cos and sin broadcast against [B, heads, T, D]."""
-        B, T, _ = x_BTH.shape
-        q = self.q_norm(self.q_proj(x_BTH).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x_BTH).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x_BTH).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        """q [B, N, T, D], k and v [B, G, T, D]: normed and rotated. cos and sin broadcast against
+        [B, heads, T, D]."""
+        return self.heads(self.q_proj(x_BTH), self.k_proj(x_BTH), self.v_proj(x_BTH), cos_TD, sin_TD)
+
+    def heads(self, q_BTF, k_BTF, v_BTF, cos_TD, sin_TD):
+        """project's heads from the projections made (the inference engine makes them in one GEMM)."""
+        B, T, _ = q_BTF.shape
+        q = self.q_norm(q_BTF.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k_BTF.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v_BTF.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rotary(q, cos_TD, sin_TD), apply_rotary(k, cos_TD, sin_TD), v
 
     def forward(self, x_BTH, cos_TD, sin_TD):
