@@ -68,6 +68,38 @@ def test_greedy_equals_transformers(tmp_path, seed, over):
         assert torch.equal(engine.generate(one, 9), hf.generate(one, max_new_tokens=9, do_sample=False, pad_token_id=0))
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_attention_biases_and_one_qkv_copy(tmp_path, compile):
+    """q/k/v biases (attention_bias, random here: transformers makes them zero) go through the engine's
+    stacked q/k/v GEMM as transformers adds them, compiled or not; the model's q/k/v weights and biases
+    become views of the stack (one copy in memory), and keep_model=True leaves them the model's own."""
+    from transformers import Qwen3MoeForCausalLM as HF
+
+    from turbomoe.inference import Engine
+    from turbomoe.models import Qwen3MoeForCausalLM
+    _, path = hf_model(tmp_path, 8, attention_bias=True)
+    hf = HF.from_pretrained(path, dtype=torch.float32).eval()
+    torch.manual_seed(9)
+    for layer in hf.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    hf.save_pretrained(path)
+    ids, mask = random_prompts((6, 2, 9), torch.Generator().manual_seed(8))
+    want = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = Engine(model, max_batch=4, max_seq_len=32, compile=compile)
+    assert torch.equal(engine.generate(ids, 10, attention_mask=mask, pad_token_id=0), want)
+    for attn, (w, b) in zip((layer.self_attn for layer in model.model.layers), engine.qkv):
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            for t, whole in ((proj.weight, w), (proj.bias, b)):
+                assert t.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    kept = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    engine = Engine(kept, max_batch=4, max_seq_len=32, keep_model=True, compile=compile)
+    assert torch.equal(engine.generate(ids, 10, attention_mask=mask, pad_token_id=0), want)
+    q = kept.model.layers[0].self_attn.q_proj.weight
+    assert q.untyped_storage().data_ptr() != engine.qkv[0][0].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("prefill_tokens", [1, 7, 20])
 def test_prefill_in_passes_equals_transformers(tmp_path, prefill_tokens):
     """A prompt prefilled a few columns a pass (prefill_tokens // B, at least one): the same greedy
