@@ -402,7 +402,7 @@ GEN_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe
 def bench_generate(args, log, prompt_len=32, new_tokens=64):
     """Tokens/s of generate (prefill + new_tokens greedy steps, all rows to the end) on a random ~1B
     Qwen3-MoE saved by transformers and read by turbomoe.inference.load (and loaded again with
-    tune=True: the few-rows tilings measured at these batch sizes)."""
+    tune=True: the few-rows tilings measured at these batch sizes, unless --generate-no-tune)."""
     import tempfile
 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -416,11 +416,13 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
     batches = [1, 8] if args.quick else [1, 8, 64]
     engine = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(batches),
                   max_seq_len=prompt_len + new_tokens)
-    t0 = time.perf_counter()
-    tuned = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(batches), buckets=batches,
-                 max_seq_len=prompt_len + new_tokens, tune=True)
-    log(f"  generate: tuned in {time.perf_counter() - t0:.0f} s (load included), tilings "
-        + json.dumps({T: [tile_name(t) for t in pair] for T, pair in tuned.few_rows_tiles.items()}))
+    tuned = None
+    if not args.generate_no_tune:
+        t0 = time.perf_counter()
+        tuned = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(batches), buckets=batches,
+                     max_seq_len=prompt_len + new_tokens, tune=True)
+        log(f"  generate: tuned in {time.perf_counter() - t0:.0f} s (load included), tilings "
+            + json.dumps({T: [tile_name(t) for t in pair] for T, pair in tuned.few_rows_tiles.items()}))
     rows = []
 
     def fastest(fn):
@@ -433,9 +435,10 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
         engine.generate(ids, new_tokens)  # warm-up: kernels and this bucket's decode graph
         ours, t = fastest(lambda: engine.generate(ids, new_tokens))
         r["turbomoe_tok_s"] = B * new_tokens / t
-        tuned.generate(ids, new_tokens)
-        _, t = fastest(lambda: tuned.generate(ids, new_tokens))
-        r["turbomoe_tuned_tok_s"] = B * new_tokens / t
+        if tuned is not None:
+            tuned.generate(ids, new_tokens)
+            _, t = fastest(lambda: tuned.generate(ids, new_tokens))
+            r["turbomoe_tuned_tok_s"] = B * new_tokens / t
         hf_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         with torch.no_grad():
             hf.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
@@ -463,6 +466,8 @@ def main():
                    help="also: stages (the few-rows layer's kernels one by one), tune (the few-rows GEMMs' sweep)")
     p.add_argument("--hf-compile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1],
                    help="batch sizes at which to time transformers' static-cache compiled generate")
+    p.add_argument("--generate-no-tune", action="store_true",
+                   help="generate without the tuned engine (its tune takes ~2 minutes on an H100)")
     p.add_argument("--tune-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[1, 8, 16, 64],
                    help="token counts of the stages and tune sections")
     p.add_argument("--layer-tokens", type=lambda v: [int(t) for t in v.split(",") if t], default=[1, 8, 16, 32, 64, 256],
