@@ -40,17 +40,21 @@ PREFILL_TOKENS = 8192  # tokens (rows x columns) a prefill pass runs: bounds its
 CACHE_SLOTS_STEP = 256  # the cache's length grows in these steps: fewer remakes (and graph captures)
 
 
-# The dense parts of a layer between the KV cache writes and the MoE. In a decode step torch.compile
-# fuses their norms, rotary and adds: eager they are ~45 of its ~65 kernels a layer.
-def _attention_in(layer, qkv_w, qkv_b, x_BTH, mlp_BTH, cos, sin):
-    """x plus the previous layer's MLP output (None at the first layer), and q, k, v of its norm (the
-    three projections in one GEMM over qkv_w, the layer's weights stacked)."""
+# The dense parts of a layer around attention. In a decode step torch.compile fuses their norms, rotary,
+# adds and cache writes: eager they are ~45 of its ~65 kernels a layer.
+def _attention_in(layer, qkv_w, qkv_b, kc_BGLD, vc_BGLD, slots_T, x_BTH, mlp_BTH, cos, sin):
+    """x plus the previous layer's MLP output (None at the first layer), and q of its norm; its k and v
+    written into the cache at slots_T (the three projections in one GEMM over qkv_w, the layer's
+    weights stacked)."""
     if mlp_BTH is not None:
         x_BTH = x_BTH + mlp_BTH
     attn = layer.self_attn
     q, k, v = F.linear(layer.input_layernorm(x_BTH), qkv_w, qkv_b).split(
         [attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim], -1)
-    return (x_BTH, ) + attn.heads(q, k, v, cos, sin)
+    q, k, v = attn.heads(q, k, v, cos, sin)
+    kc_BGLD.index_copy_(2, slots_T, k)
+    vc_BGLD.index_copy_(2, slots_T, v)
+    return x_BTH, q
 
 
 def _attention_out(layer, x_BTH, o_BNTD):
@@ -238,10 +242,8 @@ class Engine:
         mlp_BTH = None  # the previous layer's MLP output, added to x by the next part
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x_BTH, q, k, v = attention_in(layer, *self.qkv[i], x_BTH, mlp_BTH, cos, sin)
             kc, vc = self.cache[i]
-            kc[:B].index_copy_(2, slots_T, k)
-            vc[:B].index_copy_(2, slots_T, v)
+            x_BTH, q = attention_in(layer, *self.qkv[i], kc[:B], vc[:B], slots_T, x_BTH, mlp_BTH, cos, sin)
             o = F.scaled_dot_product_attention(q, kc[:B, :, :L], vc[:B, :, :L], attn_mask=bias_B1TL,
                                                enable_gqa=attn.num_heads != attn.num_kv_heads)
             x_BTH, h = attention_out(layer, x_BTH, o)
