@@ -14,8 +14,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_inference import GEN_MODEL  # noqa: E402
-from timing import require_gpu  # noqa: E402
+from bench_inference import GEN_MODEL, fastest_wall  # noqa: E402
+from timing import cuda_time_ms, require_gpu  # noqa: E402
 
 PROMPT, NEW_TOKENS = 32, 64
 
@@ -27,22 +27,8 @@ def profile_step(engine, B, top, say):
     tokens = engine.generate(ids, NEW_TOKENS)
     say(f"  first generate at batch {B} (compiles and capture included): {time.perf_counter() - t0:.1f} s")
     graph, _ = engine.graphs[engine._bucket(B)]
-    for _ in range(10):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(50)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    step_us = sorted(s.elapsed_time(e) * 1e3 for s, e in events)
-    walls = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.generate(ids, NEW_TOKENS)
-        torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
+    step_us = cuda_time_ms(graph.replay, warmup=10, iters=50) * 1e3
+    _, wall = fastest_wall(lambda: engine.generate(ids, NEW_TOKENS), torch.cuda.synchronize)
     replays = 20
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
@@ -53,8 +39,8 @@ def profile_step(engine, B, top, say):
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name][0] += 1
             kernels[e.name][1] += e.device_time_total
-    say(f"  batch {B}: step {step_us[len(step_us) // 2]:.1f} us (graph replay, median), generate "
-        f"{B * NEW_TOKENS / min(walls):.0f} tokens/s, {sum(c for c, _ in kernels.values()) / replays:.0f} kernels and "
+    say(f"  batch {B}: step {step_us:.1f} us (graph replay, median), generate "
+        f"{B * NEW_TOKENS / wall:.0f} tokens/s, {sum(c for c, _ in kernels.values()) / replays:.0f} kernels and "
         f"{sum(t for _, t in kernels.values()) / replays:.1f} us of kernel time a step")
     for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
         say(f"     {count / replays:6.1f} x {us / replays:8.1f} us  {name[:110]}")
