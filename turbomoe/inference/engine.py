@@ -439,13 +439,11 @@ def _stack_qkv(attn, copy: bool):
         if getattr(attn.q_proj, name) is None:
             stacked.append(None)
             continue
-        whole = torch.cat([getattr(p, name).detach() for p in projs])
+        parts = [getattr(p, name).detach() for p in projs]
+        whole = torch.cat(parts)
         if not copy:
-            start = 0
-            for p in projs:
-                n = getattr(p, name).shape[0]
-                setattr(p, name, torch.nn.Parameter(whole[start:start + n], requires_grad=False))
-                start += n
+            for p, view in zip(projs, whole.split([t.shape[0] for t in parts])):
+                setattr(p, name, torch.nn.Parameter(view, requires_grad=False))
         stacked.append(whole)
     return tuple(stacked)
 
