@@ -202,7 +202,21 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def use_deterministic_algorithms():
+    """train.deterministic: every kernel of the step repeats its bits given the same inputs. turbomoe's own
+    kernels always do (no float atomics); this makes torch pick the same for the rest (attention's
+    backward, whose default sums with atomics, and cuBLAS, given a fixed workspace), or fail loudly on an
+    op it has no such kernel for."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition; read when its first handle is made
+    torch.use_deterministic_algorithms(True)
+    # Not NaN-filled: every kernel here writes what is read (rows past the counts are never read:
+    # tests/test_expert_stack.py), and a fill would add a pass per tensor made.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
 def build_engine(cfg, rank: int, ds_config: dict, resuming: bool = False):
+    if cfg.train.deterministic:
+        use_deterministic_algorithms()
     torch.manual_seed(cfg.train.seed)
     moe = cfg.moe
     model = Qwen3MoeForCausalLM(cfg.model, MoEArgs(moe.ep_size, moe.capacity_factor, moe.eval_capacity_factor,

@@ -71,6 +71,7 @@ class TrainSection:
     compile: bool = False  # torch.compile the model's dense blocks (attention, norms, dense MLPs)
     compile_moe: bool = False  # torch.compile the MoE layers too (moe_impl turbomoe, ep_size 1, no recompute)
     cuda_graph: bool = False  # replay the model's forward and backward from CUDA graphs (GPU, bf16, ZeRO 1, moe_impl turbomoe, ep_size 1 or a capacity)
+    deterministic: bool = False  # the same bits run to run on a GPU too (deterministic attention backward, cuBLAS workspace): slower
 
 
 @dataclass

@@ -313,6 +313,45 @@ def test_cuda_graph_needs_bf16_zero1_and_a_gpu():
             pretrain.train(graphed, None, None, None)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphed", [False, True])
+def test_deterministic_runs_repeat_their_bits_on_a_gpu(tmp_path, graphed):
+    """train.deterministic: two GPU runs of the same config log the same losses, gradient norms and
+    validation losses bit for bit (bf16, the dense blocks compiled; eager and from CUDA graphs).
+    Attention at these shapes (16 x 512 tokens, 8 heads) sums its backward with atomics unless told
+    otherwise."""
+    grow = ["--set", "moe.ep_size=1", "--set", "train.precision=bf16", "--set", "train.deterministic=true",
+            "--set", "train.compile=true", "--set", f"train.cuda_graph={str(graphed).lower()}",
+            "--set", "data.seq_len=512", "--set", "train.micro_batch_size=16", "--set", "model.num_attention_heads=8",
+            "--set", "model.num_key_value_heads=2", "--set", "checkpoint.every=0"]
+    for run in ("a", "b"):
+        launch(tmp_path / run, *grow, gpus=1)
+    for kind, keys in (("train", ("loss", "aux_loss", "grad_norm", "expert_load_per_layer")), ("valid", ("valid_loss",))):
+        a, b = records(tmp_path / "a", kind), records(tmp_path / "b", kind)
+        assert [r["step"] for r in a] == [r["step"] for r in b] and a
+        for ra, rb in zip(a, b):
+            assert all(ra[k] == rb[k] for k in keys), (ra, rb)
+
+
+def test_deterministic_sets_torchs_mode(monkeypatch):
+    """train.deterministic turns on torch's deterministic algorithms (and cuBLAS's fixed workspace)
+    before the model is built; without it the mode is left as the process had it."""
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, **kw: calls.append(on))
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(pretrain, "Qwen3MoeForCausalLM", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("built")))
+    cfg = load_config(TINY, ["moe.ep_size=1"])
+    for on in (False, True):
+        cfg.train.deterministic = on
+        with pytest.raises(RuntimeError, match="built"):
+            pretrain.build_engine(cfg, 0, {})
+        assert calls == ([True] if on else [])
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert torch.utils.deterministic.fill_uninitialized_memory is False
+
+
 def test_device_follows_deepspeeds_accelerator(monkeypatch):
     """CPU ranks on a GPU machine (DS_ACCELERATOR=cpu): no CUDA device is picked, whatever torch sees."""
     class Accelerator:
