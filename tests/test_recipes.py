@@ -318,11 +318,12 @@ def test_cuda_graph_needs_bf16_zero1_and_a_gpu():
 @pytest.mark.parametrize("graphed", [False, True])
 def test_deterministic_runs_repeat_their_bits_on_a_gpu(tmp_path, graphed):
     """train.deterministic: two GPU runs of the same config log the same losses, gradient norms and
-    validation losses bit for bit (bf16, the dense blocks compiled; eager and from CUDA graphs).
-    Attention at these shapes (16 x 512 tokens, 8 heads) sums its backward with atomics unless told
-    otherwise."""
+    validation losses bit for bit (bf16; eager, and as small-1gpu runs: the dense blocks compiled,
+    forward and backward from CUDA graphs). Attention at these shapes (16 x 512 tokens, 8 heads) sums
+    its backward with atomics unless told otherwise."""
+    on = str(graphed).lower()
     grow = ["--set", "moe.ep_size=1", "--set", "train.precision=bf16", "--set", "train.deterministic=true",
-            "--set", "train.compile=true", "--set", f"train.cuda_graph={str(graphed).lower()}",
+            "--set", f"train.compile={on}", "--set", f"train.cuda_graph={on}",
             "--set", "data.seq_len=512", "--set", "train.micro_batch_size=16", "--set", "model.num_attention_heads=8",
             "--set", "model.num_key_value_heads=2", "--set", "checkpoint.every=0"]
     for run in ("a", "b"):
