@@ -1,6 +1,11 @@
 """Issue #20: random token selection under recomputation and resume, empty batches, and clear
 errors from the layers' constructors. The ops' edge rules on every backend are in
-tests/test_robustness_triton.py (kernels) and tests/test_errors.py."""
+tests/test_robustness_triton.py (kernels) and tests/test_errors.py. Also: the CUDA extensions' build
+folders and a build's left lock."""
+import os
+import re
+import warnings
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -114,3 +119,37 @@ def test_load_state_dict_saved_before_the_seed_was():
     assert fresh.seed == 5
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), layer.state_dict().values())
                if isinstance(a, torch.Tensor))
+
+
+def test_extension_builds_in_a_folder_of_its_checkout(monkeypatch, tmp_path):
+    """Two checkouts (an A/B of two commits) build in folders of their own, so switching between them
+    rebuilds nothing; the same checkout finds its folder again; TORCH_EXTENSIONS_DIR is honoured."""
+    from turbomoe import csrc
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    a = csrc.build_directory("turbomoe_gmm", "/x/a/turbomoe/csrc")
+    b = csrc.build_directory("turbomoe_gmm", "/x/b/turbomoe/csrc")
+    assert a != b and a == csrc.build_directory("turbomoe_gmm", "/x/a/turbomoe/csrc")
+    assert os.path.dirname(a) == str(tmp_path) and os.path.basename(a).startswith("turbomoe_gmm_")
+    assert csrc.build_directory("turbomoe_cuda", "/x/a/turbomoe/csrc") != a
+
+
+def test_extension_build_warns_of_a_left_lock(monkeypatch, tmp_path):
+    """torch waits without end and without a word on a build's lock; a build killed by a signal leaves
+    it (the hang this guards: a timed-out build blocked every later process on the GPU machine). The
+    load says which file it waits on and what to do; it calls torch's build with that folder."""
+    import torch.utils.cpp_extension as cpp
+    from turbomoe import csrc
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(cpp, "load", lambda **kw: calls.append(kw) or "module")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no lock yet: no warning
+        assert csrc._load("turbomoe_cuda", csrc._SOURCES, "the CUDA backend") == "module"
+    folder = calls[0]["build_directory"]
+    assert os.path.isdir(folder) and calls[0]["name"] == "turbomoe_cuda"
+    assert all(os.path.isfile(s) for s in calls[0]["sources"])
+    lock = os.path.join(folder, "lock")
+    open(lock, "w").close()
+    with pytest.warns(UserWarning, match=f"build of the CUDA backend .*{re.escape(lock)}.* delete that file"):
+        csrc._load("turbomoe_cuda", csrc._SOURCES, "the CUDA backend")
+    assert calls[1]["build_directory"] == folder

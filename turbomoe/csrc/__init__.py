@@ -7,17 +7,20 @@ launcher is one C++ call that allocates and launches everything its op needs, so
 few microseconds of host time where a chain of Triton launches from Python costs tens to hundreds:
 the gating path of a training step is host-bound at practical batch sizes.
 
-The build (about a minute of nvcc, once per torch and CUDA version; cached by torch in
-TORCH_EXTENSIONS_DIR) needs nvcc and ninja. Limits: E <= MAX_EXPERTS (the Triton backend serves
-larger E), k <= 8.
+The build (about a minute of nvcc, once per checkout, Python, torch and CUDA version; cached under
+TORCH_EXTENSIONS_DIR, else torch's default folder: build_directory) needs nvcc and ninja. Limits:
+E <= MAX_EXPERTS (the Triton backend serves larger E), k <= 8.
 
 Also here, as a module of its own: grouped_mm and grouped_mm_wgrad, the experts' grouped GEMMs on
 Hopper from CUTLASS's sm90 kernel templates (grouped_gemm.cuh; the headers come from the
 nvidia-cutlass wheel).
 """
 import functools
+import hashlib
 import importlib.util
 import os
+import sys
+import time
 import warnings
 
 import torch
@@ -32,12 +35,39 @@ _GMM_SOURCES = ("grouped_gemm_bindings.cpp", "grouped_gemm_nn.cu", "grouped_gemm
 _POLICIES = {"position": 0, "rts": 1, "probs": 2}
 
 
-def _load(name: str, sources, cuda_flags=(), include_dirs=()):
+def build_directory(name: str, here: str) -> str:
+    """Where `name` builds: one folder per checkout, Python and torch/CUDA version. torch's default
+    folder is keyed by the name alone, so two checkouts (an A/B of two commits, two virtual
+    environments) would rebuild each other's module at every switch: ninja's commands name the
+    sources' paths."""
+    from torch.utils.cpp_extension import get_default_build_root
+    key = f"{here}|{sys.version}|{torch.__version__}|{torch.version.cuda}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return os.path.join(root, f"{name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}")
+
+
+def _warn_if_locked(directory: str, what: str):
+    """torch waits, silently and without end, for the lock of a build in progress; a build killed by
+    a signal (a timeout's SIGTERM, SIGKILL) leaves its lock behind, and every later process hangs."""
+    lock = os.path.join(directory, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    warnings.warn(f"turbomoe: waiting for another process's build of {what} (its lock {lock} was made "
+                  f"{age:.0f} s ago). If no build is running (one killed by a signal leaves its lock), "
+                  f"delete that file.")
+
+
+def _load(name: str, sources, what: str, cuda_flags=(), include_dirs=()):
     from torch.utils.cpp_extension import load
     here = os.path.dirname(os.path.abspath(__file__))
+    directory = build_directory(name, here)
+    os.makedirs(directory, exist_ok=True)
+    _warn_if_locked(directory, what)
     return load(name=name, sources=[os.path.join(here, s) for s in sources], extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3", "-lineinfo", *cuda_flags], extra_include_paths=list(include_dirs),
-                verbose=os.environ.get("TURBOMOE_BUILD_VERBOSE") == "1")
+                build_directory=directory, verbose=os.environ.get("TURBOMOE_BUILD_VERBOSE") == "1")
 
 
 def _builds(build, what: str, fallback: str) -> bool:
@@ -52,7 +82,7 @@ def _builds(build, what: str, fallback: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def extension():
     """The compiled module, built on the first call; raises if it cannot be built."""
-    return _load("turbomoe_cuda", _SOURCES)
+    return _load("turbomoe_cuda", _SOURCES, "the CUDA backend")
 
 
 # assume_constant_result: torch.compile calls these at trace time and keeps the answer (dynamo
@@ -82,7 +112,7 @@ def cutlass_include_dirs():
 def gmm_extension():
     """The CUTLASS grouped GEMM (grouped_gemm.cuh), a module of its own: about 90 s of nvcc on 16
     cores, and it needs CUTLASS's headers. sm_90a only: wgmma and TMA have no portable target."""
-    return _load("turbomoe_gmm", _GMM_SOURCES, include_dirs=cutlass_include_dirs(),
+    return _load("turbomoe_gmm", _GMM_SOURCES, "the CUTLASS grouped GEMM", include_dirs=cutlass_include_dirs(),
                  cuda_flags=["-gencode=arch=compute_90a,code=sm_90a", "-DNDEBUG", "--expt-relaxed-constexpr"])
 
 
