@@ -219,12 +219,16 @@ class CheckpointReader:
                 raise CheckpointError(f"{file}: not a readable safetensors file, truncated or damaged? ({e})") from e
         if weight_map is None:
             weight_map = {k: SINGLE for k in self._handles[SINGLE].keys()}
+        # transformers reads every tensor of every shard the index names, listed or not: a shard's tensor that
+        # the index leaves out (or places in another shard) is part of the model there (load_weights refuses it).
+        self.unlisted = {}
         for name, handle in self._handles.items():
             keys = set(handle.keys())
             missing = sorted(k for k, v in weight_map.items() if v == name and k not in keys)
             if missing:
                 raise CheckpointError(f"{os.path.join(path, name)}: lacks tensors {missing[:5]} that {INDEX} "
                                       f"places there")
+            self.unlisted.update((k, name) for k in keys if weight_map.get(k) != name)
         return weight_map
 
     def __enter__(self):
@@ -333,6 +337,11 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
         if shape != expected:
             raise CheckpointError(f"{reader.file_of(key)}: {key} has shape {shape}, but {CONFIG} implies {expected}")
         plan.append((p, key, row, rows))
+    if reader.unlisted:
+        key, name = sorted(reader.unlisted.items())[0]
+        raise CheckpointError(f"{os.path.join(reader.path, name)}: holds {key} ({len(reader.unlisted)} tensors in all "
+                              f"in the shards) that {INDEX} does not place there; transformers loads them too, so "
+                              f"the index does not describe the model: write it again from the shards")
     if cfg.tie_word_embeddings and "lm_head.weight" in reader.weight_map:
         head, embedding = reader.get("lm_head.weight"), reader.get(EMBED)
         if head.shape != embedding.shape or not torch.equal(head, embedding):
