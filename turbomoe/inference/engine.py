@@ -133,6 +133,11 @@ class Engine:
         self.max_batch = max_batch
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # checked before any layer hands its experts over: a later layer's refusal would leave the model torn
+        odd = next(((n, q) for n, q in model.named_parameters() if (q.dtype, q.device) != (p.dtype, p.device)), None)
+        if odd:
+            raise ValueError(f"the model's parameters must share one dtype and device ({odd[0]} is {odd[1].dtype} on "
+                             f"{odd[1].device}, the first {p.dtype} on {p.device}): model.to(device, dtype) first")
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         if _check_compile(compile) is None:
             compile = self.device.type == "cuda"
@@ -358,6 +363,8 @@ class Engine:
             raise ValueError(f"pad_token_id must be one id below vocab_size {V}, {given}")
         if do_sample and not (_real(temperature) and _real(top_p) and temperature > 0 and 0 < top_p <= 1):
             raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
+        if do_sample and generator is not None and not isinstance(generator, torch.Generator):  # a seed, say
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         if do_sample and generator is not None and torch.device(generator.device) != self.device:
             # torch.multinomial refuses it, after the prefill has run
             raise ValueError(f"generator is on {generator.device}; sampling runs on the engine's device {self.device}: "

@@ -72,6 +72,18 @@ def _check_triton(mode: str, device: torch.device):
                            "before turbomoe is imported (the CPU's modes: 'reference', 'dense')")
 
 
+def _check_weights(w1_EMN: torch.Tensor, **others):
+    """The block's weights in w1's floating dtype and on its device: no path takes a mixture (an fp32
+    router beside bf16 experts failed at the first call inside F.linear; a shared expert of another
+    dtype turned the whole stack into its dtype at the torch.cat)."""
+    if not w1_EMN.is_floating_point():
+        raise ValueError(f"w1 must be floating point, got {w1_EMN.dtype}")
+    for name, t in others.items():
+        if t is not None and (t.dtype != w1_EMN.dtype or t.device != w1_EMN.device):
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, w1 {w1_EMN.dtype} on {w1_EMN.device}: the router "
+                             f"and the experts must share one dtype and device (cast with .to(w1.dtype))")
+
+
 class SparseMoE(nn.Module):
     """router [E, M]; w1 [E, M, 2F] = [gate | up]; w2 [E, F, M]; optional shared expert
     shared_w1 [M, 2F], shared_w2 [F, M] (same F); k experts per token; softmax or sigmoid scores,
@@ -89,6 +101,7 @@ class SparseMoE(nn.Module):
         if router_EM.shape != (E, M) or w2_EFM.shape != (E, N2 // 2, M) or N2 % 2:
             raise ValueError(f"router [E, M], w1 [E, M, 2F], w2 [E, F, M] expected, got {tuple(router_EM.shape)}, "
                              f"{tuple(w1_EMN.shape)}, {tuple(w2_EFM.shape)}")
+        _check_weights(w1_EMN, router=router_EM, w2=w2_EFM, shared_w1=shared_w1_MN, shared_w2=shared_w2_FM)
         check_options(w1_EMN.device, mode, backend, gmm_backend, few_rows_per_expert, dense_max)
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
