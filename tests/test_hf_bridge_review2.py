@@ -1,8 +1,10 @@
 """Second review of the Hugging Face bridge (hf_checkpoint.py, export.py, integrations/transformers.py): each
 test fails without its fix. transformers' Qwen3MoeForCausalLM is the oracle; fresh random weights (seed in
-the messages)."""
+the messages). Also: force=True keeps a folder it did not write."""
 import json
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -62,3 +64,21 @@ def test_shard_tensor_the_index_leaves_out(tmp_path, seed, case):
     with pytest.raises(CheckpointError, match=rf"{shard}: holds {key} .* that model.safetensors.index.json does "
                                               rf"not place there"):
         Qwen3MoeForCausalLM.from_pretrained(str(tmp_path))
+
+
+def test_force_keeps_a_folder_it_did_not_write(tmp_path, seed):
+    """force=True replaces the whole output directory: saving into a cloned Hugging Face repository deleted
+    its .git. A directory holding any folder is refused, naming it, and left as it was; files alone (an
+    earlier save) are replaced as before."""
+    hf_sharded(tmp_path / "hf", seed)
+    model = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    out = tmp_path / "repo"
+    (out / ".git" / "objects").mkdir(parents=True)
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / "README.md").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"holds folders \['.git'\] that no save writes"):
+        model.save_pretrained(str(out), force=True)
+    assert sorted(os.listdir(out)) == [".git", "README.md"] and (out / ".git" / "HEAD").exists()
+    shutil.rmtree(out / ".git")
+    model.save_pretrained(str(out), force=True)
+    assert "README.md" not in os.listdir(out) and (out / "config.json").exists()

@@ -410,6 +410,12 @@ def atomic_dir(out_dir: str, force: bool):
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not force:
         raise FileExistsError(f"{out_dir} already exists; pass force=True (--force) to replace it")
+    if os.path.isdir(out_dir) and not os.path.islink(out_dir):
+        # a save writes files only: a folder there (a clone's .git, say) is someone's, and would go with the rest
+        folders = sorted(e.name for e in os.scandir(out_dir) if e.is_dir(follow_symlinks=False))
+        if folders:
+            raise FileExistsError(f"{out_dir} holds folders {folders[:5]} that no save writes; replacing it would "
+                                  f"delete them: remove them or choose another directory")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     stem = f".{os.path.basename(out_dir)}.tmp-{socket.gethostname()}-"
