@@ -20,14 +20,21 @@ from launching import free_port
 from turbomoe.integrations import megatron as tm
 
 
+_ENV_SET_HERE = False  # RANK and its peers set by model_parallel, not by a launcher
+
+
 @contextlib.contextmanager
 def model_parallel(backend: str = "gloo", ep: int = 1, tp: int = 1):
     """torch.distributed (world size from the launcher's env, else 1; kept if already initialised) +
     Megatron's parallel state: tensor parallel tp (experts not: expert tensor parallel 1), expert
     parallel ep, data parallel the rest."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    global _ENV_SET_HERE
     owned = not torch.distributed.is_initialized()
+    if "RANK" not in os.environ or (_ENV_SET_HERE and owned):
+        # a fresh port at every group this process makes: one kept from the first test could be taken,
+        # between tests, by another process on the machine (EADDRINUSE for every later test)
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        _ENV_SET_HERE = True
     if owned:
         torch.distributed.init_process_group(backend)
     parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
