@@ -32,7 +32,7 @@ from deepspeed.runtime.utils import all_gather_dp_groups  # noqa: E402
 from deepspeed.utils import groups  # noqa: E402
 
 import checkpointing  # noqa: E402
-from reshard import load_resharded  # noqa: E402
+from reshard import load_resharded, set_schedule  # noqa: E402
 from recipe_config import STEP_SEED_STRIDE, ConfigError, deepspeed_config, load_config, validate  # noqa: E402
 from run_log import LOG_FILE, RunLog, peak_flops  # noqa: E402
 from turbomoe.export import ExportError, RunCheckpoint  # noqa: E402
@@ -103,7 +103,25 @@ def prepare(args):
         samples.valid_batches(0, int(os.environ.get("WORLD_SIZE", "1")), cfg.train.micro_batch_size, 1)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
+    if resume is not None:
+        check_same_corpus(cfg, checkpointing.read_meta(*resume), stream, os.path.join(*resume))
     return cfg, resume, samples
+
+
+def check_same_corpus(cfg, meta: dict, stream, path: str):
+    """The data config does not pin the tokens: a file there may have changed since the checkpoint, and
+    the split and order (drawn over the token count) with it. A marker from before the recipe wrote the
+    digest is not checked."""
+    saved = meta.get("corpus")
+    if saved is None:
+        return
+    now = stream.digest()
+    if now != saved:
+        d = cfg.data
+        raise ConfigError(f"--resume {path}: the corpus (data.source {d.source!r}, data.paths {d.paths}) changed "
+                          f"since the checkpoint ({saved['tokens']} tokens then, {now['tokens']} now, or other "
+                          f"tokens): its split and order would too. Restore those files, or start a new run from "
+                          f"the checkpoint's weights (python -m turbomoe.export, then model.init_from)")
 
 
 # What a resume needs unchanged beside the model: the data stream (its split and order are drawn from
@@ -638,6 +656,10 @@ def train(cfg, args, resume, samples):
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {resume}")
         start_step = client_state["step"]
+        # DeepSpeed's load leaves the next step the rate of the checkpoint's schedule; this run's may differ
+        # (train.steps grown), as every later step and a resharded resume follow.
+        if engine.lr_scheduler is not None:
+            set_schedule(engine.lr_scheduler, engine.lr_scheduler.last_epoch)
     last_step = args.stop_at_step or t.steps
     log = RunLog(cfg, start_step, rank == 0, None if resume is None else os.path.join(*resume))
     log.message(f"{cfg.name}: {cfg.model.num_parameters() / 1e6:.1f}M parameters "
@@ -649,6 +671,7 @@ def train(cfg, args, resume, samples):
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     peak = peak_flops(t.peak_tflops, on_gpu)
     check_vocab = vocab_size_of(cfg.data.source) is None
+    data_digest = samples.stream.digest()  # into every checkpoint's marker: a resume checks its corpus
     if check_vocab:
         for b in valid_np:
             check_token_ids(b, cfg.model.vocab_size)
@@ -702,7 +725,8 @@ def train(cfg, args, resume, samples):
             log.message(f"step {done}: valid loss {valid_losses[-1]:.4f}")
         if checkpoint_now:
             checkpointing.save(engine, cfg.checkpoint.dir, done, cfg.checkpoint.keep,
-                               {"world_size": world, "precision": precision, "config": cfg.to_dict()})
+                               {"world_size": world, "precision": precision, "corpus": data_digest,
+                                "config": cfg.to_dict()})
             log.write({"type": "checkpoint", "step": done,
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})
         if evaluate_now or checkpoint_now:  # their time is not a training step's

@@ -75,12 +75,17 @@ def _restore_schedule(engine, saved: dict):
     (as loading the optimizer's state would leave them), and the engine's step and sample counters."""
     sched = engine.lr_scheduler
     if sched is not None and saved.get("lr_scheduler") is not None:
-        sched.last_epoch = saved["lr_scheduler"]["last_epoch"]
-        lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
-        for group, lr in zip(sched.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        sched._last_lr = lrs
+        set_schedule(sched, saved["lr_scheduler"]["last_epoch"])
     engine.global_steps = saved["global_steps"]
     engine.global_samples = saved.get("global_samples", engine.global_steps * engine.train_batch_size())
     engine.skipped_steps = saved["skipped_steps"]
 
+
+def set_schedule(sched, last_epoch: int):
+    """The learning-rate schedule at last_epoch, by this run's settings (train.steps may have grown since
+    the checkpoint), its rate in the optimizer's groups for the next step."""
+    sched.last_epoch = last_epoch
+    lrs = [base * fn(last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(sched.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = lrs

@@ -10,6 +10,7 @@ The three text sources are tokenized with the byte-level tokenizer, end-of-docum
 (an empty one adds nothing).
 """
 import glob
+import hashlib
 import json
 import os
 import sysconfig
@@ -34,6 +35,10 @@ class ArrayStream:
     def read(self, start: int, length: int) -> np.ndarray:
         return self.tokens[start:start + length].astype(np.int64)
 
+    def digest(self) -> dict:
+        """What the stream is, for a resume to compare: its token count and a hash of every token."""
+        return {"tokens": len(self), "sha256": hashlib.sha256(np.ascontiguousarray(self.tokens).tobytes()).hexdigest()}
+
 
 class IndexedStream:
     """The sequences of Megatron indexed datasets, end to end, read lazily through IndexedDataset.get;
@@ -50,6 +55,11 @@ class IndexedStream:
 
     def __len__(self):
         return self.length
+
+    def digest(self) -> dict:
+        """Its token count and a hash of its documents' lengths: hashing the tokens would read the whole corpus."""
+        lengths = np.diff(np.minimum(self.starts, self.length)).astype(np.int64)
+        return {"tokens": len(self), "sha256": hashlib.sha256(lengths.tobytes()).hexdigest()}
 
     def read(self, start: int, length: int) -> np.ndarray:
         out, pos, end = [], start, start + length
