@@ -21,15 +21,16 @@ CONFIG = dict(vocab_size=261, hidden_size=20, intermediate_size=36, moe_intermed
               rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
-def hf_dir(path, seed, **changes):
-    """A random transformers Qwen3-MoE saved at path (its router random too: transformers zeroes it)."""
+def hf_dir(path, seed, save_kw=None, **changes):
+    """A random transformers Qwen3-MoE saved at path (its router random too: transformers zeroes it);
+    save_kw go to save_pretrained."""
     torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**CONFIG, **changes})).eval()
     model.set_experts_implementation("eager")  # grouped_mm needs 16-byte strides: no odd sizes
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **(save_kw or {}))
     return model
 
 

@@ -13,12 +13,9 @@ pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from test_hf_bridge_review import hf_dir  # noqa: E402
 from turbomoe.models import Qwen3MoeForCausalLM  # noqa: E402
 from turbomoe.models.hf_checkpoint import CheckpointError  # noqa: E402
-
-CONFIG = dict(vocab_size=67, hidden_size=20, intermediate_size=36, moe_intermediate_size=10, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=6, num_experts=5, num_experts_per_tok=2,
-              norm_topk_prob=True)
 
 
 @pytest.fixture
@@ -27,14 +24,8 @@ def seed():
 
 
 def hf_sharded(path, seed, **changes):
-    """A random transformers Qwen3-MoE saved at path in shards with an index (its router random too)."""
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**CONFIG, **changes})).eval()
-    model.set_experts_implementation("eager")  # grouped_mm needs 16-byte strides: no odd sizes
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(path, max_shard_size="10KB")
+    """A random transformers Qwen3-MoE saved at path in shards with an index; its weight map."""
+    hf_dir(path, seed, save_kw=dict(max_shard_size="10KB"), **changes)
     return json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
 
 
