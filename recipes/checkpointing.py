@@ -50,15 +50,19 @@ def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
     if dist.get_rank() == 0:
         _atomic_write(marker, json.dumps({"step": step, **meta}))
         _atomic_write(os.path.join(ckpt_dir, "latest"), tag)
-        prune(ckpt_dir, keep, step)
+        prune(ckpt_dir, keep, step, meta.get("start_step", 0), meta.get("launch"))
     dist.barrier()
 
 
-def prune(ckpt_dir: str, keep: int, current: int):
-    """Keep the newest `keep` complete tags up to step `current` (the one just saved); delete the other
-    tags before it, complete or not. Tags after it (of a run that went further before this one resumed
-    from an earlier checkpoint) stay until this run overwrites them."""
-    kept = [(s, n) for s, n in _complete_tags(ckpt_dir) if s <= current][-keep:]
+def prune(ckpt_dir: str, keep: int, current: int, start: int = 0, launch=None):
+    """Keep the newest `keep` complete tags up to step `current` (the one just saved) of this run's line:
+    those up to `start` (the step this launch resumed from) and those this launch wrote (their marker's
+    `launch`); delete the other tags before current, complete or not. A run that went further before this
+    one resumed from an earlier checkpoint left tags after start: before current they are not counted
+    (they would push out this run's own), after it they stay until this run overwrites them."""
+    def of_this_run(s, name):
+        return launch is None or s <= start or read_meta(ckpt_dir, name).get("launch") == launch
+    kept = [(s, n) for s, n in _complete_tags(ckpt_dir) if s <= current and of_this_run(s, n)][-keep:]
     for s, name in _tags(ckpt_dir):
         if s < current and (s, name) not in kept:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)

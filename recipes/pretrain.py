@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # turbomoe from this checkout
 
@@ -672,6 +673,7 @@ def train(cfg, args, resume, samples):
     peak = peak_flops(t.peak_tflops, on_gpu)
     check_vocab = vocab_size_of(cfg.data.source) is None
     data_digest = samples.stream.digest()  # into every checkpoint's marker: a resume checks its corpus
+    launch = uuid.uuid4().hex  # rank 0's marks the tags this launch writes (checkpointing.prune)
     if check_vocab:
         for b in valid_np:
             check_token_ids(b, cfg.model.vocab_size)
@@ -726,7 +728,7 @@ def train(cfg, args, resume, samples):
         if checkpoint_now:
             checkpointing.save(engine, cfg.checkpoint.dir, done, cfg.checkpoint.keep,
                                {"world_size": world, "precision": precision, "corpus": data_digest,
-                                "config": cfg.to_dict()})
+                                "start_step": start_step, "launch": launch, "config": cfg.to_dict()})
             log.write({"type": "checkpoint", "step": done,
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})
         if evaluate_now or checkpoint_now:  # their time is not a training step's

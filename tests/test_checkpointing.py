@@ -48,3 +48,21 @@ def test_a_tag_saved_again_on_fewer_ranks_holds_only_the_new_files(tmp_path, mon
     assert (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_text() == "new"
     assert json.loads((tag / checkpointing.COMPLETE).read_text()) == {"step": 8, "world_size": 1}
     assert checkpointing.resolve(str(tmp_path)) == (str(tmp_path), "global_step8")
+
+
+def test_rotation_counts_only_this_runs_line(tmp_path, monkeypatch):
+    """A run saved steps 50-300 every 50 (keep 2 kept 250, 300); another resumed from 200 (its
+    checkpoint.dir the same) saves every 40. At 280 the old run's 250 counted among the newest two and
+    pushed out this run's 240; now only tags up to 200 and this launch's count: 240 and 280 stay, 250
+    goes, 300 (after 280) stays until this run overwrites it."""
+    monkeypatch.setattr(checkpointing, "dist", OneRank)
+    for step in (250, 300, 200):  # what the old run's rotation left, and the resume point
+        (tmp_path / checkpointing.tag_of(step)).mkdir()
+        (tmp_path / checkpointing.tag_of(step) / checkpointing.COMPLETE).write_text(
+            json.dumps({"step": step, "launch": "old", "start_step": 0}))
+    for step in (240, 280):
+        checkpointing.save(OneRankEngine(), str(tmp_path), step, keep=2,
+                           meta={"start_step": 200, "launch": "new"})
+    tags = sorted(n for n in os.listdir(tmp_path) if n.startswith("global_step"))
+    assert tags == ["global_step240", "global_step280", "global_step300"]
+    assert checkpointing.resolve(str(tmp_path)) == (str(tmp_path), "global_step280")
