@@ -105,7 +105,7 @@ def prepare(args):
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from e
     if resume is not None:
-        check_same_corpus(cfg, checkpointing.read_meta(*resume), stream, os.path.join(*resume))
+        check_same_corpus(cfg, meta, stream, os.path.join(*resume))
     return cfg, resume, samples
 
 
@@ -116,7 +116,7 @@ def check_same_corpus(cfg, meta: dict, stream, path: str):
     saved = meta.get("corpus")
     if saved is None:
         return
-    now = stream.digest()
+    now = stream.digest
     if now != saved:
         d = cfg.data
         raise ConfigError(f"--resume {path}: the corpus (data.source {d.source!r}, data.paths {d.paths}) changed "
@@ -672,7 +672,6 @@ def train(cfg, args, resume, samples):
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     peak = peak_flops(t.peak_tflops, on_gpu)
     check_vocab = vocab_size_of(cfg.data.source) is None
-    data_digest = samples.stream.digest()  # into every checkpoint's marker: a resume checks its corpus
     launch = uuid.uuid4().hex  # rank 0's marks the tags this launch writes (checkpointing.prune)
     if check_vocab:
         for b in valid_np:
@@ -727,7 +726,7 @@ def train(cfg, args, resume, samples):
             log.message(f"step {done}: valid loss {valid_losses[-1]:.4f}")
         if checkpoint_now:
             checkpointing.save(engine, cfg.checkpoint.dir, done, cfg.checkpoint.keep,
-                               {"world_size": world, "precision": precision, "corpus": data_digest,
+                               {"world_size": world, "precision": precision, "corpus": samples.stream.digest,
                                 "start_step": start_step, "launch": launch, "config": cfg.to_dict()})
             log.write({"type": "checkpoint", "step": done,
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})

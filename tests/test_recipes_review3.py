@@ -89,13 +89,13 @@ def test_stream_digest_follows_the_corpus(tmp_path):
     of the same length; a Megatron dataset's from its documents' lengths up to max_tokens (its tokens
     are not read whole)."""
     a = ArrayStream(np.arange(100, dtype=np.uint16))
-    assert a.digest() == ArrayStream(np.arange(100, dtype=np.uint16)).digest()
+    assert a.digest == ArrayStream(np.arange(100, dtype=np.uint16)).digest
     b = np.arange(100, dtype=np.uint16)
     b[50] = 7
-    assert ArrayStream(b).digest() != a.digest() and ArrayStream(b).digest()["tokens"] == 100
+    assert ArrayStream(b).digest != a.digest and ArrayStream(b).digest["tokens"] == 100
     build_megatron(tmp_path / "a_text_document", [[1, 2, 3], [4, 5], [6]])
     build_megatron(tmp_path / "b_text_document", [[1, 2], [3, 4, 5], [6]])
     a, b = (load_stream("megatron", [str(tmp_path / f"{n}_text_document")]) for n in "ab")
-    assert a.digest()["tokens"] == b.digest()["tokens"] == 6 and a.digest() != b.digest()
-    assert load_stream("megatron", [str(tmp_path / "a_text_document")], max_tokens=4).digest() == \
-        load_stream("megatron", [str(tmp_path / "a_text_document")], max_tokens=4).digest() != a.digest()
+    assert a.digest["tokens"] == b.digest["tokens"] == 6 and a.digest != b.digest
+    assert load_stream("megatron", [str(tmp_path / "a_text_document")], max_tokens=4).digest == \
+        load_stream("megatron", [str(tmp_path / "a_text_document")], max_tokens=4).digest != a.digest

@@ -9,6 +9,7 @@ Sources (the recipe's data.source):
 The three text sources are tokenized with the byte-level tokenizer, end-of-document after every document
 (an empty one adds nothing).
 """
+import functools
 import glob
 import hashlib
 import json
@@ -35,9 +36,11 @@ class ArrayStream:
     def read(self, start: int, length: int) -> np.ndarray:
         return self.tokens[start:start + length].astype(np.int64)
 
+    @functools.cached_property
     def digest(self) -> dict:
-        """What the stream is, for a resume to compare: its token count and a hash of every token."""
-        return {"tokens": len(self), "sha256": hashlib.sha256(np.ascontiguousarray(self.tokens).tobytes()).hexdigest()}
+        """What the stream is, for a resume to compare: its token count and a hash of every token (hashed
+        in place, once: the resume's check and the run's markers share it)."""
+        return {"tokens": len(self), "sha256": hashlib.sha256(np.ascontiguousarray(self.tokens)).hexdigest()}
 
 
 class IndexedStream:
@@ -56,6 +59,7 @@ class IndexedStream:
     def __len__(self):
         return self.length
 
+    @functools.cached_property
     def digest(self) -> dict:
         """Its token count and a hash of its documents' lengths: hashing the tokens would read the whole corpus."""
         lengths = np.diff(np.minimum(self.starts, self.length)).astype(np.int64)
