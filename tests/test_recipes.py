@@ -651,6 +651,9 @@ def test_resume_needs_every_file_whole(full_run, tmp_path, monkeypatch):
     every rank, before any work. ZeRO 1 <-> 2 and another split of the same samples a step resume."""
     tag = tmp_path / "global_step4"
     shutil.copytree(full_run / "checkpoints" / "global_step4", tag)
+    # The resume runs on CPU ranks as full_run did (its precision auto was fp32): on a GPU machine this
+    # process's accelerator is CUDA, and prepare would read auto as bf16 and refuse the checkpoint.
+    monkeypatch.setattr(pretrain, "uses_gpu", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     same = ["--config", TINY, *SHORT, "--set", f"log.dir={tmp_path / 'same'}", "--resume", str(tag)]
     for extra in (["--set", "train.zero_stage=2"], ["--set", "train.micro_batch_size=4", "--set", "train.grad_accum=2"]):
