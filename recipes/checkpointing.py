@@ -14,7 +14,7 @@ import shutil
 
 import deepspeed.comm as dist
 
-from turbomoe.checkpoint_tags import COMPLETE, TAG, find_tag, tag_of  # noqa: F401 (tag_of: the recipe's)
+from turbomoe.checkpoint_tags import COMPLETE, complete_tags, find_tag, tag_of, tags
 
 
 def _atomic_write(path: str, text: str):
@@ -34,7 +34,7 @@ def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
         # Overwriting a tag of a run resumed from an earlier one: incomplete until done, so `latest`
         # first goes back to the newest complete tag before it (a crash now must not leave it naming this
         # one, nor a later one of the run that this one left).
-        others = [n for s, n in _complete_tags(ckpt_dir) if s < step]
+        others = [n for s, n in complete_tags(ckpt_dir) if s < step]
         if others:
             _atomic_write(os.path.join(ckpt_dir, "latest"), others[-1])
         else:
@@ -62,25 +62,15 @@ def prune(ckpt_dir: str, keep: int, current: int, start: int = 0, launch=None):
     (they would push out this run's own), after it they stay until this run overwrites them."""
     def of_this_run(s, name):
         return launch is None or s <= start or read_meta(ckpt_dir, name).get("launch") == launch
-    kept = [(s, n) for s, n in _complete_tags(ckpt_dir) if s <= current and of_this_run(s, n)][-keep:]
-    for s, name in _tags(ckpt_dir):
+    kept = [(s, n) for s, n in complete_tags(ckpt_dir) if s <= current and of_this_run(s, n)][-keep:]
+    for s, name in tags(ckpt_dir):
         if s < current and (s, name) not in kept:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
 
 
-def _tags(ckpt_dir: str):
-    """[(step, name)] of the global_stepN directories, by step."""
-    return sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := TAG.match(name)))
-
-
-def _complete_tags(ckpt_dir: str):
-    """_tags of the checkpoints marked complete."""
-    return [(s, n) for s, n in _tags(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
-
-
 def holds_tags(ckpt_dir: str) -> bool:
     """Whether ckpt_dir holds any checkpoint tag, complete or not."""
-    return os.path.isdir(ckpt_dir) and bool(_tags(ckpt_dir))
+    return os.path.isdir(ckpt_dir) and bool(tags(ckpt_dir))
 
 
 def read_meta(ckpt_dir: str, tag: str) -> dict:

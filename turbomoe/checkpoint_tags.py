@@ -5,7 +5,7 @@ names the newest complete tag. Standard library only, so the recipe needs no exp
 """
 import os
 import re
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 COMPLETE = "turbomoe_complete"
 TAG = re.compile(r"^global_step(\d+)$")
@@ -39,7 +39,20 @@ def find_tag(path: str, step: Optional[int] = None) -> Tuple[str, str]:
         else:
             raise FileNotFoundError(f"{path}: no checkpoint there (no 'latest' file in it or in its checkpoints/ "
                                     f"directory, and not a global_stepN directory)")
+    if not os.path.isdir(os.path.join(ckpt_dir, tag)):  # e.g. a step that rotation removed, or never saved
+        raise FileNotFoundError(f"{os.path.join(ckpt_dir, tag)}: no such checkpoint; complete ones in {ckpt_dir}: "
+                                f"{', '.join(n for _, n in complete_tags(ckpt_dir)) or 'none'}")
     if not os.path.isfile(os.path.join(ckpt_dir, tag, COMPLETE)):
         raise FileNotFoundError(f"{os.path.join(ckpt_dir, tag)}: not a complete checkpoint (no {COMPLETE} marker: "
                                 f"missing, or a save that did not finish)")
     return ckpt_dir, tag
+
+
+def tags(ckpt_dir: str) -> List[Tuple[int, str]]:
+    """[(step, name)] of the global_stepN directories, by step."""
+    return sorted((int(m.group(1)), name) for name in os.listdir(ckpt_dir) if (m := TAG.match(name)))
+
+
+def complete_tags(ckpt_dir: str) -> List[Tuple[int, str]]:
+    """tags of the checkpoints marked complete."""
+    return [(s, n) for s, n in tags(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n, COMPLETE))]
