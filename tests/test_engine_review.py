@@ -172,3 +172,35 @@ def test_generate_cli_prints_nothing_after_a_rows_eos(tmp_path, capsys):
     assert capsys.readouterr().out == tok.decode(rows[0][:2]) + "\n" + tok.decode(rows[1]) + "\n"
     main([out, "--prompt", "abc", "--max-new-tokens", "6", "--device", "cpu"])
     assert capsys.readouterr().out == tok.decode(rows[0][:2]) + "\n"
+
+
+def test_generate_cli_chat(tmp_path, capsys):
+    """--chat: each prompt a user turn (after --system's) through the tokenizer's chat template, with no
+    special tokens added to what the template wrote; the printed text is the engine's greedy reply to
+    those ids. Without a template, or --system without --chat: usage errors before the model loads."""
+    from transformers import AutoTokenizer
+
+    from turbomoe.generate import main
+    out = byte_model(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main([out, "--prompt", "hi", "--chat", "--device", "cpu"])
+    assert e.value.code == 2 and "the tokenizer has no chat template" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([out, "--prompt", "hi", "--system", "be brief", "--device", "cpu"])
+    assert e.value.code == 2 and "--system needs --chat" in capsys.readouterr().err
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.save_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    engine = load(out, device="cpu", max_batch=2, max_seq_len=64)
+    capsys.readouterr()  # what loading printed (DeepSpeed's first import)
+    for system, head in ((None, ""), ("be brief", "<system>be brief\n")):
+        texts = [head + "<user>hi\n<assistant>", head + "<user>a longer one\n<assistant>"]
+        ids, mask = left_padded([list(t.encode()) for t in texts], pad=256)
+        rows = engine.generate(ids, 5, attention_mask=mask, eos_token_id=256, pad_token_id=256)[:, ids.shape[1]:]
+        want = "".join(tok.decode(r[:next((i + 1 for i, t in enumerate(r.tolist()) if t == 256), len(r))],
+                                  skip_special_tokens=True) + "\n" for r in rows)
+        main([out, "--prompt", "hi", "--prompt", "a longer one", "--chat", "--max-new-tokens", "5", "--device", "cpu",
+              *(("--system", system) if system else ())])
+        assert capsys.readouterr().out == want

@@ -1,13 +1,14 @@
 """Generate text from a Hugging Face Qwen3-MoE directory at a terminal, on turbomoe's inference engine.
 
     python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--sample
-        --temperature 0.8 --top-p 0.95] [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0]
-        [--tune] [--tiles FILE]
+        --temperature 0.8 --top-p 0.95] [--chat [--system TEXT]] [--dtype bf16|fp16|fp32]
+        [--device cuda|cpu] [--seed 0] [--tune] [--tiles FILE]
 
 The tokenizer is the directory's (transformers' AutoTokenizer); generation stops at the EOS ids of the
-directory's generation_config.json and the tokenizer's. Prints the continuation, then the prefill and
-decode times and the decode tokens/s (the first call of a batch size also captures its CUDA graph:
-reported apart). With --sample, the text is what Engine.generate gives with a generator seeded --seed.
+directory's generation_config.json and the tokenizer's. With --chat each prompt is a user message put
+through the tokenizer's chat template (a published chat model's, such as Qwen3's), after --system's.
+Prints the continuation, then the prefill and decode times and the decode tokens/s (the first call of a
+batch size also captures its CUDA graph: reported apart). With --sample, the text is what Engine.generate gives with a generator seeded --seed.
 On a GPU, --tune first measures the decode step's few-rows GEMM tilings for this batch size
 (Engine(tune=True)); --tiles FILE reads the table measured for this GPU, model shape and dtype from
 FILE, and after --tune keeps the new one there (turbomoe.inference.tiling's tile files).
@@ -37,6 +38,17 @@ def eos_ids(model_dir: str, tok) -> list:
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
+def chat_texts(tok, prompts: list, system, p) -> list:
+    """Each prompt as the chat template's text of one user turn (after a system turn where given), ready
+    for the assistant's reply."""
+    if not tok.chat_template:
+        p.error("--chat: the tokenizer has no chat template (chat_template in tokenizer_config.json or "
+                "chat_template.jinja): prompt the model as plain text instead")
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [tok.apply_chat_template(head + [{"role": "user", "content": text}], tokenize=False,
+                                    add_generation_prompt=True) for text in prompts]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m turbomoe.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("model_dir")
@@ -51,11 +63,15 @@ def main(argv=None):
     p.add_argument("--tune", action="store_true", help="measure the few-rows GEMMs' tilings first (GPU)")
     p.add_argument("--tiles", metavar="FILE", help="tile file: the table for this GPU and model read from it, "
                    "and after --tune written to it")
+    p.add_argument("--chat", action="store_true", help="each prompt a user message, through the tokenizer's chat template")
+    p.add_argument("--system", help="with --chat: a system message before each prompt")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if any(not prompt for prompt in args.prompt):
         p.error("--prompt must not be empty")
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat")
     if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
         p.error(f"--sample needs --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
 
@@ -96,7 +112,10 @@ def main(argv=None):
         tok.pad_token_id = eos[0]
     # Left-padded here, not by the tokenizer, which refuses to pad (even one prompt) without a pad token;
     # the mask marks the padding, so its id is any the embedding has.
-    rows = tok(args.prompt)["input_ids"]
+    if args.chat:  # the template writes the special tokens it wants (a BOS among them): none added
+        rows = tok(chat_texts(tok, args.prompt, args.system, p), add_special_tokens=False)["input_ids"]
+    else:
+        rows = tok(args.prompt)["input_ids"]
     empty = [i for i, row in enumerate(rows) if not row]
     if empty:
         p.error(f"--prompt number {empty[0] + 1} makes no tokens with {args.model_dir}'s tokenizer")
