@@ -380,9 +380,10 @@ def test_generate_cli(tmp_path, capsys):
     out = os.path.join(tmp_path, "bytes")
     from turbomoe.data import ByteTokenizer
     Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out, tokenizer=ByteTokenizer())
+    engine = load(out, device="cpu", max_seq_len=8, max_batch=1)
+    capsys.readouterr()  # what loading printed where this process had not used DeepSpeed yet (its first warning)
     main([out, "--prompt", "abc", "--max-new-tokens", "5", "--device", "cpu"])
     printed = capsys.readouterr()
-    engine = load(out, device="cpu", max_seq_len=8, max_batch=1)
     ids = engine.generate(torch.tensor([[97, 98, 99]]), 5, eos_token_id=256, pad_token_id=256)[0, 3:]
     from transformers import AutoTokenizer
     text = AutoTokenizer.from_pretrained(out).decode(ids, skip_special_tokens=True)
