@@ -37,7 +37,7 @@ from reshard import load_resharded, set_schedule  # noqa: E402
 from recipe_config import STEP_SEED_STRIDE, ConfigError, deepspeed_config, load_config, validate  # noqa: E402
 from run_log import LOG_FILE, RunLog, peak_flops  # noqa: E402
 from turbomoe.export import ExportError, RunCheckpoint  # noqa: E402
-from turbomoe.data import Samples, load_stream, vocab_size_of  # noqa: E402
+from turbomoe.data import Samples, corpus_tokenizer, load_stream, vocab_size_of  # noqa: E402
 from turbomoe.kernels.adamw import adamw_step  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
 from turbomoe.models.compile import compile_dense_blocks, compile_moe_blocks  # noqa: E402
@@ -68,6 +68,12 @@ def prepare(args):
         moe_class(cfg.model.moe_impl)
     except ImportError as e:
         raise ConfigError(str(e)) from e
+    tokenizer = None
+    if cfg.data.source != "megatron":  # resolved first: a run records which tokenizer it read its corpus with
+        try:
+            cfg.data.tokenizer, tokenizer = corpus_tokenizer(cfg.data.tokenizer, cfg.init_from)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"data.tokenizer: {e}") from e
     resume = None
     if args.resume is None:
         for held, what in ((os.path.join(cfg.checkpoint.dir, "latest"), "a checkpoint"),
@@ -93,12 +99,12 @@ def prepare(args):
                               f"step {last} (--stop-at-step or train.steps)")
         check_log_continues(cfg.log.dir, os.path.join(*resume))
         check_resumable(cfg, meta, os.path.join(*resume))
-    vocab = vocab_size_of(cfg.data.source)
+    vocab = vocab_size_of(cfg.data.source, tokenizer)
     if vocab is not None and vocab > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer of data.source {cfg.data.source!r} has {vocab} tokens, more than "
-                          f"model.vocab_size {cfg.model.vocab_size}")
+        raise ConfigError(f"the tokenizer of data.source {cfg.data.source!r} (data.tokenizer {cfg.data.tokenizer}) "
+                          f"has {vocab} tokens, more than model.vocab_size {cfg.model.vocab_size}")
     try:
-        stream = load_stream(cfg.data.source, cfg.data.paths, cfg.data.text_key, cfg.data.max_tokens)
+        stream = load_stream(cfg.data.source, cfg.data.paths, cfg.data.text_key, cfg.data.max_tokens, tokenizer)
         samples = Samples(stream, cfg.data.seq_len, cfg.data.valid_fraction, cfg.train.seed)
         # Every rank needs a validation batch (checked here, not after the process group is up).
         samples.valid_batches(0, int(os.environ.get("WORLD_SIZE", "1")), cfg.train.micro_batch_size, 1)
@@ -158,7 +164,13 @@ def check_resumable(cfg, meta: dict, path: str):
     for section, keys in RESUME_FIXED.items():
         saved = meta["config"][section]
         diff.update({f"{section}.{k}": (v, getattr(getattr(cfg, section), k)) for k, v in saved.items()
-                     if (keys is None or k in keys) and getattr(getattr(cfg, section), k) != v})
+                     if (keys is None or k in keys) and getattr(getattr(cfg, section), k) != v
+                     and (section, k) != ("data", "tokenizer")})
+    # The tokenizer as resolved (prepare's corpus_tokenizer); a run from before data.tokenizer read bytes.
+    if cfg.data.source != "megatron":
+        saved = meta["config"]["data"].get("tokenizer", "bytes")
+        if saved is not None and saved != cfg.data.tokenizer:
+            diff["data.tokenizer"] = (saved, cfg.data.tokenizer)
     # The precision trained in, not as spelled: auto is fp32 on CPU ranks and bf16 on GPUs. A marker from
     # before the recipe wrote it holds only the config's spelling.
     saved = meta.get("precision", meta["config"]["train"]["precision"])

@@ -49,6 +49,9 @@ class DataSection:
     seq_len: int = 256
     valid_fraction: float = 0.01
     max_tokens: int = 0  # > 0: use only the first max_tokens of the corpus
+    # text sources: "bytes", a Hugging Face tokenizer directory, or null: model.init_from's tokenizer where
+    # that directory has one (a published model fine-tuned in its own vocabulary), else bytes
+    tokenizer: Optional[str] = None
 
 
 @dataclass
@@ -365,6 +368,8 @@ def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
              f"moe.eval_capacity_factor {moe.eval_capacity_factor} needs a moe.capacity_factor, got null (dropless, "
              f"which evaluates dropless too); set moe.capacity_factor or drop moe.eval_capacity_factor")
     _require(d.source == "stdlib" or d.paths, f"data.source {d.source!r} needs data.paths")
+    _require(d.source != "megatron" or d.tokenizer is None,
+             f"data.tokenizer {d.tokenizer!r}: megatron data is already tokenized (leave data.tokenizer unset)")
     _require(d.seq_len <= m.max_position_embeddings,
              f"data.seq_len {d.seq_len} must be in [1, model.max_position_embeddings = {m.max_position_embeddings}]")
     _require(t.warmup_steps < t.steps, f"train.warmup_steps {t.warmup_steps} must be in [0, train.steps)")

@@ -141,3 +141,46 @@ def test_samples_bad_seq_len_is_a_clear_error(seq_len):
     """Before, seq_len 0 raised ZeroDivisionError and a negative one a 'too few tokens' error."""
     with pytest.raises(ValueError, match="data.seq_len must be a positive int"):
         Samples(ArrayStream(np.arange(1000)), seq_len, 0.1, 0)
+
+
+def word_tokenizer(path, words, eos="<eos>"):
+    """A Hugging Face tokenizer directory (transformers' PreTrainedTokenizerFast) over whitespace words:
+    id i is words[i], then [UNK] and eos (None: no EOS token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {w: i for i, w in enumerate([*words, "[UNK]", *([eos] if eos else [])])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token=eos).save_pretrained(str(path))
+    return str(path)
+
+
+def test_corpus_in_a_hugging_face_tokenizer(tmp_path):
+    """Text corpora in a model's own vocabulary (data.tokenizer): each document's ids, then the
+    tokenizer's EOS; ids past uint16 kept (a 70,002-word vocabulary); a directory holding the byte
+    tokenizer reads as bytes (same ids, raw bytes); no tokenizer there, or one without EOS: errors."""
+    from turbomoe.data import HFTokenizer, corpus_tokenizer
+    from turbomoe.data.tokenizer import is_byte_tokenizer
+    words = [f"w{i}" for i in range(70000)]
+    path = word_tokenizer(tmp_path / "tok", words)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("w1 w69999 nope")
+    (tmp_path / "docs" / "b.txt").write_bytes(b"w65536 \xff w7")  # not UTF-8: U+FFFD, an unknown word
+    name, tok = corpus_tokenizer(path)
+    assert name == str(tmp_path / "tok") and isinstance(tok, HFTokenizer) and tok.vocab_size == 70002
+    unk, eos = 70000, 70001
+    stream = load_stream("text", [str(tmp_path / "docs")], tokenizer=tok)
+    assert stream.tokens.dtype == np.uint32
+    assert stream.read(0, len(stream)).tolist() == [1, 69999, unk, eos, 65536, unk, 7, eos]
+    assert corpus_tokenizer(None, path)[0] == name  # a model directory's own tokenizer by default
+    # The byte tokenizer, saved as transformers reads it: the byte tokenizer itself.
+    (tmp_path / "bytes").mkdir()
+    ByteTokenizer().save_pretrained(str(tmp_path / "bytes"), model_max_length=64)
+    assert is_byte_tokenizer(HFTokenizer(str(tmp_path / "bytes"))) and not is_byte_tokenizer(tok)
+    for spec, model_dir in (("bytes", path), (None, None), (None, str(tmp_path / "docs")), (str(tmp_path / "bytes"), None)):
+        name, got = corpus_tokenizer(spec, model_dir)
+        assert name == "bytes" and isinstance(got, ByteTokenizer), (spec, model_dir)
+    with pytest.raises(FileNotFoundError, match="no Hugging Face tokenizer files"):
+        corpus_tokenizer(str(tmp_path / "docs"))
+    with pytest.raises(ValueError, match="has no EOS token"):
+        corpus_tokenizer(word_tokenizer(tmp_path / "no_eos", words[:5], eos=None))

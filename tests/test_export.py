@@ -186,3 +186,59 @@ def test_recipe_init_from_hf_dir_and_stock_deepspeed_export(run, tmp_path):
     export(str(log_dir), str(tmp_path / "hf2"), dtype="fp32", progress=False)
     theirs, ours = held_out_losses(log_dir, tmp_path / "hf2")
     assert abs(theirs - ours) <= 1e-5 * ours
+
+
+def test_init_from_a_model_with_its_own_tokenizer(run, tmp_path, monkeypatch):
+    """A model directory whose tokenizer is not the byte one (a published model's vocabulary, here words):
+    a text corpus is read in that tokenizer by default (data.tokenizer unset), the run records the
+    directory, trains on those ids and exports that tokenizer beside the model; data.tokenizer=bytes
+    keeps bytes; megatron data takes no tokenizer; one larger than the model's vocabulary is refused."""
+    from test_data import word_tokenizer
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    import pretrain
+    from recipe_config import ConfigError
+    hf_dir = tmp_path / "hf"
+    export(str(run), str(hf_dir), dtype="fp32", progress=False)
+    for name in os.listdir(hf_dir):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            os.remove(hf_dir / name)
+    words = ["def", "return", "x", "y", "if", "else", "(", ")", ":"]
+    word_tokenizer(hf_dir, words)
+    eos = len(words) + 1
+    (tmp_path / "docs").mkdir()
+    for i in range(200):
+        (tmp_path / "docs" / f"{i:03d}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(90)))
+    data = ["--set", "data.source=text", "--set", f"data.paths=[{tmp_path / 'docs'}]", "--set", "data.seq_len=32",
+            "--set", "data.valid_fraction=0.2"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    tiny = os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml")
+
+    def prepare(*args):
+        return pretrain.prepare(pretrain.parse_args(["--config", tiny, "--set", f"log.dir={tmp_path / 'p'}",
+                                                     "--set", f"model.init_from={hf_dir}", *data, *args]))
+    cfg, _, samples = prepare()
+    assert cfg.data.tokenizer == str(hf_dir)
+    tokens = samples.stream.read(0, len(samples.stream)).tolist()
+    assert tokens[:4] == [0, 0, 0, 0] and tokens.count(eos) == 200 and max(tokens) == eos  # doc 0: "def" x 90
+    cfg, _, samples = prepare("--set", "data.tokenizer=bytes")
+    assert cfg.data.tokenizer == "bytes" and samples.stream.read(0, 3).tolist() == list(b"def")
+    with pytest.raises(ConfigError, match="megatron data is already tokenized"):
+        prepare("--set", "data.source=megatron", "--set", "data.paths=[x]", "--set", f"data.tokenizer={hf_dir}")
+    big = word_tokenizer(tmp_path / "big", [f"w{i}" for i in range(400)])
+    with pytest.raises(ConfigError, match=r"has 402 tokens, more than model.vocab_size 320"):
+        prepare("--set", f"data.tokenizer={big}")
+    with pytest.raises(ConfigError, match="data.tokenizer: .*no Hugging Face tokenizer files"):
+        prepare("--set", f"data.tokenizer={tmp_path / 'docs'}")
+
+    log_dir = tmp_path / "words"
+    launch(str(log_dir), "--set", f"model.init_from={hf_dir}", *data, "--set", "train.steps=2",
+           "--set", "train.warmup_steps=1")
+    assert json.load(open(log_dir / "checkpoints" / "global_step2" / COMPLETE))["config"]["data"]["tokenizer"] == \
+        str(hf_dir)
+    # A resume reads the corpus as the run did: another tokenizer is named.
+    with pytest.raises(ConfigError, match=r"'data.tokenizer': \('" + str(hf_dir) + r"', 'bytes'\)"):
+        prepare("--set", "data.tokenizer=bytes", "--set", f"log.dir={log_dir}", "--resume", str(log_dir / "checkpoints"))
+    export(str(log_dir), str(tmp_path / "out"), progress=False)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    assert json.load(open(tmp_path / "out" / "config.json"))["eos_token_id"] == eos
+    assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out")).encode("def x") == [0, 2]

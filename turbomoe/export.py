@@ -250,7 +250,7 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
     ckpt = RunCheckpoint(tag_dir)
     masters = ckpt.fp32_masters() if dtype == "fp32" else None
-    tokenizer = False if ckpt.recipe["data"]["source"] == "megatron" else None  # pre-tokenized: not ours to write
+    tokenizer = run_tokenizer(ckpt.recipe["data"])
     bar = None
     if progress:
         from tqdm import tqdm
@@ -263,6 +263,23 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
         if bar is not None:
             bar.close()
     return ckpt.tag_dir
+
+
+def run_tokenizer(data: dict):
+    """The tokenizer export writes for a run's data section: False for pre-tokenized (megatron) data,
+    not ours to write; the Hugging Face tokenizer its corpus was read with (data.tokenizer, a directory);
+    else None, the byte tokenizer."""
+    if data["source"] == "megatron":
+        return False
+    path = data.get("tokenizer")  # absent from runs before data.tokenizer: the byte tokenizer
+    if path in (None, "bytes"):
+        return None
+    from .data import HFTokenizer
+    try:
+        return HFTokenizer(path)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"the run read its corpus with the tokenizer in {path}, which export writes beside "
+                          f"the model: {e}") from e
 
 
 def _within(path: str, directory: str) -> bool:

@@ -95,17 +95,17 @@ def main(argv=None):
 
     from transformers import AutoTokenizer
 
+    from .data.tokenizer import tokenizer_files
     from .inference import load
     from .inference.engine import check_model_dir
     from .inference.tiling import read_tile_file, read_tile_tables, tile_key, write_tile_file
-    from .models.hf_checkpoint import TOKENIZER_FILES
     try:  # before the tokenizer, which would take a missing directory for a Hub model's name
         config = check_model_dir(args.model_dir)
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    if not any(os.path.isfile(os.path.join(args.model_dir, f)) for f in TOKENIZER_FILES):
+    if not tokenizer_files(args.model_dir):
         # AutoTokenizer would not fail: it makes an empty tokenizer that turns any prompt into no tokens
-        p.error(f"{args.model_dir} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save one beside the model")
+        p.error(f"{args.model_dir} has no tokenizer (tokenizer.json, vocab.json, ...): save one beside the model")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     eos = eos_ids(args.model_dir, tok)
     if tok.pad_token_id is None and eos:

@@ -1,7 +1,7 @@
-"""Pretraining data: corpora as token streams, a byte-level tokenizer, seeded samples."""
+"""Pretraining data: corpora as token streams, the byte-level tokenizer or a Hugging Face one, seeded samples."""
 from .corpus import SOURCES, ArrayStream, IndexedStream, load_stream, stdlib_files, vocab_size_of
 from .samples import Samples
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, corpus_tokenizer
 
-__all__ = ["SOURCES", "ArrayStream", "IndexedStream", "ByteTokenizer", "Samples", "load_stream", "stdlib_files",
-           "vocab_size_of"]
+__all__ = ["SOURCES", "ArrayStream", "IndexedStream", "ByteTokenizer", "HFTokenizer", "Samples", "corpus_tokenizer",
+           "load_stream", "stdlib_files", "vocab_size_of"]

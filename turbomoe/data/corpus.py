@@ -6,8 +6,9 @@ Sources (the recipe's data.source):
   jsonl     JSON-lines files, one document per line in the field data.text_key
   megatron  Megatron .bin/.idx indexed datasets (already tokenized, e.g. by Megatron-DeepSpeed's
             tools/preprocess_data.py), read through megatron-core's IndexedDataset, never loaded whole
-The three text sources are tokenized with the byte-level tokenizer, end-of-document after every document
-(an empty one adds nothing).
+The three text sources are tokenized with the byte-level tokenizer, or a Hugging Face tokenizer
+(tokenizer.HFTokenizer: a model's own vocabulary), end-of-document after every document (an empty one
+adds nothing).
 """
 import functools
 import glob
@@ -151,18 +152,21 @@ def check_megatron_prefixes(paths: List[str]) -> List[str]:
     return prefixes
 
 
-def load_stream(source: str, paths: Optional[List[str]] = None, text_key: str = "text", max_tokens: int = 0):
-    """The token stream of a corpus; max_tokens > 0 keeps only its first max_tokens."""
+def load_stream(source: str, paths: Optional[List[str]] = None, text_key: str = "text", max_tokens: int = 0,
+                tokenizer=None):
+    """The token stream of a corpus; max_tokens > 0 keeps only its first max_tokens. tokenizer: of the
+    text sources (None: ByteTokenizer)."""
     if source not in SOURCES:
         raise ValueError(f"data.source must be one of {SOURCES}, got {source!r}")
     if source == "megatron":
         return IndexedStream(check_megatron_prefixes(paths or []), max_tokens)
-    tok = ByteTokenizer()
+    tok = tokenizer or ByteTokenizer()
     chunks, total = [], 0
     for doc in _documents(source, paths or [], text_key):
         if not doc:  # no tokens, so no end-of-document either: as Megatron's preprocess_data.py
             continue
-        ids = np.append(tok.encode(doc), np.uint16(tok.eos_id))
+        ids = tok.encode(doc)
+        ids = np.append(ids, np.array(tok.eos_id, dtype=ids.dtype))
         chunks.append(ids)
         total += len(ids)
         if max_tokens and total >= max_tokens:
@@ -173,6 +177,7 @@ def load_stream(source: str, paths: Optional[List[str]] = None, text_key: str = 
     return ArrayStream(tokens[:max_tokens] if max_tokens else tokens)
 
 
-def vocab_size_of(source: str) -> Optional[int]:
-    """Tokens a text source can produce; None for pre-tokenized (megatron) data, checked batch by batch."""
-    return None if source == "megatron" else ByteTokenizer.vocab_size
+def vocab_size_of(source: str, tokenizer=None) -> Optional[int]:
+    """Tokens a text source can produce (tokenizer as load_stream's); None for pre-tokenized (megatron)
+    data, checked batch by batch."""
+    return None if source == "megatron" else (tokenizer or ByteTokenizer()).vocab_size

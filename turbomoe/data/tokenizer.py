@@ -1,6 +1,8 @@
 """A byte-level tokenizer: needs no download and no training, and covers any UTF-8 text."""
 import json
 import os
+import shutil
+from typing import Optional
 
 import numpy as np
 
@@ -42,6 +44,70 @@ class ByteTokenizer:
                   "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False}
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(config, f, indent=2)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory's tokenizer (transformers' AutoTokenizer) with ByteTokenizer's
+    interface, for text corpora in a model's own vocabulary (a published checkpoint's, to fine-tune it):
+    no special tokens added on encoding, and literal special-token text stays text; end-of-document is
+    the tokenizer's EOS token."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+        if not tokenizer_files(path):
+            raise FileNotFoundError(f"{path}: no Hugging Face tokenizer files there (tokenizer.json, vocab.json, ...)")
+        self.path = os.path.abspath(path)
+        self.tok = AutoTokenizer.from_pretrained(self.path)
+        self.eos_id = self.tok.eos_token_id
+        if self.eos_id is None:
+            raise ValueError(f"{path}'s tokenizer has no EOS token, which the corpus puts after every document")
+        self.vocab_size = len(self.tok)
+        self.eos_token = self.tok.eos_token
+        self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+
+    def encode(self, text) -> np.ndarray:
+        """text (str, or UTF-8 bytes; invalid bytes become U+FFFD) -> token ids (no end-of-document)."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        ids = self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return np.asarray(ids, dtype=self.dtype)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save_pretrained(self, out_dir: str, model_max_length: int):
+        """Its directory's tokenizer files, as they are (model_max_length: the tokenizer's own)."""
+        for name in tokenizer_files(self.path):
+            shutil.copyfile(os.path.join(self.path, name), os.path.join(out_dir, name))
+
+
+def tokenizer_files(path: str) -> list:
+    """The Hugging Face tokenizer files in directory path."""
+    from ..models.hf_checkpoint import TOKENIZER_FILES  # the names only: the models package is slow to import
+    return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
+
+
+def is_byte_tokenizer(tok: "HFTokenizer") -> bool:
+    """Whether a Hugging Face directory's tokenizer is ByteTokenizer's (as save_pretrained writes it): the
+    same ids, so the byte tokenizer itself can read the corpus (raw bytes, no decoding)."""
+    symbols = _byte_symbols()
+    return (tok.vocab_size == ByteTokenizer.vocab_size and tok.eos_id == ByteTokenizer.eos_id
+            and tok.tok.convert_ids_to_tokens(list(range(256))) == [symbols[b] for b in range(256)])
+
+
+def corpus_tokenizer(spec: Optional[str], model_dir: Optional[str] = None):
+    """(name, tokenizer) of a text corpus: spec "bytes" the byte tokenizer, a directory its Hugging Face
+    tokenizer; None the model's: model_dir's tokenizer where it has one (a published checkpoint the
+    weights start from), else the byte tokenizer. name is "bytes" or the directory's absolute path: what
+    a run records. A directory holding the byte tokenizer is "bytes"."""
+    if spec == "bytes":
+        return "bytes", ByteTokenizer()
+    if spec is None:
+        if model_dir is None or not tokenizer_files(model_dir):
+            return "bytes", ByteTokenizer()
+        spec = model_dir
+    tok = HFTokenizer(spec)
+    return ("bytes", ByteTokenizer()) if is_byte_tokenizer(tok) else (tok.path, tok)
 
 
 def _byte_symbols() -> dict:
