@@ -68,7 +68,7 @@ def prepare(args):
         moe_class(cfg.model.moe_impl)
     except ImportError as e:
         raise ConfigError(str(e)) from e
-    tokenizer = None
+    tokenizer, spec = None, cfg.data.tokenizer
     if cfg.data.source != "megatron":  # resolved first: a run records which tokenizer it read its corpus with
         try:
             cfg.data.tokenizer, tokenizer = corpus_tokenizer(cfg.data.tokenizer, cfg.init_from)
@@ -93,6 +93,9 @@ def prepare(args):
                               f"{cfg.checkpoint.dir}, which holds another run's checkpoints; set checkpoint.dir to "
                               f"the resumed one or to an empty directory")
         meta = checkpointing.read_meta(*resume)
+        if spec is None and cfg.data.source != "megatron" and "tokenizer" not in meta["config"]["data"]:
+            # a run from before data.tokenizer read bytes, whatever model.init_from holds: unset continues it so
+            cfg.data.tokenizer, tokenizer = corpus_tokenizer("bytes")
         last = args.stop_at_step or cfg.train.steps
         if last <= meta["step"]:
             raise ConfigError(f"--resume {os.path.join(*resume)} is at step {meta['step']}: nothing to run up to "

@@ -311,6 +311,8 @@ def load_config(path: str, overrides: List[str] = ()) -> RecipeConfig:
     cfg = RecipeConfig(name=name, model=model, deepspeed=ds, **sections)
     # No shell expands ~ in YAML or after `--set key=`.
     cfg.data.paths = [os.path.expanduser(p) for p in cfg.data.paths]
+    if cfg.data.tokenizer is not None:
+        cfg.data.tokenizer = os.path.expanduser(cfg.data.tokenizer)
     for section in (cfg.log, cfg.checkpoint):
         if section.dir is not None:
             section.dir = os.path.expanduser(section.dir)

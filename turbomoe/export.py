@@ -251,6 +251,10 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
     ckpt = RunCheckpoint(tag_dir)
     masters = ckpt.fp32_masters() if dtype == "fp32" else None
     tokenizer = run_tokenizer(ckpt.recipe["data"])
+    if tokenizer and tokenizer.vocab_size > ckpt.config.vocab_size:  # that directory now holds another tokenizer
+        raise ExportError(f"the run read its corpus with the tokenizer in {tokenizer.path}, which now has "
+                          f"{tokenizer.vocab_size} tokens, more than the model's {ckpt.config.vocab_size}: not "
+                          f"that tokenizer any more; put the run's back there to export")
     bar = None
     if progress:
         from tqdm import tqdm
@@ -279,7 +283,7 @@ def run_tokenizer(data: dict):
         return HFTokenizer(path)
     except (OSError, ValueError) as e:
         raise ExportError(f"the run read its corpus with the tokenizer in {path}, which export writes beside "
-                          f"the model: {e}") from e
+                          f"the model: {e}; put that tokenizer back there to export") from e
 
 
 def _within(path: str, directory: str) -> bool:

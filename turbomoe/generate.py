@@ -44,9 +44,13 @@ def chat_texts(tok, prompts: list, system, p) -> list:
     if not tok.chat_template:
         p.error("--chat: the tokenizer has no chat template (chat_template in tokenizer_config.json or "
                 "chat_template.jinja): prompt the model as plain text instead")
+    from jinja2 import TemplateError
     head = [{"role": "system", "content": system}] if system is not None else []
-    return [tok.apply_chat_template(head + [{"role": "user", "content": text}], tokenize=False,
-                                    add_generation_prompt=True) for text in prompts]
+    try:
+        return [tok.apply_chat_template(head + [{"role": "user", "content": text}], tokenize=False,
+                                        add_generation_prompt=True) for text in prompts]
+    except (TemplateError, ValueError) as e:  # a template's raise_exception (no system role, say), or no default one
+        p.error(f"--chat: the tokenizer's chat template failed: {e}")
 
 
 def main(argv=None):

@@ -7,8 +7,8 @@ Sources (the recipe's data.source):
   megatron  Megatron .bin/.idx indexed datasets (already tokenized, e.g. by Megatron-DeepSpeed's
             tools/preprocess_data.py), read through megatron-core's IndexedDataset, never loaded whole
 The three text sources are tokenized with the byte-level tokenizer, or a Hugging Face tokenizer
-(tokenizer.HFTokenizer: a model's own vocabulary), end-of-document after every document (an empty one
-adds nothing).
+(tokenizer.HFTokenizer: a model's own vocabulary), end-of-document after every document (one of no
+tokens adds nothing).
 """
 import functools
 import glob
@@ -163,9 +163,11 @@ def load_stream(source: str, paths: Optional[List[str]] = None, text_key: str = 
     tok = tokenizer or ByteTokenizer()
     chunks, total = [], 0
     for doc in _documents(source, paths or [], text_key):
-        if not doc:  # no tokens, so no end-of-document either: as Megatron's preprocess_data.py
-            continue
         ids = tok.encode(doc)
+        # No tokens (an empty document, or blanks a tokenizer drops), so no end-of-document either: as
+        # Megatron's preprocess_data.py.
+        if not len(ids):
+            continue
         ids = np.append(ids, np.array(tok.eos_id, dtype=ids.dtype))
         chunks.append(ids)
         total += len(ids)

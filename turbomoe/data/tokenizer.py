@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import sys
 from typing import Optional
 
 import numpy as np
@@ -58,10 +59,15 @@ class HFTokenizer:
             raise FileNotFoundError(f"{path}: no Hugging Face tokenizer files there (tokenizer.json, vocab.json, ...)")
         self.path = os.path.abspath(path)
         self.tok = AutoTokenizer.from_pretrained(self.path)
+        # A document longer than the model's context is no error here (the stream is cut into samples):
+        # not the tokenizer's warning that it is.
+        self.tok.model_max_length = sys.maxsize
         self.eos_id = self.tok.eos_token_id
         if self.eos_id is None:
             raise ValueError(f"{path}'s tokenizer has no EOS token, which the corpus puts after every document")
-        self.vocab_size = len(self.tok)
+        # the largest id + 1, not len(): a vocabulary may skip ids, and the stream's dtype and the model's
+        # vocab_size must hold its largest
+        self.vocab_size = max(self.tok.get_vocab().values()) + 1
         self.eos_token = self.tok.eos_token
         self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
 
@@ -91,8 +97,11 @@ def is_byte_tokenizer(tok: "HFTokenizer") -> bool:
     """Whether a Hugging Face directory's tokenizer is ByteTokenizer's (as save_pretrained writes it): the
     same ids, so the byte tokenizer itself can read the corpus (raw bytes, no decoding)."""
     symbols = _byte_symbols()
+    # The vocabulary alone misses a normalizer or a prefix space: the probe's ids must be its bytes too.
+    probe = "".join(map(chr, range(1, 128))) + " \u00e9\u20ac\U0001f600 " + ByteTokenizer.eos_token
     return (tok.vocab_size == ByteTokenizer.vocab_size and tok.eos_id == ByteTokenizer.eos_id
-            and tok.tok.convert_ids_to_tokens(list(range(256))) == [symbols[b] for b in range(256)])
+            and tok.tok.convert_ids_to_tokens(list(range(256))) == [symbols[b] for b in range(256)]
+            and tok.encode(probe).tolist() == list(probe.encode()))
 
 
 def corpus_tokenizer(spec: Optional[str], model_dir: Optional[str] = None):
