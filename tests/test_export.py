@@ -205,6 +205,12 @@ def test_init_from_a_model_with_its_own_tokenizer(run, tmp_path, monkeypatch):
     words = ["def", "return", "x", "y", "if", "else", "(", ")", ":"]
     word_tokenizer(hf_dir, words)
     eos = len(words) + 1
+    # a model directory of that vocabulary: its token ids and generation config (several EOS ids, sampling
+    # defaults, as a published chat model's) are what export writes beside the tokenizer
+    config = json.load(open(hf_dir / "config.json"))
+    json.dump({**config, "eos_token_id": eos, "pad_token_id": None}, open(hf_dir / "config.json", "w"))
+    generation = {"eos_token_id": [eos, 1], "temperature": 0.6, "top_p": 0.95, "do_sample": True}
+    json.dump(generation, open(hf_dir / "generation_config.json", "w"))
     (tmp_path / "docs").mkdir()
     for i in range(200):
         (tmp_path / "docs" / f"{i:03d}.txt").write_text(" ".join(words[(i * j) % len(words)] for j in range(90)))
@@ -241,4 +247,5 @@ def test_init_from_a_model_with_its_own_tokenizer(run, tmp_path, monkeypatch):
     export(str(log_dir), str(tmp_path / "out"), progress=False)
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
     assert json.load(open(tmp_path / "out" / "config.json"))["eos_token_id"] == eos
+    assert json.load(open(tmp_path / "out" / "generation_config.json")) == generation
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out")).encode("def x") == [0, 2]

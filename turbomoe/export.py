@@ -255,14 +255,17 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
         raise ExportError(f"the run read its corpus with the tokenizer in {tokenizer.path}, which now has "
                           f"{tokenizer.vocab_size} tokens, more than the model's {ckpt.config.vocab_size}: not "
                           f"that tokenizer any more; put the run's back there to export")
+    # The tokenizer of a model's directory (model.init_from's, say): its token ids and generation_config.json
+    # (a chat model's EOS ids, sampling defaults) come along, as for a model read from there.
+    source = tokenizer.path if tokenizer and os.path.isfile(os.path.join(tokenizer.path, "config.json")) else None
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(ckpt.shapes), desc=f"export {os.path.basename(ckpt.tag_dir)}", unit="tensor")
     try:
         tensors = ((to_hf_name(name), t) for name, t in ckpt.tensors(masters))
-        save_dir(out, ckpt.config, tensors, DTYPES[dtype], max_shard_size, force, tokenizer,
-                 bar.update if bar is not None else None)
+        save_dir(out, ckpt.config, tensors, DTYPES[dtype], max_shard_size, force, None if source else tokenizer,
+                 bar.update if bar is not None else None, source)
     finally:
         if bar is not None:
             bar.close()
