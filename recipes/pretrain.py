@@ -72,7 +72,7 @@ def prepare(args):
     if cfg.data.source != "megatron":  # resolved first: a run records which tokenizer it read its corpus with
         try:
             cfg.data.tokenizer, tokenizer = corpus_tokenizer(cfg.data.tokenizer, cfg.init_from)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, ImportError) as e:
             raise ConfigError(f"data.tokenizer: {e}") from e
     resume = None
     if args.resume is None:

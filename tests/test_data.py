@@ -176,11 +176,19 @@ def test_corpus_in_a_hugging_face_tokenizer(tmp_path):
     # The byte tokenizer, saved as transformers reads it: the byte tokenizer itself.
     (tmp_path / "bytes").mkdir()
     ByteTokenizer().save_pretrained(str(tmp_path / "bytes"), model_max_length=64)
-    assert is_byte_tokenizer(HFTokenizer(str(tmp_path / "bytes"))) and not is_byte_tokenizer(tok)
+    assert is_byte_tokenizer(str(tmp_path / "bytes")) and not is_byte_tokenizer(path)
     for spec, model_dir in (("bytes", path), (None, None), (None, str(tmp_path / "docs")), (str(tmp_path / "bytes"), None)):
         name, got = corpus_tokenizer(spec, model_dir)
         assert name == "bytes" and isinstance(got, ByteTokenizer), (spec, model_dir)
     with pytest.raises(FileNotFoundError, match="no Hugging Face tokenizer files"):
         corpus_tokenizer(str(tmp_path / "docs"))
+    # Without transformers (model.init_from needs only the export extra): the byte tokenizer is still
+    # found; another one names the extra it needs.
+    import sys
+    from unittest import mock
+    with mock.patch.dict(sys.modules, {"transformers": None}):
+        assert corpus_tokenizer(None, str(tmp_path / "bytes"))[0] == "bytes"
+        with pytest.raises(ImportError, match=r"pip install -e '.\[transformers\]'"):
+            corpus_tokenizer(None, path)
     with pytest.raises(ValueError, match="has no EOS token"):
         corpus_tokenizer(word_tokenizer(tmp_path / "no_eos", words[:5], eos=None))

@@ -282,11 +282,13 @@ def run_tokenizer(data: dict):
     if path in (None, "bytes"):
         return None
     from .data import HFTokenizer
+    what = f"the run read its corpus with the tokenizer in {path}, which export writes beside the model"
     try:
         return HFTokenizer(path)
+    except ImportError as e:
+        raise ExportError(f"{what}: {e}") from e
     except (OSError, ValueError) as e:
-        raise ExportError(f"the run read its corpus with the tokenizer in {path}, which export writes beside "
-                          f"the model: {e}; put that tokenizer back there to export") from e
+        raise ExportError(f"{what}: {e}; put that tokenizer back there to export") from e
 
 
 def _within(path: str, directory: str) -> bool:

@@ -54,9 +54,13 @@ class HFTokenizer:
     the tokenizer's EOS token."""
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
         if not tokenizer_files(path):
             raise FileNotFoundError(f"{path}: no Hugging Face tokenizer files there (tokenizer.json, vocab.json, ...)")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise ImportError(f"{path}'s tokenizer is read with transformers: pip install -e '.[transformers]' "
+                              f"({e})") from e
         self.path = os.path.abspath(path)
         self.tok = AutoTokenizer.from_pretrained(self.path)
         # A document longer than the model's context is no error here (the stream is cut into samples):
@@ -93,15 +97,24 @@ def tokenizer_files(path: str) -> list:
     return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
 
 
-def is_byte_tokenizer(tok: "HFTokenizer") -> bool:
+def is_byte_tokenizer(path: str) -> bool:
     """Whether a Hugging Face directory's tokenizer is ByteTokenizer's (as save_pretrained writes it): the
-    same ids, so the byte tokenizer itself can read the corpus (raw bytes, no decoding)."""
+    same ids, so the byte tokenizer itself can read the corpus (raw bytes, no decoding). Read with the
+    `tokenizers` library alone (the export extra's), so that model.init_from of turbomoe's own exports
+    needs no transformers."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return False
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(file)
+    tok.encode_special_tokens = True  # literal special-token text as text, as HFTokenizer reads the corpus
     symbols = _byte_symbols()
     # The vocabulary alone misses a normalizer or a prefix space: the probe's ids must be its bytes too.
     probe = "".join(map(chr, range(1, 128))) + " \u00e9\u20ac\U0001f600 " + ByteTokenizer.eos_token
-    return (tok.vocab_size == ByteTokenizer.vocab_size and tok.eos_id == ByteTokenizer.eos_id
-            and tok.tok.convert_ids_to_tokens(list(range(256))) == [symbols[b] for b in range(256)]
-            and tok.encode(probe).tolist() == list(probe.encode()))
+    return (tok.get_vocab_size(with_added_tokens=True) == ByteTokenizer.vocab_size
+            and tok.token_to_id(ByteTokenizer.eos_token) == ByteTokenizer.eos_id
+            and [tok.id_to_token(i) for i in range(256)] == [symbols[b] for b in range(256)]
+            and tok.encode(probe, add_special_tokens=False).ids == list(probe.encode()))
 
 
 def corpus_tokenizer(spec: Optional[str], model_dir: Optional[str] = None):
@@ -109,14 +122,12 @@ def corpus_tokenizer(spec: Optional[str], model_dir: Optional[str] = None):
     tokenizer; None the model's: model_dir's tokenizer where it has one (a published checkpoint the
     weights start from), else the byte tokenizer. name is "bytes" or the directory's absolute path: what
     a run records. A directory holding the byte tokenizer is "bytes"."""
-    if spec == "bytes":
-        return "bytes", ByteTokenizer()
     if spec is None:
-        if model_dir is None or not tokenizer_files(model_dir):
-            return "bytes", ByteTokenizer()
-        spec = model_dir
+        spec = model_dir if model_dir is not None and tokenizer_files(model_dir) else "bytes"
+    if spec == "bytes" or is_byte_tokenizer(spec):
+        return "bytes", ByteTokenizer()
     tok = HFTokenizer(spec)
-    return ("bytes", ByteTokenizer()) if is_byte_tokenizer(tok) else (tok.path, tok)
+    return tok.path, tok
 
 
 def _byte_symbols() -> dict:
