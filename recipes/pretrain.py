@@ -38,6 +38,7 @@ from recipe_config import STEP_SEED_STRIDE, ConfigError, deepspeed_config, load_
 from run_log import LOG_FILE, RunLog, peak_flops  # noqa: E402
 from turbomoe.export import ExportError, RunCheckpoint  # noqa: E402
 from turbomoe.data import Samples, corpus_tokenizer, load_stream, vocab_size_of  # noqa: E402
+from turbomoe.data.tokenizer import tokenizer_digest  # noqa: E402
 from turbomoe.kernels.adamw import adamw_step  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
 from turbomoe.models.compile import compile_dense_blocks, compile_moe_blocks  # noqa: E402
@@ -688,6 +689,8 @@ def train(cfg, args, resume, samples):
     peak = peak_flops(t.peak_tflops, on_gpu)
     check_vocab = vocab_size_of(cfg.data.source) is None
     launch = uuid.uuid4().hex  # rank 0's marks the tags this launch writes (checkpointing.prune)
+    # export checks that the tokenizer it writes beside the model is still the one the corpus was read with
+    tokenizer_sha = None if cfg.data.tokenizer in (None, "bytes") else tokenizer_digest(cfg.data.tokenizer)
     if check_vocab:
         for b in valid_np:
             check_token_ids(b, cfg.model.vocab_size)
@@ -742,7 +745,8 @@ def train(cfg, args, resume, samples):
         if checkpoint_now:
             checkpointing.save(engine, cfg.checkpoint.dir, done, cfg.checkpoint.keep,
                                {"world_size": world, "precision": precision, "corpus": samples.stream.digest,
-                                "start_step": start_step, "launch": launch, "config": cfg.to_dict()})
+                                "tokenizer_sha256": tokenizer_sha, "start_step": start_step, "launch": launch,
+                                "config": cfg.to_dict()})
             log.write({"type": "checkpoint", "step": done,
                        "path": os.path.join(cfg.checkpoint.dir, checkpointing.tag_of(done))})
         if evaluate_now or checkpoint_now:  # their time is not a training step's

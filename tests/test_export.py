@@ -249,3 +249,8 @@ def test_init_from_a_model_with_its_own_tokenizer(run, tmp_path, monkeypatch):
     assert json.load(open(tmp_path / "out" / "config.json"))["eos_token_id"] == eos
     assert json.load(open(tmp_path / "out" / "generation_config.json")) == generation
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out")).encode("def x") == [0, 2]
+    # The directory's tokenizer replaced by another of the same size (two words swapped): refused, nothing written.
+    word_tokenizer(hf_dir, [words[1], words[0], *words[2:]])
+    with pytest.raises(ExportError, match="tokenizer files in .* changed since the run read its corpus"):
+        export(str(log_dir), str(tmp_path / "out2"), progress=False)
+    assert not (tmp_path / "out2").exists()

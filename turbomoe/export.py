@@ -84,6 +84,7 @@ class RunCheckpoint:
         try:
             with open(marker) as f:
                 meta = json.load(f)
+            self.meta = meta
             self.step, self.world_size = meta["step"], meta["world_size"]
             self.recipe = meta["config"]
             self.config = ModelConfig.from_dict(self.recipe["model"])
@@ -255,6 +256,11 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
         raise ExportError(f"the run read its corpus with the tokenizer in {tokenizer.path}, which now has "
                           f"{tokenizer.vocab_size} tokens, more than the model's {ckpt.config.vocab_size}: not "
                           f"that tokenizer any more; put the run's back there to export")
+    from .data.tokenizer import tokenizer_digest
+    saved = ckpt.meta.get("tokenizer_sha256")  # None: bytes, or a run from before it was recorded
+    if tokenizer and saved is not None and tokenizer_digest(tokenizer.path) != saved:
+        raise ExportError(f"the tokenizer files in {tokenizer.path} changed since the run read its corpus with "
+                          f"them; put the run's back there to export")
     # The tokenizer of a model's directory (model.init_from's, say): its token ids and generation_config.json
     # (a chat model's EOS ids, sampling defaults) come along, as for a model read from there.
     source = tokenizer.path if tokenizer and os.path.isfile(os.path.join(tokenizer.path, "config.json")) else None

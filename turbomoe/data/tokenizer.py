@@ -1,4 +1,5 @@
 """A byte-level tokenizer: needs no download and no training, and covers any UTF-8 text."""
+import hashlib
 import json
 import os
 import shutil
@@ -95,6 +96,16 @@ def tokenizer_files(path: str) -> list:
     """The Hugging Face tokenizer files in directory path."""
     from ..models.hf_checkpoint import TOKENIZER_FILES  # the names only: the models package is slow to import
     return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(path, f))]
+
+
+def tokenizer_digest(path: str) -> str:
+    """sha256 of a directory's tokenizer files (names and contents): what a run records of the tokenizer
+    it read its corpus with, so that an export can tell it is still that one."""
+    h = hashlib.sha256()
+    for name in tokenizer_files(path):
+        with open(os.path.join(path, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()
 
 
 def is_byte_tokenizer(path: str) -> bool:
