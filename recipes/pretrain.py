@@ -69,13 +69,7 @@ def prepare(args):
         moe_class(cfg.model.moe_impl)
     except ImportError as e:
         raise ConfigError(str(e)) from e
-    tokenizer, spec = None, cfg.data.tokenizer
-    if cfg.data.source != "megatron":  # resolved first: a run records which tokenizer it read its corpus with
-        try:
-            cfg.data.tokenizer, tokenizer = corpus_tokenizer(cfg.data.tokenizer, cfg.init_from)
-        except (OSError, ValueError, ImportError) as e:
-            raise ConfigError(f"data.tokenizer: {e}") from e
-    resume = None
+    resume = meta = None
     if args.resume is None:
         for held, what in ((os.path.join(cfg.checkpoint.dir, "latest"), "a checkpoint"),
                            (os.path.join(cfg.log.dir, LOG_FILE), "another run's log")):
@@ -94,14 +88,21 @@ def prepare(args):
                               f"{cfg.checkpoint.dir}, which holds another run's checkpoints; set checkpoint.dir to "
                               f"the resumed one or to an empty directory")
         meta = checkpointing.read_meta(*resume)
-        if spec is None and cfg.data.source != "megatron" and "tokenizer" not in meta["config"]["data"]:
-            # a run from before data.tokenizer read bytes, whatever model.init_from holds: unset continues it so
-            cfg.data.tokenizer, tokenizer = corpus_tokenizer("bytes")
         last = args.stop_at_step or cfg.train.steps
         if last <= meta["step"]:
             raise ConfigError(f"--resume {os.path.join(*resume)} is at step {meta['step']}: nothing to run up to "
                               f"step {last} (--stop-at-step or train.steps)")
         check_log_continues(cfg.log.dir, os.path.join(*resume))
+    tokenizer = None
+    if cfg.data.source != "megatron":  # resolved before the resume's checks: a run records the one it read with
+        spec = cfg.data.tokenizer
+        if spec is None and meta is not None and "tokenizer" not in meta["config"]["data"]:
+            spec = "bytes"  # a run from before data.tokenizer read bytes, whatever model.init_from holds
+        try:
+            cfg.data.tokenizer, tokenizer = corpus_tokenizer(spec, cfg.init_from)
+        except (OSError, ValueError, ImportError) as e:
+            raise ConfigError(f"data.tokenizer: {e}") from e
+    if meta is not None:
         check_resumable(cfg, meta, os.path.join(*resume))
     vocab = vocab_size_of(cfg.data.source, tokenizer)
     if vocab is not None and vocab > cfg.model.vocab_size:

@@ -8,10 +8,11 @@ The tokenizer is the directory's (transformers' AutoTokenizer); generation stops
 directory's generation_config.json and the tokenizer's. With --chat each prompt is a user message put
 through the tokenizer's chat template (a published chat model's, such as Qwen3's), after --system's.
 Prints the continuation, then the prefill and decode times and the decode tokens/s (the first call of a
-batch size also captures its CUDA graph: reported apart). With --sample, the text is what Engine.generate gives with a generator seeded --seed.
-On a GPU, --tune first measures the decode step's few-rows GEMM tilings for this batch size
-(Engine(tune=True)); --tiles FILE reads the table measured for this GPU, model shape and dtype from
-FILE, and after --tune keeps the new one there (turbomoe.inference.tiling's tile files).
+batch size also captures its CUDA graph: reported apart). With --sample, the text is what
+Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures the decode step's
+few-rows GEMM tilings for this batch size (Engine(tune=True)); --tiles FILE reads the table measured for
+this GPU, model shape and dtype from FILE, and after --tune keeps the new one there
+(turbomoe.inference.tiling's tile files).
 """
 import argparse
 import contextlib

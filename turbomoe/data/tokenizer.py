@@ -73,7 +73,6 @@ class HFTokenizer:
         # the largest id + 1, not len(): a vocabulary may skip ids, and the stream's dtype and the model's
         # vocab_size must hold its largest
         self.vocab_size = max(self.tok.get_vocab().values()) + 1
-        self.eos_token = self.tok.eos_token
         self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
 
     def encode(self, text) -> np.ndarray:
@@ -82,9 +81,6 @@ class HFTokenizer:
             text = text.decode("utf-8", errors="replace")
         ids = self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return np.asarray(ids, dtype=self.dtype)
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save_pretrained(self, out_dir: str, model_max_length: int):
         """Its directory's tokenizer files, as they are (model_max_length: the tokenizer's own)."""
