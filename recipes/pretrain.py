@@ -38,6 +38,7 @@ from recipe_config import STEP_SEED_STRIDE, ConfigError, deepspeed_config, load_
 from run_log import LOG_FILE, RunLog, peak_flops  # noqa: E402
 from turbomoe.export import ExportError, RunCheckpoint  # noqa: E402
 from turbomoe.data import Samples, corpus_tokenizer, load_stream, vocab_size_of  # noqa: E402
+from turbomoe.data.cache import default_dir  # noqa: E402
 from turbomoe.data.tokenizer import tokenizer_digest  # noqa: E402
 from turbomoe.kernels.adamw import adamw_step  # noqa: E402
 from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
@@ -109,7 +110,9 @@ def prepare(args):
         raise ConfigError(f"the tokenizer of data.source {cfg.data.source!r} (data.tokenizer {cfg.data.tokenizer}) "
                           f"has {vocab} tokens, more than model.vocab_size {cfg.model.vocab_size}")
     try:
-        stream = load_stream(cfg.data.source, cfg.data.paths, cfg.data.text_key, cfg.data.max_tokens, tokenizer)
+        cache_dir = (cfg.data.cache_dir or default_dir()) if cfg.data.cache else None
+        stream = load_stream(cfg.data.source, cfg.data.paths, cfg.data.text_key, cfg.data.max_tokens, tokenizer,
+                             cache_dir)
         samples = Samples(stream, cfg.data.seq_len, cfg.data.valid_fraction, cfg.train.seed)
         # Every rank needs a validation batch (checked here, not after the process group is up).
         samples.valid_batches(0, int(os.environ.get("WORLD_SIZE", "1")), cfg.train.micro_batch_size, 1)
@@ -144,6 +147,8 @@ def check_same_corpus(cfg, meta: dict, stream, path: str):
 # a changed grad_clip was ignored on the same layout, honoured on another). train.steps may grow (a run
 # continued further).
 RESUME_FIXED = {"data": None, "train": ("seed", "lr", "betas", "eps", "weight_decay", "grad_clip", "fused_adamw")}
+# Of those, where the tokens are kept does not change them; the tokenizer is compared as resolved (below).
+RESUME_FREE = {("data", "tokenizer"), ("data", "cache"), ("data", "cache_dir")}
 
 
 def precision_of(precision: str, on_gpu: bool) -> str:
@@ -170,7 +175,7 @@ def check_resumable(cfg, meta: dict, path: str):
         saved = meta["config"][section]
         diff.update({f"{section}.{k}": (v, getattr(getattr(cfg, section), k)) for k, v in saved.items()
                      if (keys is None or k in keys) and getattr(getattr(cfg, section), k) != v
-                     and (section, k) != ("data", "tokenizer")})
+                     and (section, k) not in RESUME_FREE})
     # The tokenizer as resolved (prepare's corpus_tokenizer); a run from before data.tokenizer read bytes.
     if cfg.data.source != "megatron":
         saved = meta["config"]["data"].get("tokenizer", "bytes")

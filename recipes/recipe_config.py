@@ -52,6 +52,11 @@ class DataSection:
     # text sources: "bytes", a Hugging Face tokenizer directory, or null: model.init_from's tokenizer where
     # that directory has one (a published model fine-tuned in its own vocabulary), else bytes
     tokenizer: Optional[str] = None
+    # text sources: tokenized once into cache_dir (null: $TURBOMOE_CACHE/corpora, else
+    # ~/.cache/turbomoe/corpora), then mapped by every rank and later start; false: every rank tokenizes
+    # into memory
+    cache: bool = True
+    cache_dir: Optional[str] = None
 
 
 @dataclass
@@ -311,8 +316,9 @@ def load_config(path: str, overrides: List[str] = ()) -> RecipeConfig:
     cfg = RecipeConfig(name=name, model=model, deepspeed=ds, **sections)
     # No shell expands ~ in YAML or after `--set key=`.
     cfg.data.paths = [os.path.expanduser(p) for p in cfg.data.paths]
-    if cfg.data.tokenizer is not None:
-        cfg.data.tokenizer = os.path.expanduser(cfg.data.tokenizer)
+    for key in ("tokenizer", "cache_dir"):
+        if getattr(cfg.data, key) is not None:
+            setattr(cfg.data, key, os.path.expanduser(getattr(cfg.data, key)))
     for section in (cfg.log, cfg.checkpoint):
         if section.dir is not None:
             section.dir = os.path.expanduser(section.dir)

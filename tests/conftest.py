@@ -1,7 +1,9 @@
+import atexit
 import glob
 import math
 import os
 import shutil
+import tempfile
 import time
 
 import pytest
@@ -9,6 +11,12 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# The recipes' corpus cache (turbomoe/data/cache.py) in a directory of the test session's, not the
+# home of whoever runs the tests (xdist's workers inherit it).
+if "TURBOMOE_CACHE" not in os.environ:
+    os.environ["TURBOMOE_CACHE"] = tempfile.mkdtemp(prefix="turbomoe-tests-")
+    atexit.register(shutil.rmtree, os.environ["TURBOMOE_CACHE"], True)
 
 
 def pytest_collection_modifyitems(config, items):

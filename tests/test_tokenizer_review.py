@@ -195,3 +195,16 @@ def test_export_of_a_run_whose_tokenizer_changed(run, tmp_path):
     with pytest.raises(ExportError, match="now has 402 tokens, more than the model's 320"):
         export(copy_checkpoint(run, tmp_path / "big_run", tokenizer=big), str(tmp_path / "o2"), progress=False)
     assert not os.path.exists(tmp_path / "o1") and not os.path.exists(tmp_path / "o2")
+
+
+def test_resume_with_the_corpus_cache_moved_or_off(run, tmp_path, monkeypatch):
+    """data.cache and data.cache_dir do not change the tokens: a run's checkpoint resumes with the cache
+    off (tokens in memory) or in another directory (a new entry there), the corpus digest as recorded."""
+    import pretrain
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the run's ranks
+    ckpt = copy_checkpoint(run, tmp_path / "ckpt")
+    for i, change in enumerate(("data.cache=false", f"data.cache_dir={tmp_path / 'elsewhere'}")):
+        cfg, _, samples = pretrain.prepare(pretrain.parse_args(
+            ["--config", TINY, "--set", change, "--set", f"log.dir={tmp_path / str(i)}", "--resume", ckpt]))
+        assert isinstance(samples.stream.tokens, np.memmap) == (i == 1)
+    assert len([f for f in os.listdir(tmp_path / "elsewhere") if f.endswith(".tokens")]) == 1

@@ -109,13 +109,17 @@ def _expand(paths: List[str], pattern: str) -> List[str]:
     return files
 
 
-def _documents(source: str, paths: List[str], text_key: str):
+def corpus_files(source: str, paths: List[str]) -> List[str]:
+    """The files of a text source, in the order their documents are read."""
     if source == "stdlib":
         files = stdlib_files()
         if not files:
             raise FileNotFoundError(f"no Python standard library sources under {sysconfig.get_paths()['stdlib']}")
-    else:
-        files = _expand(paths, "*.txt" if source == "text" else "*.jsonl")
+        return files
+    return _expand(paths, "*.txt" if source == "text" else "*.jsonl")
+
+
+def _documents(source: str, files: List[str], text_key: str):
     for path in files:
         if source != "jsonl":
             with open(path, "rb") as f:  # the bytes as they are: the byte tokenizer needs no decoding
@@ -136,6 +140,50 @@ def _documents(source: str, paths: List[str], text_key: str):
                 yield doc
 
 
+# Documents a tokenizer call takes at once (a Hugging Face tokenizer encodes a batch on all cores), and
+# at most these bytes of them.
+BATCH_DOCS, BATCH_BYTES = 1024, 16 << 20
+
+
+def _batches(docs):
+    batch, size = [], 0
+    # A bad document raises once the stream gets to it: one past max_tokens' cut is never reached, as
+    # when documents were tokenized one at a time.
+    try:
+        for doc in docs:
+            batch.append(doc)
+            size += len(doc)
+            if len(batch) == BATCH_DOCS or size >= BATCH_BYTES:
+                yield batch
+                batch, size = [], 0
+    except (OSError, ValueError):
+        if batch:
+            yield batch
+        raise
+    if batch:
+        yield batch
+
+
+def token_chunks(source: str, files: List[str], text_key: str, tokenizer, max_tokens: int = 0):
+    """The stream's tokens in order, a chunk at a time: each document's ids, then end-of-document; cut
+    at max_tokens > 0. Raises where the corpus has no tokens."""
+    total = 0
+    for batch in _batches(_documents(source, files, text_key)):
+        for ids in tokenizer.encode_batch(batch):
+            # No tokens (an empty document, or blanks a tokenizer drops), so no end-of-document either: as
+            # Megatron's preprocess_data.py.
+            if not len(ids):
+                continue
+            ids = np.append(ids, np.array(tokenizer.eos_id, dtype=ids.dtype))
+            if max_tokens and total + len(ids) >= max_tokens:
+                yield ids[:max_tokens - total]
+                return
+            total += len(ids)
+            yield ids
+    if not total:
+        raise ValueError(f"the {source} corpus ({len(files)} files) holds no documents, or only empty ones")
+
+
 def check_megatron_prefixes(paths: List[str]) -> List[str]:
     """Prefixes as given, or with a trailing .bin/.idx removed; raises when a pair is missing."""
     if not paths:
@@ -153,30 +201,20 @@ def check_megatron_prefixes(paths: List[str]) -> List[str]:
 
 
 def load_stream(source: str, paths: Optional[List[str]] = None, text_key: str = "text", max_tokens: int = 0,
-                tokenizer=None):
+                tokenizer=None, cache_dir: Optional[str] = None):
     """The token stream of a corpus; max_tokens > 0 keeps only its first max_tokens. tokenizer: of the
-    text sources (None: ByteTokenizer)."""
+    text sources (None: ByteTokenizer). cache_dir: where a text source's tokens are kept on disk, read
+    from there by later calls on the same files and tokenizer (cache.py); None: in memory."""
     if source not in SOURCES:
         raise ValueError(f"data.source must be one of {SOURCES}, got {source!r}")
     if source == "megatron":
         return IndexedStream(check_megatron_prefixes(paths or []), max_tokens)
     tok = tokenizer or ByteTokenizer()
-    chunks, total = [], 0
-    for doc in _documents(source, paths or [], text_key):
-        ids = tok.encode(doc)
-        # No tokens (an empty document, or blanks a tokenizer drops), so no end-of-document either: as
-        # Megatron's preprocess_data.py.
-        if not len(ids):
-            continue
-        ids = np.append(ids, np.array(tok.eos_id, dtype=ids.dtype))
-        chunks.append(ids)
-        total += len(ids)
-        if max_tokens and total >= max_tokens:
-            break
-    if not chunks:
-        raise ValueError(f"the {source} corpus {paths or ''} holds no documents, or only empty ones")
-    tokens = np.concatenate(chunks)
-    return ArrayStream(tokens[:max_tokens] if max_tokens else tokens)
+    files = corpus_files(source, paths or [])
+    if cache_dir is not None:
+        from .cache import cached_tokens
+        return ArrayStream(cached_tokens(cache_dir, source, files, text_key, max_tokens, tok))
+    return ArrayStream(np.concatenate(list(token_chunks(source, files, text_key, tok, max_tokens))))
 
 
 def vocab_size_of(source: str, tokenizer=None) -> Optional[int]:
