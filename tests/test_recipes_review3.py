@@ -57,6 +57,8 @@ def test_resume_refuses_a_corpus_changed_since_the_checkpoint(stopped, monkeypat
     count). Was taken silently; the marker now records the stream's digest."""
     tmp, corpus = stopped
     monkeypatch.setenv("WORLD_SIZE", "1")
+    # as the run's CPU rank: on a GPU machine prepare would read its precision auto as bf16 and refuse it
+    monkeypatch.setattr(pretrain, "uses_gpu", lambda: False)
     args = pretrain.parse_args([*common(corpus, tmp / "run"), "--resume"])
     assert pretrain.prepare(args)[1] == (str(tmp / "run" / "checkpoints"), "global_step2")
     whole = corpus.read_bytes()

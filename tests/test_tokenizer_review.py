@@ -161,13 +161,20 @@ def copy_checkpoint(run_dir, to, **data):
     return str(to)
 
 
+def resume_as_the_runs_ranks(pretrain, monkeypatch):
+    """prepare in this process as the run's two CPU ranks would: on a GPU machine this process's
+    accelerator is CUDA, and prepare would read the run's precision auto as bf16 and refuse it."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(pretrain, "uses_gpu", lambda: False)
+
+
 def test_resume_of_a_run_from_before_data_tokenizer(run, tmp_path, monkeypatch):
     """A checkpoint without data.tokenizer read bytes: with data.tokenizer unset it resumes on bytes even
     where model.init_from now has a tokenizer of its own (before, refused: ('bytes', that directory)); a
     checkpoint that recorded bytes is still refused another tokenizer."""
     import pretrain
     from recipe_config import ConfigError
-    monkeypatch.setenv("WORLD_SIZE", "2")  # the run's ranks
+    resume_as_the_runs_ranks(pretrain, monkeypatch)
     hf_dir = tmp_path / "hf"
     export(str(run), str(hf_dir), dtype="fp32", progress=False)
     for name in os.listdir(hf_dir):
@@ -201,7 +208,7 @@ def test_resume_with_the_corpus_cache_moved_or_off(run, tmp_path, monkeypatch):
     """data.cache and data.cache_dir do not change the tokens: a run's checkpoint resumes with the cache
     off (tokens in memory) or in another directory (a new entry there), the corpus digest as recorded."""
     import pretrain
-    monkeypatch.setenv("WORLD_SIZE", "2")  # the run's ranks
+    resume_as_the_runs_ranks(pretrain, monkeypatch)
     ckpt = copy_checkpoint(run, tmp_path / "ckpt")
     for i, change in enumerate(("data.cache=false", f"data.cache_dir={tmp_path / 'elsewhere'}")):
         cfg, _, samples = pretrain.prepare(pretrain.parse_args(
