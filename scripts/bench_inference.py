@@ -394,6 +394,15 @@ def fastest_wall(fn, sync=lambda: None, repeats: int = GEN_REPEATS):
     return best
 
 
+class Discard:
+    """A streamer (transformers' protocol) that takes each step's tokens, read to the host, and drops them."""
+    def put(self, tokens):
+        pass
+
+    def end(self):
+        pass
+
+
 GEN_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=640,
                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
                  num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.02)
@@ -435,6 +444,8 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
         engine.generate(ids, new_tokens)  # warm-up: kernels and this bucket's decode graph
         ours, t = fastest(lambda: engine.generate(ids, new_tokens))
         r["turbomoe_tok_s"] = B * new_tokens / t
+        _, t = fastest(lambda: engine.generate(ids, new_tokens, streamer=Discard()))  # a host read a step
+        r["turbomoe_streamed_tok_s"] = B * new_tokens / t
         if tuned is not None:
             tuned.generate(ids, new_tokens)
             _, t = fastest(lambda: tuned.generate(ids, new_tokens))

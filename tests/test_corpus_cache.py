@@ -174,3 +174,31 @@ def test_default_directory(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert corpus_cache.default_dir() == str(tmp_path / "home" / ".cache" / "turbomoe" / "corpora")
+
+
+def test_a_start_finds_its_entry_by_the_files_stat(tmp_path, monkeypatch):
+    """After the first call, the same files (paths, sizes, times, inodes) find their entry without
+    hashing the corpus; a same-size edit (its time moves) is hashed and makes its own entry; a pointer
+    that names no entry, or holds anything else, is passed over."""
+    cache_dir = str(tmp_path / "cache")
+    docs = corpus(tmp_path)
+    first = load_stream("text", [docs], cache_dir=cache_dir)
+    hashed = []
+    entry_key = corpus_cache.entry_key
+    monkeypatch.setattr(corpus_cache, "entry_key", lambda *a: hashed.append(1) or entry_key(*a))
+    assert np.array_equal(load_stream("text", [docs], cache_dir=cache_dir).tokens, first.tokens) and not hashed
+    path = os.path.join(docs, "00.txt")
+    text = open(path).read()
+    with open(path, "w") as f:
+        f.write(text.upper())
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10 ** 9))
+    edited = load_stream("text", [docs], cache_dir=cache_dir)
+    assert hashed and np.array_equal(edited.tokens, load_stream("text", [docs]).tokens)
+    assert not np.array_equal(edited.tokens, first.tokens) and len(entries(cache_dir)) == 2
+    assert len(glob.glob(os.path.join(cache_dir, "stat-*"))) == 2  # one a state of the files, no temporary left
+    for content in ("0" * 64, "../../etc/passwd", ""):
+        for p in glob.glob(os.path.join(cache_dir, "stat-*")):
+            with open(p, "w") as f:
+                f.write(content)
+        hashed.clear()
+        assert np.array_equal(load_stream("text", [docs], cache_dir=cache_dir).tokens, edited.tokens) and hashed

@@ -185,6 +185,53 @@ def test_eos_per_row_equals_transformers(tmp_path):
     assert torch.equal(got, want), (got, want)
 
 
+class Recorder:
+    def __init__(self, fail_at=None):
+        self.puts, self.ends, self.fail_at = [], 0, fail_at
+
+    def put(self, tokens):
+        assert tokens.device.type == "cpu"
+        self.puts.append(tokens.clone())
+        if len(self.puts) == self.fail_at:
+            raise RuntimeError("the consumer went away")
+
+    def end(self):
+        self.ends += 1
+
+
+def test_streamer_gets_the_prompt_then_each_step(tmp_path, capsys):
+    """streamer (transformers' protocol): put(the prompt), put(each step's tokens) as made, end() once,
+    after an early stop at EOS and after an error too; the tokens are generate's. transformers'
+    TextStreamer prints generate's text. Not a streamer: a TypeError before anything is made."""
+    _, path = hf_model(tmp_path, 2)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48)
+    ids, mask = left_padded([[5, 6, 7, 8], [9, 10], [11, 12, 13]], pad=0)
+    want = engine.generate(ids, 10, attention_mask=mask)
+    eos = int(want[1, ids.shape[1] + 2])
+    for kw in ({}, dict(eos_token_id=eos, pad_token_id=0)):
+        rec = Recorder()
+        got = engine.generate(ids, 10, attention_mask=mask, streamer=rec, **kw)
+        assert torch.equal(got, engine.generate(ids, 10, attention_mask=mask, **kw)) and rec.ends == 1
+        assert torch.equal(torch.cat([rec.puts[0]] + [t[:, None] for t in rec.puts[1:]], 1), got)
+    rec = Recorder(fail_at=3)
+    with pytest.raises(RuntimeError, match="the consumer went away"):
+        engine.generate(ids, 10, attention_mask=mask, streamer=rec)
+    assert rec.ends == 1
+    from turbomoe.data import ByteTokenizer
+    from turbomoe.models import Qwen3MoeForCausalLM
+    _, path = hf_model(tmp_path, 5, vocab_size=257, eos_token_id=256, pad_token_id=256)
+    out = os.path.join(tmp_path, "bytes")
+    Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out, tokenizer=ByteTokenizer())
+    engine = load(out, device="cpu", max_seq_len=40, max_batch=1)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt = torch.tensor([tok("def f(x):")["input_ids"]])
+    capsys.readouterr()
+    got = engine.generate(prompt, 24, streamer=transformers.TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
+    assert capsys.readouterr().out == tok.decode(got[0, prompt.shape[1]:], skip_special_tokens=True) + "\n"
+    with pytest.raises(TypeError, match="streamer must have put"):
+        engine.generate(prompt, 4, streamer=print)
+
+
 def test_mask_inferred_from_pad_token_id_as_transformers(tmp_path):
     """Without attention_mask, an explicit pad_token_id that is no EOS and occurs in the prompt marks the
     padding (transformers' generate rule); a pad id that is an EOS, or absent, leaves every token real."""
@@ -393,10 +440,14 @@ def test_generate_cli(tmp_path, capsys):
                           "--device", "cpu"], capture_output=True, check=True)
     assert run.stdout == (text + "\n").encode(), (run.stdout, text)
     assert "prefill" in printed.err and ("tokens/s" in printed.err or "too short to time" in printed.err)
+    main([out, "--prompt", "abc", "--max-new-tokens", "5", "--device", "cpu", "--stream"])  # the same text, streamed
+    printed = capsys.readouterr()
+    assert printed.out == text + "\n" and "streamed" in printed.err, (printed.out, text)
     # Bad arguments: usage errors naming the problem, before anything loads.
     for argv, message in (([str(tmp_path / "nope"), "--prompt", "a"], "nope is not a Hugging Face model directory"),
                           ([out, "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
                           ([out, "--prompt", ""], "--prompt must not be empty"),
+                          ([out, "--prompt", "a", "--prompt", "b", "--stream"], "--stream prints one prompt's text"),
                           ([out, "--prompt", "a", "--sample", "--temperature", "0"], "--sample needs --temperature > 0"),
                           ([out, "--prompt", "a", "--device", "cpu", "--tune"], "--tune and --tiles choose the GPU"),
                           ([out, "--prompt", "a", "--device", "cpu", "--tiles", str(tmp_path / "t.json")],
@@ -476,6 +527,10 @@ def test_cuda_fp32_tokens_equal_cpu(tmp_path, seed):
         assert torch.equal(got.cpu(), want), (got, want)
         got = passes.generate(ids, 14, attention_mask=mask)  # prefill a few columns a pass
         assert torch.equal(got.cpu(), want), (got, want)
+        rec = Recorder()  # streamed: the same tokens, each step's read from the graphs' output
+        got = gpu.generate(ids, 14, attention_mask=mask, streamer=rec)
+        assert torch.equal(got.cpu(), want) and rec.ends == 1
+        assert torch.equal(torch.cat([rec.puts[0]] + [t[:, None] for t in rec.puts[1:]], 1), want)
     assert gpu.graphs  # the decode steps ran from CUDA graphs
 
 

@@ -2,7 +2,7 @@
 
     python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--sample
         --temperature 0.8 --top-p 0.95] [--chat [--system TEXT]] [--dtype bf16|fp16|fp32]
-        [--device cuda|cpu] [--seed 0] [--tune] [--tiles FILE]
+        [--device cuda|cpu] [--seed 0] [--tune] [--tiles FILE] [--stream]
 
 The tokenizer is the directory's (transformers' AutoTokenizer); generation stops at the EOS ids of the
 directory's generation_config.json and the tokenizer's. With --chat each prompt is a user message put
@@ -12,7 +12,8 @@ batch size also captures its CUDA graph: reported apart). With --sample, the tex
 Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures the decode step's
 few-rows GEMM tilings for this batch size (Engine(tune=True)); --tiles FILE reads the table measured for
 this GPU, model shape and dtype from FILE, and after --tune keeps the new one there
-(turbomoe.inference.tiling's tile files).
+(turbomoe.inference.tiling's tile files). --stream (one prompt) prints the text as it is made
+(transformers' TextStreamer through Engine.generate's streamer); its timing then includes the printing.
 """
 import argparse
 import contextlib
@@ -70,6 +71,7 @@ def main(argv=None):
                    "and after --tune written to it")
     p.add_argument("--chat", action="store_true", help="each prompt a user message, through the tokenizer's chat template")
     p.add_argument("--system", help="with --chat: a system message before each prompt")
+    p.add_argument("--stream", action="store_true", help="print the text as it is made (one prompt)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -77,6 +79,8 @@ def main(argv=None):
         p.error("--prompt must not be empty")
     if args.system is not None and not args.chat:
         p.error("--system needs --chat")
+    if args.stream and len(args.prompt) > 1:
+        p.error(f"--stream prints one prompt's text as it is made; got {len(args.prompt)} prompts")
     if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
         p.error(f"--sample needs --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
 
@@ -166,12 +170,12 @@ def main(argv=None):
     kw = dict(attention_mask=batch["attention_mask"], eos_token_id=eos, pad_token_id=tok.pad_token_id,
               do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
 
-    def timed(n, seed):
+    def timed(n, seed, streamer=None):
         gen = torch.Generator(device=engine.device).manual_seed(seed)
         if engine.device.type == "cuda":  # the engine's GPU, which need not be the current one
             torch.cuda.synchronize(engine.device)
         t0 = time.perf_counter()
-        out = engine.generate(batch["input_ids"], n, generator=gen, **kw)
+        out = engine.generate(batch["input_ids"], n, generator=gen, streamer=streamer, **kw)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
         return out, time.perf_counter() - t0
@@ -184,18 +188,23 @@ def main(argv=None):
     # seeded --seed gives
     _, warm = timed(min(2, args.max_new_tokens), args.seed)
     _, prefill = timed(1, args.seed)
-    out, total = timed(args.max_new_tokens, args.seed)
-    stops = set(eos)
-    for row in out[:, T:].tolist():
-        # cut after the row's EOS: the pad ids that follow it are text where the tokenizer has them as no special token
-        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-        print(tok.decode(row[:end], skip_special_tokens=True))
+    if args.stream:  # one row: generation stops at its EOS, so no pad follows it
+        from transformers import TextStreamer
+        out, total = timed(args.max_new_tokens, args.seed, TextStreamer(tok, skip_prompt=True, skip_special_tokens=True))
+    else:
+        out, total = timed(args.max_new_tokens, args.seed)
+        stops = set(eos)
+        for row in out[:, T:].tolist():
+            # cut after the row's EOS: the pad ids that follow it are text where the tokenizer has them as no special
+            # token
+            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            print(tok.decode(row[:end], skip_special_tokens=True))
     steps = out.shape[1] - T - 1
     # the two calls' difference: noise can exceed it when little is decoded, and is all of it with no step
     decode = total - prefill if steps > 0 else 0.0
     rate = f"{B * steps / decode:.1f} tokens/s" if steps > 0 and decode > 0 else "too short to time"
     print(f"\n[{B} x {out.shape[1] - T} new tokens] prefill {prefill * 1e3:.1f} ms, decode "
-          f"{max(decode, 0) * 1e3:.1f} ms ({rate}), first call (kernel builds, torch.compile, graph capture) {warm:.2f} s",
+          f"{max(decode, 0) * 1e3:.1f} ms ({rate}{', streamed' if args.stream else ''}), first call (kernel builds, torch.compile, graph capture) {warm:.2f} s",
           file=sys.stderr)
 
 

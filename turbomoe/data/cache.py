@@ -10,13 +10,20 @@ cache_id: its files and the libraries' versions). Its files: KEY.tokens (the ids
 dtype) and KEY.json (what the entry is; written last, so a key without it is incomplete). Ranks that
 start together wait on KEY.lock while the first tokenizes. turbomoe never deletes an entry: remove the
 directory's files to reclaim the space.
+
+Hashing reads the whole corpus (about a second a GB), so a start finds the entry first by the files'
+paths, sizes, modification times and inodes: stat-STATKEY names the entry those files had (written
+once their entry is read). Only a file changed without a change to any of those (its bytes rewritten
+in place with its time set back) would go unseen, as with rsync's or make's own checks.
 """
+import contextlib
 import datetime
 import fcntl
 import glob
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 import uuid
@@ -35,11 +42,22 @@ def default_dir() -> str:
     return os.path.join(base, "corpora")
 
 
+def _spec(source: str, text_key: str, max_tokens: int, tokenizer) -> bytes:
+    return json.dumps({"format": FORMAT, "documents": "lines" if source == "jsonl" else "files",
+                       "text_key": text_key if source == "jsonl" else None, "max_tokens": max_tokens,
+                       "tokenizer": tokenizer.cache_id}, sort_keys=True).encode()
+
+
+def stat_key(source: str, files: List[str], text_key: str, max_tokens: int, tokenizer) -> str:
+    key = hashlib.sha256(_spec(source, text_key, max_tokens, tokenizer))
+    for path in files:
+        st = os.stat(path)
+        key.update(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]).encode())
+    return key.hexdigest()
+
+
 def entry_key(source: str, files: List[str], text_key: str, max_tokens: int, tokenizer) -> str:
-    spec = {"format": FORMAT, "documents": "lines" if source == "jsonl" else "files",
-            "text_key": text_key if source == "jsonl" else None, "max_tokens": max_tokens,
-            "tokenizer": tokenizer.cache_id}
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
+    key = hashlib.sha256(_spec(source, text_key, max_tokens, tokenizer))
     for path in files:  # a digest a file: fixed-size pieces, so the files' boundaries are part of the key
         digest = hashlib.sha256()
         with open(path, "rb") as f:
@@ -54,13 +72,37 @@ def cached_tokens(cache_dir: str, source: str, files: List[str], text_key: str, 
     """The stream's tokens (corpus.token_chunks', end to end), mapped from cache_dir's entry, which is
     written first where there is none. Where the directory cannot be written (or locked), a warning says
     so and the tokens are made in memory (or written without the lock): never an error of its own."""
+    pointer = os.path.join(cache_dir, "stat-" + stat_key(source, files, text_key, max_tokens, tokenizer))
+    try:
+        with open(pointer) as f:
+            key = f.read()
+        tokens = read_entry(os.path.join(cache_dir, key)) if re.fullmatch("[0-9a-f]{64}", key) else None
+    except OSError:
+        tokens = None
+    if tokens is None:
+        key = entry_key(source, files, text_key, max_tokens, tokenizer)
+        tokens = _entry_tokens(cache_dir, key, source, files, text_key, max_tokens, tokenizer)
+        if isinstance(tokens, np.memmap):  # the entry is complete: point these files' stat at it
+            tmp = f"{pointer}.{uuid.uuid4().hex}.tmp"
+            try:
+                with open(tmp, "x") as f:
+                    f.write(key)
+                os.replace(tmp, pointer)
+            except OSError:  # a cache this process cannot write: the next start hashes again
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+    return tokens
+
+
+def _entry_tokens(cache_dir: str, key: str, source: str, files: List[str], text_key: str, max_tokens: int,
+                  tokenizer) -> np.ndarray:
     from .corpus import token_chunks
 
     def in_memory(why: str) -> np.ndarray:
         warnings.warn(f"the corpus cache {cache_dir} {why}: tokenizing in memory")
         return np.concatenate(list(token_chunks(source, files, text_key, tokenizer, max_tokens)))
 
-    base = os.path.join(cache_dir, entry_key(source, files, text_key, max_tokens, tokenizer))
+    base = os.path.join(cache_dir, key)
     # A complete entry needs no lock (its description is renamed into place last): a cache this process
     # cannot write (a read-only mount, another user's directory) is still read.
     tokens = read_entry(base)

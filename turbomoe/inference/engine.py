@@ -347,12 +347,19 @@ class Engine:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
                  top_p: float = 1.0, eos_token_id=None, attention_mask: Optional[torch.Tensor] = None,
-                 pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                 pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 streamer=None) -> torch.Tensor:
         """[B, T + n] tokens: the prompt, then up to max_new_tokens per row; a row that produced
         eos_token_id (an int or a list) gets pad_token_id (default: the first eos) after it, and
         generation stops when every row has. Greedy unless do_sample (temperature, top_p). input_ids: any
         integer dtype; without attention_mask, an explicit pad_token_id that is no EOS marks the padding
-        where input_ids hold it (transformers' rule), else every token is real."""
+        where input_ids hold it (transformers' rule), else every token is real. streamer: transformers'
+        streamer protocol (TextStreamer, TextIteratorStreamer): put(the prompt [B, T]), then put(each
+        step's tokens [B]), on the CPU, as they are made (a host read a step), and end() when generation
+        stops, an error's included."""
+        if streamer is not None and not all(callable(getattr(streamer, f, None)) for f in ("put", "end")):
+            raise TypeError(f"streamer must have put(tokens) and end() (transformers' TextStreamer, say), got "
+                            f"{type(streamer).__name__}")
         input_ids = self._check(input_ids, attention_mask, max_new_tokens)
         eos = _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
         pad = _token_ids(pad_token_id, "pad_token_id") if pad_token_id is not None else eos[:1] or [0]
@@ -377,10 +384,18 @@ class Engine:
         # autocast would hand the cache keys of another dtype); inference_mode off, under a caller's too
         # (no_grad holds): one state for the compiled parts' guards, not a second set of graphs
         with on_device(self.device), torch.autocast(self.device.type, enabled=False), torch.inference_mode(False):
-            return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator,
-                                  eos, pad[0])
+            if streamer is None:
+                return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p,
+                                      generator, eos, pad[0])
+            try:  # end() whatever happens: a consumer of TextIteratorStreamer would otherwise wait for ever
+                streamer.put(input_ids.cpu())
+                return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p,
+                                      generator, eos, pad[0], streamer.put)
+            finally:
+                streamer.end()
 
-    def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator, eos, pad):
+    def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator, eos, pad,
+                  put=None):
         B, T = input_ids.shape
         Bb = self._bucket(B)
         self._reserve(B, T + max_new_tokens)  # checked by _check
@@ -395,6 +410,8 @@ class Engine:
             tok = self._select(logits[:B], do_sample, temperature, top_p, generator)
             tok = torch.where(done, pad, tok)
             out.append(tok[:, None])
+            if put is not None:
+                put(tok.cpu())
             if len(eos):
                 done |= torch.isin(tok, eos_t)
                 if bool(done.all()):  # one host sync a step, only when stopping at EOS
