@@ -12,15 +12,17 @@ EXTRAS = {
     # load exported models with it.
     "transformers": ["transformers>=5"],
     "bench": ["matplotlib"],
+    # the recipes' Parquet corpora and zstandard-compressed JSON lines (turbomoe.data.corpus)
+    "data": ["pyarrow", "zstandard"],
     # CUTLASS's C++ headers for the Hopper grouped GEMM (built on first use; torch._grouped_mm without).
     "cuda": ["nvidia-cutlass==4.2.0.0"],
 }
-# Everything the test suite touches: the integrations, the recipes, Megatron's indexed datasets, and
-# transformers (>= 5): the model's forward is checked against Hugging Face's Qwen3-MoE, exported models
-# are loaded with it, and its models run on turbomoe's experts. pytest-xdist runs the interpreted
-# Triton tests a process per core (scripts/test.sh).
+# Everything the test suite touches: the integrations, the recipes, Megatron's indexed datasets, the
+# compressed and Parquet corpora, and transformers (>= 5): the model's forward is checked against
+# Hugging Face's Qwen3-MoE, exported models are loaded with it, and its models run on turbomoe's
+# experts. pytest-xdist runs the interpreted Triton tests a process per core (scripts/test.sh).
 EXTRAS["dev"] = sorted({"pytest", "pytest-xdist", "numpy", *EXTRAS["train"], *EXTRAS["megatron"], *EXTRAS["export"],
-                        *EXTRAS["transformers"]})
+                        *EXTRAS["transformers"], *EXTRAS["data"]})
 
 setup(
     name="turbomoe",

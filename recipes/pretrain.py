@@ -116,7 +116,7 @@ def prepare(args):
         samples = Samples(stream, cfg.data.seq_len, cfg.data.valid_fraction, cfg.train.seed)
         # Every rank needs a validation batch (checked here, not after the process group is up).
         samples.valid_batches(0, int(os.environ.get("WORLD_SIZE", "1")), cfg.train.micro_batch_size, 1)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:  # ImportError: a source's reader missing
         raise ConfigError(str(e)) from e
     if resume is not None:
         check_same_corpus(cfg, meta, stream, os.path.join(*resume))

@@ -43,9 +43,9 @@ class MoESection:
 
 @dataclass
 class DataSection:
-    source: str = "stdlib"  # stdlib | text | jsonl | megatron
+    source: str = "stdlib"  # stdlib | text | jsonl | parquet | megatron
     paths: List[str] = field(default_factory=list)
-    text_key: str = "text"  # jsonl field holding the document
+    text_key: str = "text"  # jsonl field or Parquet column holding the document
     seq_len: int = 256
     valid_fraction: float = 0.01
     max_tokens: int = 0  # > 0: use only the first max_tokens of the corpus

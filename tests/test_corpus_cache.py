@@ -202,3 +202,15 @@ def test_a_start_finds_its_entry_by_the_files_stat(tmp_path, monkeypatch):
                 f.write(content)
         hashed.clear()
         assert np.array_equal(load_stream("text", [docs], cache_dir=cache_dir).tokens, edited.tokens) and hashed
+
+
+def test_parquet_entries_follow_the_column(tmp_path):
+    """One Parquet file, two string columns: each its own entry and tokens (text_key is in the key)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"a": ["first column"] * 3, "b": ["second"] * 3}), str(tmp_path / "t.parquet"))
+    cache_dir = str(tmp_path / "cache")
+    for column in ("a", "b", "a"):
+        got = load_stream("parquet", [str(tmp_path / "t.parquet")], column, cache_dir=cache_dir)
+        assert np.array_equal(got.tokens, load_stream("parquet", [str(tmp_path / "t.parquet")], column).tokens)
+    assert len(entries(cache_dir)) == 2

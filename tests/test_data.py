@@ -41,7 +41,7 @@ def test_text_and_jsonl(tmp_path):
 def test_bad_paths_and_records(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_stream("text", [str(tmp_path / "missing.txt")])
-    with pytest.raises(FileNotFoundError, match="no \\*.jsonl files"):
+    with pytest.raises(FileNotFoundError, match=r"no \*.jsonl / \*.jsonl.gz / \*.jsonl.zst files"):
         load_stream("jsonl", [str(tmp_path)])
     with pytest.raises(ValueError, match="data.paths is empty"):
         load_stream("text", [])
@@ -57,7 +57,7 @@ def test_bad_paths_and_records(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing"):
         load_stream("megatron", [str(tmp_path / "nothing_text_document")])
     with pytest.raises(ValueError, match="data.source"):
-        load_stream("parquet", [])
+        load_stream("csv", [])
 
 
 def test_stdlib_corpus():
@@ -192,3 +192,99 @@ def test_corpus_in_a_hugging_face_tokenizer(tmp_path):
             corpus_tokenizer(None, path)
     with pytest.raises(ValueError, match="has no EOS token"):
         corpus_tokenizer(word_tokenizer(tmp_path / "no_eos", words[:5], eos=None))
+
+
+DOCS = ["héllo", "", "world " * 300, "\u20ac\U0001f600 <|endoftext|>", "last"]
+
+
+def test_compressed_json_lines_and_parquet(tmp_path):
+    """.jsonl.gz, .jsonl.zst and Parquet (a row a document, row groups of two) give the plain jsonl's
+    stream; a directory is searched for the three jsonl kinds; other columns are not read."""
+    zstandard = pytest.importorskip("zstandard")
+    pa = pytest.importorskip("pyarrow")
+    import gzip
+
+    import pyarrow.parquet as pq
+    lines = "".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(DOCS)).encode()
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "a.jsonl").write_bytes(lines)
+    want = load_stream("jsonl", [str(tmp_path / "j" / "a.jsonl")]).tokens
+    assert len(want) == sum(len(t.encode()) + 1 for t in DOCS if t)
+    (tmp_path / "j" / "b.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "j" / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    for name in ("b.jsonl.gz", "c.jsonl.zst"):
+        assert np.array_equal(load_stream("jsonl", [str(tmp_path / "j" / name)]).tokens, want), name
+    assert np.array_equal(load_stream("jsonl", [str(tmp_path / "j")]).tokens, np.concatenate([want] * 3))
+    for large in (False, True):
+        table = pa.table({"id": list(range(len(DOCS))),
+                          "body": pa.array(DOCS, pa.large_string() if large else pa.string())})
+        pq.write_table(table, str(tmp_path / f"p{large}.parquet"), row_group_size=2)
+        got = load_stream("parquet", [str(tmp_path / f"p{large}.parquet")], text_key="body")
+        assert np.array_equal(got.tokens, want) and len(load_stream(
+            "parquet", [str(tmp_path / f"p{large}.parquet")], text_key="body", max_tokens=7)) == 7
+
+
+def test_compressed_and_parquet_errors_name_the_file(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    pa = pytest.importorskip("pyarrow")
+    import gzip
+
+    import pyarrow.parquet as pq
+    whole = gzip.compress(b'{"text": "ok"}\n' * 1000)
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:-20])
+    (tmp_path / "bad.jsonl.zst").write_bytes(b"not zstandard")
+    (tmp_path / "line.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "ok"}\n{"text": 3}\n'))
+    for name, message in (("cut.jsonl.gz", "cut.jsonl.gz: cannot be read to its end"),
+                          ("bad.jsonl.zst", "bad.jsonl.zst: cannot be read to its end"),
+                          ("line.jsonl.zst", "line.jsonl.zst:2: not a UTF-8 JSON object")):
+        with pytest.raises(ValueError, match=message):
+            load_stream("jsonl", [str(tmp_path / name)])
+    (tmp_path / "not.parquet").write_bytes(b"PAR1 but not really")
+    pq.write_table(pa.table({"text": ["a", None, "c"]}), str(tmp_path / "null.parquet"))
+    pq.write_table(pa.table({"text": [1, 2]}), str(tmp_path / "ints.parquet"))
+    for name, message in (("not.parquet", "not.parquet: not a Parquet file"),
+                          ("null.parquet", r"null.parquet: row 2: its 'text' is null"),
+                          ("ints.parquet", "ints.parquet: column 'text' is int64, not strings")):
+        with pytest.raises(ValueError, match=message):
+            load_stream("parquet", [str(tmp_path / name)])
+    with pytest.raises(ValueError, match=r"no column 'body' \(data.text_key\); its columns: \['text'\]"):
+        load_stream("parquet", [str(tmp_path / "null.parquet")], text_key="body")
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no \*.parquet files"):
+        load_stream("parquet", [str(tmp_path / "empty_dir")])
+    import sys
+    from unittest import mock
+    with mock.patch.dict(sys.modules, {"zstandard": None, "pyarrow": None, "pyarrow.parquet": None}):
+        with pytest.raises(ImportError, match=r"pip install -e '.\[data\]'"):
+            load_stream("jsonl", [str(tmp_path / "line.jsonl.zst")])
+        with pytest.raises(ImportError, match=r"pip install -e '.\[data\]'"):
+            load_stream("parquet", [str(tmp_path / "null.parquet")])
+
+
+def test_recipe_reads_a_parquet_corpus(tmp_path, monkeypatch):
+    """data.source parquet through the recipe's prepare (the corpus cache on): the stream load_stream
+    reads in memory; pyarrow missing is a config error naming the extra."""
+    pa = pytest.importorskip("pyarrow")
+    pytest.importorskip("deepspeed")
+    import os
+    import sys
+
+    import pyarrow.parquet as pq
+    from launching import ROOT
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    import pretrain
+    from recipe_config import ConfigError
+    pq.write_table(pa.table({"content": [f"def f{i}(x):\n    return x * {i}\n" * 20 for i in range(1000)]}),
+                   str(tmp_path / "c.parquet"), row_group_size=64)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", os.path.join(ROOT, "recipes", "configs", "tiny-cpu.yaml"), "--set", "data.source=parquet",
+            "--set", f"data.paths=[{tmp_path / 'c.parquet'}]", "--set", "data.text_key=content",
+            "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", f"log.dir={tmp_path / 'log'}",
+            "--set", "moe.ep_size=1"]
+    samples = pretrain.prepare(pretrain.parse_args(argv))[2]
+    assert isinstance(samples.stream.tokens, np.memmap)
+    assert np.array_equal(samples.stream.tokens, load_stream("parquet", [str(tmp_path / "c.parquet")], "content").tokens)
+    from unittest import mock
+    with mock.patch.dict(sys.modules, {"pyarrow": None, "pyarrow.parquet": None}):
+        with pytest.raises(ConfigError, match=r"pip install -e '.\[data\]'"):
+            pretrain.prepare(pretrain.parse_args([*argv, "--set", "data.cache=false"]))

@@ -5,16 +5,18 @@ tokens are one copy in the page cache however many ranks read them.
 
 An entry is named by a sha256 of everything its tokens are a function of: the documents' bytes in
 order (not the files' names or times: an edited file makes another entry, a moved one finds its own),
-how files split into documents (jsonl's lines and text_key), max_tokens, and the tokenizer (its
-cache_id: its files and the libraries' versions). Its files: KEY.tokens (the ids, in the tokenizer's
+how files split into documents (jsonl's lines, Parquet's rows, and their text_key), max_tokens, and the
+tokenizer (its cache_id: its files and the libraries' versions). Its files: KEY.tokens (the ids, in the tokenizer's
 dtype) and KEY.json (what the entry is; written last, so a key without it is incomplete). Ranks that
 start together wait on KEY.lock while the first tokenizes. turbomoe never deletes an entry: remove the
 directory's files to reclaim the space.
 
 Hashing reads the whole corpus (about a second a GB), so a start finds the entry first by the files'
-paths, sizes, modification times and inodes: stat-STATKEY names the entry those files had (written
-once their entry is read). Only a file changed without a change to any of those (its bytes rewritten
-in place with its time set back) would go unseen, as with rsync's or make's own checks.
+paths, sizes, modification and status-change times and inodes: stat-STATKEY names the entry those
+files had (written once their entry is read). The status-change time (ctime), which no program can
+set, is what makes a same-size file whose modification time was set back (cp -p, tar and unzip give
+it the archived one) another state, as git's index does; only a rewrite within the file system's
+timestamp granularity of the previous one would go unseen.
 """
 import contextlib
 import datetime
@@ -43,8 +45,9 @@ def default_dir() -> str:
 
 
 def _spec(source: str, text_key: str, max_tokens: int, tokenizer) -> bytes:
-    return json.dumps({"format": FORMAT, "documents": "lines" if source == "jsonl" else "files",
-                       "text_key": text_key if source == "jsonl" else None, "max_tokens": max_tokens,
+    keyed = source in ("jsonl", "parquet")  # documents are a field of each line or a column of each row
+    return json.dumps({"format": FORMAT, "documents": {"jsonl": "lines", "parquet": "rows"}.get(source, "files"),
+                       "text_key": text_key if keyed else None, "max_tokens": max_tokens,
                        "tokenizer": tokenizer.cache_id}, sort_keys=True).encode()
 
 
@@ -52,7 +55,8 @@ def stat_key(source: str, files: List[str], text_key: str, max_tokens: int, toke
     key = hashlib.sha256(_spec(source, text_key, max_tokens, tokenizer))
     for path in files:
         st = os.stat(path)
-        key.update(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev]).encode())
+        key.update(json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                               st.st_dev]).encode())
     return key.hexdigest()
 
 

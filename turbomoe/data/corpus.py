@@ -3,16 +3,20 @@
 Sources (the recipe's data.source):
   stdlib    the Python standard library's .py sources: on every machine, no download
   text      text files (each file one document; directories are searched for *.txt)
-  jsonl     JSON-lines files, one document per line in the field data.text_key
+  jsonl     JSON-lines files, one document per line in the field data.text_key; .gz and .zst
+            compressed files too (zstandard for .zst)
+  parquet   Parquet files, one document per row in the string column data.text_key (pyarrow)
   megatron  Megatron .bin/.idx indexed datasets (already tokenized, e.g. by Megatron-DeepSpeed's
             tools/preprocess_data.py), read through megatron-core's IndexedDataset, never loaded whole
-The three text sources are tokenized with the byte-level tokenizer, or a Hugging Face tokenizer
+The four text sources are tokenized with the byte-level tokenizer, or a Hugging Face tokenizer
 (tokenizer.HFTokenizer: a model's own vocabulary), end-of-document after every document (one of no
 tokens adds nothing).
 """
 import functools
 import glob
+import gzip
 import hashlib
+import io
 import json
 import os
 import sysconfig
@@ -22,7 +26,10 @@ import numpy as np
 
 from .tokenizer import ByteTokenizer
 
-SOURCES = ("stdlib", "text", "jsonl", "megatron")
+SOURCES = ("stdlib", "text", "jsonl", "parquet", "megatron")
+# What a directory named in data.paths is searched for, by source (a file named there is read whatever
+# its name).
+PATTERNS = {"text": ("*.txt", ), "jsonl": ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst"), "parquet": ("*.parquet", )}
 
 
 class ArrayStream:
@@ -91,16 +98,16 @@ def stdlib_files() -> List[str]:
     return files
 
 
-def _expand(paths: List[str], pattern: str) -> List[str]:
-    """Files named in paths; directories are searched recursively for pattern. Missing paths raise."""
+def _expand(paths: List[str], patterns) -> List[str]:
+    """Files named in paths; directories are searched recursively for patterns. Missing paths raise."""
     if not paths:
         raise ValueError("data.paths is empty; name the files or directories to train on")
     files = []
     for p in paths:
         if os.path.isdir(p):
-            found = sorted(glob.glob(os.path.join(p, "**", pattern), recursive=True))
+            found = sorted({f for pattern in patterns for f in glob.glob(os.path.join(p, "**", pattern), recursive=True)})
             if not found:
-                raise FileNotFoundError(f"data path {p!r} is a directory with no {pattern} files")
+                raise FileNotFoundError(f"data path {p!r} is a directory with no {' / '.join(patterns)} files")
             files += found
         elif os.path.isfile(p):
             files.append(p)
@@ -116,28 +123,83 @@ def corpus_files(source: str, paths: List[str]) -> List[str]:
         if not files:
             raise FileNotFoundError(f"no Python standard library sources under {sysconfig.get_paths()['stdlib']}")
         return files
-    return _expand(paths, "*.txt" if source == "text" else "*.jsonl")
+    return _expand(paths, PATTERNS[source])
+
+
+def _open(path: str):
+    """(path's bytes, decompressed where its name ends in .gz or .zst; what reading them raises where
+    the file is corrupt or cut short)."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb"), (OSError, EOFError)
+    if path.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError as e:
+            raise ImportError(f"{path}: .zst files are read with zstandard: pip install -e '.[data]'") from e
+        return io.BufferedReader(zstandard.open(path, "rb")), (OSError, zstandard.ZstdError)  # buffered: lines
+    return open(path, "rb"), (OSError, )
 
 
 def _documents(source: str, files: List[str], text_key: str):
     for path in files:
-        if source != "jsonl":
+        if source == "parquet":
+            yield from _parquet_documents(path, text_key)
+        elif source != "jsonl":
             with open(path, "rb") as f:  # the bytes as they are: the byte tokenizer needs no decoding
                 yield f.read()
-            continue
-        with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    doc = json.loads(line.decode("utf-8"))[text_key]
-                    if not isinstance(doc, str):
-                        raise TypeError(f"its {text_key!r} is {type(doc).__name__}")
-                    doc = doc.encode("utf-8")  # here, so that a lone surrogate (JSON's "\ud800") names its line
-                except (UnicodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{lineno}: not a UTF-8 JSON object with a {text_key!r} string field "
-                                     f"({type(e).__name__}: {e})") from None
-                yield doc
+        else:
+            yield from _jsonl_documents(path, text_key)
+
+
+def _jsonl_documents(path: str, text_key: str):
+    f, errors = _open(path)
+    with f:
+        lines = enumerate(f, 1)
+        while True:
+            try:
+                lineno, line = next(lines, (0, None))
+            except errors as e:
+                raise ValueError(f"{path}: cannot be read to its end ({type(e).__name__}: {e})") from None
+            if line is None:
+                return
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line.decode("utf-8"))[text_key]
+                if not isinstance(doc, str):
+                    raise TypeError(f"its {text_key!r} is {type(doc).__name__}")
+                doc = doc.encode("utf-8")  # here, so that a lone surrogate (JSON's "\ud800") names its line
+            except (UnicodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a UTF-8 JSON object with a {text_key!r} string field "
+                                 f"({type(e).__name__}: {e})") from None
+            yield doc
+
+
+def _parquet_documents(path: str, text_key: str):
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"{path}: Parquet files are read with pyarrow: pip install -e '.[data]'") from e
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a Parquet file ({type(e).__name__}: {e})") from None
+    schema = file.schema_arrow
+    if text_key not in schema.names:
+        raise ValueError(f"{path}: no column {text_key!r} (data.text_key); its columns: {schema.names}")
+    kind = schema.field(text_key).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: column {text_key!r} is {kind}, not strings")
+    row = 0
+    for batch in file.iter_batches(columns=[text_key], batch_size=1024):
+        docs = batch.column(0)
+        if docs.null_count:
+            first = next(i for i, valid in enumerate(docs.is_valid().to_pylist()) if not valid)
+            raise ValueError(f"{path}: row {row + first + 1}: its {text_key!r} is null")
+        # as bytes (a cast, no copy): the UTF-8 the byte tokenizer reads, without decoding it here
+        yield from docs.cast(pa.large_binary() if pa.types.is_large_string(kind) else pa.binary()).to_pylist()
+        row += len(docs)
 
 
 # Documents a tokenizer call takes at once (a Hugging Face tokenizer encodes a batch on all cores), and

@@ -360,6 +360,16 @@ class Engine:
         if streamer is not None and not all(callable(getattr(streamer, f, None)) for f in ("put", "end")):
             raise TypeError(f"streamer must have put(tokens) and end() (transformers' TextStreamer, say), got "
                             f"{type(streamer).__name__}")
+        try:
+            return self._checked_generate(input_ids, max_new_tokens, do_sample, temperature, top_p, eos_token_id,
+                                          attention_mask, pad_token_id, generator, streamer)
+        finally:  # whatever happens, a bad argument's error included: a consumer of TextIteratorStreamer (in
+            # another thread) would otherwise wait for ever
+            if streamer is not None:
+                streamer.end()
+
+    def _checked_generate(self, input_ids, max_new_tokens, do_sample, temperature, top_p, eos_token_id, attention_mask,
+                          pad_token_id, generator, streamer=None):
         input_ids = self._check(input_ids, attention_mask, max_new_tokens)
         eos = _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
         pad = _token_ids(pad_token_id, "pad_token_id") if pad_token_id is not None else eos[:1] or [0]
@@ -384,15 +394,10 @@ class Engine:
         # autocast would hand the cache keys of another dtype); inference_mode off, under a caller's too
         # (no_grad holds): one state for the compiled parts' guards, not a second set of graphs
         with on_device(self.device), torch.autocast(self.device.type, enabled=False), torch.inference_mode(False):
-            if streamer is None:
-                return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p,
-                                      generator, eos, pad[0])
-            try:  # end() whatever happens: a consumer of TextIteratorStreamer would otherwise wait for ever
+            if streamer is not None:
                 streamer.put(input_ids.cpu())
-                return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p,
-                                      generator, eos, pad[0], streamer.put)
-            finally:
-                streamer.end()
+            return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator,
+                                  eos, pad[0], streamer.put if streamer is not None else None)
 
     def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator, eos, pad,
                   put=None):
