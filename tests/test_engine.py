@@ -531,6 +531,15 @@ def test_cuda_fp32_tokens_equal_cpu(tmp_path, seed):
         got = gpu.generate(ids, 14, attention_mask=mask, streamer=rec)
         assert torch.equal(got.cpu(), want) and rec.ends == 1
         assert torch.equal(torch.cat([rec.puts[0]] + [t[:, None] for t in rec.puts[1:]], 1), want)
+        # stopping at EOS (read a step behind the GPU), streamed or not: the CPU path's tokens
+        eos = [int(want[1, ids.shape[1] + 3]), int(want[0, ids.shape[1] + 5])]
+        want = cpu.generate(ids, 14, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
+        assert want.shape[1] < ids.shape[1] + 14 or (want[:, ids.shape[1]:] == 0).any()
+        rec = Recorder()
+        for kw in ({}, dict(streamer=rec)):
+            got = gpu.generate(ids, 14, attention_mask=mask, eos_token_id=eos, pad_token_id=0, **kw)
+            assert torch.equal(got.cpu(), want), (got, want)
+        assert torch.equal(torch.cat([rec.puts[0]] + [t[:, None] for t in rec.puts[1:]], 1), want)
     assert gpu.graphs  # the decode steps ran from CUDA graphs
 
 

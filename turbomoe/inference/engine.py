@@ -411,22 +411,39 @@ class Engine:
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         out = [ids]
         logits = self._prefill(ids, mask)
+        # The host reads each step's tokens (put) or whether every row is done (EOS): one sync a step. On
+        # a GPU they go through pinned memory and the host waits for them after the next step is queued,
+        # so the GPU does not idle while the host issues it (at the price of one step queued in vain when
+        # all rows have stopped).
+        reads, ahead = put is not None or bool(eos), self.device.type == "cuda"
+        if reads and ahead:
+            tok_host = torch.empty(max_new_tokens, B, dtype=torch.long, pin_memory=True)
+            done_host = torch.zeros(max_new_tokens, dtype=torch.bool, pin_memory=True)
         for step in range(max_new_tokens):
             tok = self._select(logits[:B], do_sample, temperature, top_p, generator)
             tok = torch.where(done, pad, tok)
             out.append(tok[:, None])
-            if put is not None:
-                put(tok.cpu())
-            if len(eos):
+            if eos:
                 done |= torch.isin(tok, eos_t)
-                if bool(done.all()):  # one host sync a step, only when stopping at EOS
+            if reads and ahead:
+                tok_host[step].copy_(tok, non_blocking=True)
+                if eos:
+                    done_host[step].copy_(done.all(), non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+            if step + 1 < max_new_tokens:
+                self.tokens[:B] = tok
+                self.slot.fill_(T + step)
+                logits = self._decode(Bb)
+                self.positions[:Bb] += 1
+            if reads:
+                if ahead:
+                    copied.synchronize()
+                tok_now, finished = (tok_host[step], bool(done_host[step])) if ahead else (tok.clone(), bool(done.all()))
+                if put is not None:
+                    put(tok_now)
+                if finished:
                     break
-            if step + 1 == max_new_tokens:
-                break
-            self.tokens[:B] = tok
-            self.slot.fill_(T + step)
-            logits = self._decode(Bb)
-            self.positions[:Bb] += 1
         return torch.cat(out, 1)
 
     @staticmethod
