@@ -127,17 +127,59 @@ def corpus_files(source: str, paths: List[str]) -> List[str]:
 
 
 def _open(path: str):
-    """(path's bytes, decompressed where its name ends in .gz or .zst; what reading them raises where
-    the file is corrupt or cut short)."""
-    if path.endswith(".gz"):
+    """(path's bytes, decompressed where its name ends in .gz or .zst, in any case; what reading them
+    raises where the file is corrupt or cut short)."""
+    name = path.lower()
+    if name.endswith(".gz"):
         return gzip.open(path, "rb"), (OSError, EOFError)
-    if path.endswith(".zst"):
+    if name.endswith(".zst"):
         try:
             import zstandard
         except ImportError as e:
             raise ImportError(f"{path}: .zst files are read with zstandard: pip install -e '.[data]'") from e
-        return io.BufferedReader(zstandard.open(path, "rb")), (OSError, zstandard.ZstdError)  # buffered: lines
+        return io.BufferedReader(_ZstdFrames(path, zstandard), 1 << 20), (OSError, zstandard.ZstdError)  # lines
     return open(path, "rb"), (OSError, )
+
+
+class _ZstdFrames(io.RawIOBase):
+    """A zstandard file's bytes, frame after frame (skippable ones too). zstandard's own reader ends
+    quietly where the file ends inside a frame, the corpus a prefix of itself: this raises ZstdError
+    there, as gzip does. Windows up to 2 GiB (zstd --long=31), as zstd -d --long=31 reads."""
+    READ = 1 << 16  # compressed bytes decompressed at once
+
+    def __init__(self, path: str, zstandard):
+        self._file, self._zstandard = open(path, "rb"), zstandard
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
+        self._frame = None  # the decompressor of the frame under way; None between frames
+        self._out, self._pos = memoryview(b""), 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b) -> int:
+        while self._pos == len(self._out):
+            data = self._file.read(self.READ)
+            if not data:
+                if self._frame is not None:
+                    raise self._zstandard.ZstdError("the file ends inside a zstd frame: cut short")
+                return 0
+            out = []
+            while data:
+                if self._frame is None:
+                    self._frame = self._dctx.decompressobj()
+                out.append(self._frame.decompress(data))
+                data = b""
+                if self._frame.eof:  # the frame is whole; what follows it is the next one's
+                    data, self._frame = self._frame.unused_data, None
+            self._out, self._pos = memoryview(b"".join(out)), 0
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self):
+        self._file.close()
+        super().close()
 
 
 def _documents(source: str, files: List[str], text_key: str):
@@ -182,23 +224,42 @@ def _parquet_documents(path: str, text_key: str):
     except ImportError as e:
         raise ImportError(f"{path}: Parquet files are read with pyarrow: pip install -e '.[data]'") from e
     try:
-        file = pq.ParquetFile(path)
+        # buffered, not pre-buffered: pyarrow otherwise reads a row group's whole column chunk at once
+        # (memory: the row group's size, GBs for a row group of a million documents)
+        file = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"{path}: not a Parquet file ({type(e).__name__}: {e})") from None
     schema = file.schema_arrow
     if text_key not in schema.names:
         raise ValueError(f"{path}: no column {text_key!r} (data.text_key); its columns: {schema.names}")
+    if len(schema.get_all_field_indices(text_key)) > 1:
+        raise ValueError(f"{path}: {len(schema.get_all_field_indices(text_key))} columns named {text_key!r}")
     kind = schema.field(text_key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    # strings: plain, large, string_view (pyarrow >= 16), or dictionary-encoded (pandas' Categorical)
+    value = kind.value_type if pa.types.is_dictionary(kind) else kind
+    binary = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+    if hasattr(pa, "string_view"):
+        binary[pa.string_view()] = pa.binary_view()
+    if value not in binary:
         raise ValueError(f"{path}: column {text_key!r} is {kind}, not strings")
-    row = 0
-    for batch in file.iter_batches(columns=[text_key], batch_size=1024):
+    row, batches = 0, file.iter_batches(columns=[text_key], batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:  # a damaged page: pyarrow's message does not name the file
+            raise ValueError(f"{path}: cannot be read to its end ({type(e).__name__}: {e})") from None
+        if batch is None:
+            return
         docs = batch.column(0)
-        if docs.null_count:
-            first = next(i for i, valid in enumerate(docs.is_valid().to_pylist()) if not valid)
-            raise ValueError(f"{path}: row {row + first + 1}: its {text_key!r} is null")
+        if pa.types.is_dictionary(docs.type):
+            docs = docs.dictionary_decode()
+        # The rows before a null are documents: max_tokens' cut may come before it, which is then not read.
+        first = next((i for i, valid in enumerate(docs.is_valid().to_pylist()) if not valid), None) \
+            if docs.null_count else None
         # as bytes (a cast, no copy): the UTF-8 the byte tokenizer reads, without decoding it here
-        yield from docs.cast(pa.large_binary() if pa.types.is_large_string(kind) else pa.binary()).to_pylist()
+        yield from docs.slice(0, first).cast(binary[docs.type]).to_pylist()
+        if first is not None:
+            raise ValueError(f"{path}: row {row + first + 1}: its {text_key!r} is null")
         row += len(docs)
 
 
@@ -218,7 +279,7 @@ def _batches(docs):
             if len(batch) == BATCH_DOCS or size >= BATCH_BYTES:
                 yield batch
                 batch, size = [], 0
-    except (OSError, ValueError):
+    except Exception:  # (a reader missing too: ImportError)
         if batch:
             yield batch
         raise
