@@ -195,16 +195,16 @@ def main(argv=None):
         out, total = timed(args.max_new_tokens, args.seed)
         stops = set(eos)
         for row in out[:, T:].tolist():
-            # cut after the row's EOS: the pad ids that follow it are text where the tokenizer has them as no special
-            # token
+            # cut after the row's EOS: the pad ids after it are text where the tokenizer has them as no special token
             end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
             print(tok.decode(row[:end], skip_special_tokens=True))
     steps = out.shape[1] - T - 1
     # the two calls' difference: noise can exceed it when little is decoded, and is all of it with no step
     decode = total - prefill if steps > 0 else 0.0
     rate = f"{B * steps / decode:.1f} tokens/s" if steps > 0 and decode > 0 else "too short to time"
+    rate += ", streamed" if args.stream else ""
     print(f"\n[{B} x {out.shape[1] - T} new tokens] prefill {prefill * 1e3:.1f} ms, decode "
-          f"{max(decode, 0) * 1e3:.1f} ms ({rate}{', streamed' if args.stream else ''}), first call (kernel builds, torch.compile, graph capture) {warm:.2f} s",
+          f"{max(decode, 0) * 1e3:.1f} ms ({rate}), first call (kernel builds, torch.compile, graph capture) {warm:.2f} s",
           file=sys.stderr)
 
 

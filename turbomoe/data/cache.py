@@ -6,10 +6,10 @@ tokens are one copy in the page cache however many ranks read them.
 An entry is named by a sha256 of everything its tokens are a function of: the documents' bytes in
 order (not the files' names or times: an edited file makes another entry, a moved one finds its own),
 how files split into documents (jsonl's lines, Parquet's rows, and their text_key), max_tokens, and the
-tokenizer (its cache_id: its files and the libraries' versions). Its files: KEY.tokens (the ids, in the tokenizer's
-dtype) and KEY.json (what the entry is; written last, so a key without it is incomplete). Ranks that
-start together wait on KEY.lock while the first tokenizes. turbomoe never deletes an entry: remove the
-directory's files to reclaim the space.
+tokenizer (its cache_id: its files and the libraries' versions). Its files: KEY.tokens (the ids, in the
+tokenizer's dtype) and KEY.json (what the entry is; written last, so a key without it is incomplete).
+Ranks that start together wait on KEY.lock while the first tokenizes. turbomoe never deletes an entry:
+remove the directory's files to reclaim the space.
 
 Hashing reads the whole corpus (about a second a GB), so a start finds the entry first by the files'
 paths, sizes, modification and status-change times and inodes: stat-STATKEY names the entry those
