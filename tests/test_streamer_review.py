@@ -79,3 +79,45 @@ def test_text_iterator_streamer_in_a_thread(tmp_path):
     text, result = streamed(engine, tok, prompt, 200)  # past max_seq_len: an error, and the consumer stops
     assert isinstance(result.get("error"), ValueError) and "max_seq_len" in str(result["error"])
     assert text == "", "the consumer waited for ever: end() was not called after the argument error"
+
+
+def test_an_error_of_end_does_not_hide_generates_own(tmp_path):
+    """After generate's own error, an end() that raises too leaves the caller generate's error; after a
+    good call, end()'s error is the caller's."""
+    _, path = hf_model(tmp_path, 2)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48)
+
+    class Broken(Recorder):
+        def end(self):
+            super().end()
+            raise RuntimeError("end failed")
+    rec = Broken(fail_at=2)
+    with pytest.raises(RuntimeError, match="the consumer went away"):
+        engine.generate(torch.tensor([[5, 6, 7]]), 6, streamer=rec)
+    assert rec.ends == 1
+    with pytest.raises(RuntimeError, match="end failed"):
+        engine.generate(torch.tensor([[5, 6, 7]]), 3, streamer=Broken())
+
+
+def test_generate_cli_stream_hands_the_engine_a_streamer(tmp_path, capsys, monkeypatch):
+    """--stream's text comes through the streamer as generate makes it: the timed call gets a
+    TextStreamer, and stdout holds nothing printed after generate returned."""
+    from turbomoe.data import ByteTokenizer
+    from turbomoe.generate import main
+    from turbomoe.inference.engine import Engine
+    from turbomoe.models import Qwen3MoeForCausalLM
+    _, path = hf_model(tmp_path, 5, vocab_size=257, eos_token_id=256, pad_token_id=256)
+    out = os.path.join(tmp_path, "bytes")
+    Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out, tokenizer=ByteTokenizer())
+    generate, calls = Engine.generate, []
+
+    def spy(self, *args, **kw):
+        result = generate(self, *args, **kw)
+        calls.append((kw.get("streamer"), capsys.readouterr().out))  # what was printed by the time it returned
+        return result
+    monkeypatch.setattr(Engine, "generate", spy)
+    capsys.readouterr()
+    main([out, "--prompt", "abc", "--max-new-tokens", "6", "--device", "cpu", "--stream"])
+    streamer, printed = calls[-1]
+    assert isinstance(streamer, transformers.TextStreamer) and printed.endswith("\n")
+    assert capsys.readouterr().out == ""  # nothing after the streamed call's end()

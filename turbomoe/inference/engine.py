@@ -18,6 +18,7 @@ of the experts in memory: the model's MoE layers and save_pretrained then raise,
 keep_model=True.
 On the CPU the same code runs the reference ops.
 """
+import contextlib
 import inspect
 import json
 import numbers
@@ -360,13 +361,20 @@ class Engine:
         if streamer is not None and not all(callable(getattr(streamer, f, None)) for f in ("put", "end")):
             raise TypeError(f"streamer must have put(tokens) and end() (transformers' TextStreamer, say), got "
                             f"{type(streamer).__name__}")
-        try:
+        if streamer is None:
             return self._checked_generate(input_ids, max_new_tokens, do_sample, temperature, top_p, eos_token_id,
-                                          attention_mask, pad_token_id, generator, streamer)
-        finally:  # whatever happens, a bad argument's error included: a consumer of TextIteratorStreamer (in
-            # another thread) would otherwise wait for ever
-            if streamer is not None:
+                                          attention_mask, pad_token_id, generator)
+        # end() whatever happens, a bad argument's error included: a consumer of TextIteratorStreamer (in another
+        # thread) would otherwise wait for ever; after an error, an error of end()'s own does not replace it
+        try:
+            out = self._checked_generate(input_ids, max_new_tokens, do_sample, temperature, top_p, eos_token_id,
+                                         attention_mask, pad_token_id, generator, streamer)
+        except BaseException:
+            with contextlib.suppress(Exception):
                 streamer.end()
+            raise
+        streamer.end()
+        return out
 
     def _checked_generate(self, input_ids, max_new_tokens, do_sample, temperature, top_p, eos_token_id, attention_mask,
                           pad_token_id, generator, streamer=None):
