@@ -73,10 +73,12 @@ def test_upper_case_extensions_named_explicitly(tmp_path):
         assert np.array_equal(load_stream("jsonl", [str(tmp_path / name)]).tokens, want), name
 
 
-@pytest.mark.parametrize("kind", ["dictionary", "large dictionary", "string_view", "pandas categorical"])
+@pytest.mark.parametrize("kind", ["dictionary", "large dictionary", "string_view", "pandas categorical", "binary",
+                                  "large binary"])
 def test_parquet_string_columns_of_every_arrow_kind(tmp_path, kind):
-    """A dictionary-encoded column (pandas' Categorical, or any table written dictionary-encoded) and
-    pyarrow's string_view hold strings too: the same stream as the plain jsonl."""
+    """A dictionary-encoded column (pandas' Categorical, or any table written dictionary-encoded),
+    pyarrow's string_view and a binary column (older writers' text without its UTF-8 annotation) hold
+    strings too: the same stream as the plain jsonl."""
     want = plain(tmp_path)
     if kind == "pandas categorical":
         pd = pytest.importorskip("pandas")
@@ -86,7 +88,9 @@ def test_parquet_string_columns_of_every_arrow_kind(tmp_path, kind):
             pytest.skip("pyarrow < 16")
         array = {"dictionary": lambda: pa.array(DOCS).dictionary_encode(),
                  "large dictionary": lambda: pa.array(DOCS, pa.large_string()).dictionary_encode(),
-                 "string_view": lambda: pa.array(DOCS, pa.string_view())}[kind]()
+                 "string_view": lambda: pa.array(DOCS, pa.string_view()),
+                 "binary": lambda: pa.array([d.encode() for d in DOCS], pa.binary()),
+                 "large binary": lambda: pa.array([d.encode() for d in DOCS], pa.large_binary())}[kind]()
         pq.write_table(pa.table({"text": array}), str(tmp_path / "t.parquet"), row_group_size=2)
     assert np.array_equal(load_stream("parquet", [str(tmp_path / "t.parquet")]).tokens, want)
     assert load_stream("parquet", [str(tmp_path / "t.parquet")], max_tokens=7).tokens.tolist() == list("héllo".encode()) + [

@@ -235,11 +235,13 @@ def _parquet_documents(path: str, text_key: str):
     if len(schema.get_all_field_indices(text_key)) > 1:
         raise ValueError(f"{path}: {len(schema.get_all_field_indices(text_key))} columns named {text_key!r}")
     kind = schema.field(text_key).type
-    # strings: plain, large, string_view (pyarrow >= 16), or dictionary-encoded (pandas' Categorical)
+    # strings: plain, large, string_view (pyarrow >= 16), or dictionary-encoded (pandas' Categorical); and
+    # binary columns, as older writers (Hive, Impala) store text without its UTF-8 annotation
     value = kind.value_type if pa.types.is_dictionary(kind) else kind
-    binary = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+    binary = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.binary(): pa.binary(),
+              pa.large_binary(): pa.large_binary()}
     if hasattr(pa, "string_view"):
-        binary[pa.string_view()] = pa.binary_view()
+        binary.update({pa.string_view(): pa.binary_view(), pa.binary_view(): pa.binary_view()})
     if value not in binary:
         raise ValueError(f"{path}: column {text_key!r} is {kind}, not strings")
     row, batches = 0, file.iter_batches(columns=[text_key], batch_size=1024)
