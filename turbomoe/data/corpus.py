@@ -193,17 +193,23 @@ def _documents(source: str, files: List[str], text_key: str):
             yield from _jsonl_documents(path, text_key)
 
 
+def _read_through(items, path: str, errors):
+    """items, where an error of reading them (errors: a corrupt, cut-short or damaged file) becomes a
+    ValueError naming path."""
+    while True:
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except errors as e:
+            raise ValueError(f"{path}: cannot be read to its end ({type(e).__name__}: {e})") from None
+        yield item
+
+
 def _jsonl_documents(path: str, text_key: str):
     f, errors = _open(path)
     with f:
-        lines = enumerate(f, 1)
-        while True:
-            try:
-                lineno, line = next(lines, (0, None))
-            except errors as e:
-                raise ValueError(f"{path}: cannot be read to its end ({type(e).__name__}: {e})") from None
-            if line is None:
-                return
+        for lineno, line in _read_through(enumerate(f, 1), path, errors):
             if not line.strip():
                 continue
             try:
@@ -244,14 +250,10 @@ def _parquet_documents(path: str, text_key: str):
         binary.update({pa.string_view(): pa.binary_view(), pa.binary_view(): pa.binary_view()})
     if value not in binary:
         raise ValueError(f"{path}: column {text_key!r} is {kind}, not strings")
-    row, batches = 0, file.iter_batches(columns=[text_key], batch_size=1024)
-    while True:
-        try:
-            batch = next(batches, None)
-        except (pa.ArrowException, OSError) as e:  # a damaged page: pyarrow's message does not name the file
-            raise ValueError(f"{path}: cannot be read to its end ({type(e).__name__}: {e})") from None
-        if batch is None:
-            return
+    row = 0
+    # a damaged page: pyarrow's message does not name the file
+    for batch in _read_through(file.iter_batches(columns=[text_key], batch_size=1024), path,
+                               (pa.ArrowException, OSError)):
         docs = batch.column(0)
         if pa.types.is_dictionary(docs.type):
             docs = docs.dictionary_decode()

@@ -1,4 +1,5 @@
 """A byte-level tokenizer: needs no download and no training, and covers any UTF-8 text."""
+import functools
 import hashlib
 import json
 import os
@@ -91,10 +92,10 @@ class HFTokenizer:
         ids = self.tok(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         return [np.asarray(i, dtype=self.dtype) for i in ids]
 
-    @property
+    @functools.cached_property
     def cache_id(self) -> str:
         """What its tokens are a function of, beside the text (cache.py's key): its files, and the versions
-        of the libraries that read them."""
+        of the libraries that read them. Read once: a cached load names it in both keys and the entry."""
         import tokenizers
         import transformers
         return (f"hf {tokenizer_digest(self.path)} transformers {transformers.__version__} "
