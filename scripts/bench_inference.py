@@ -15,6 +15,10 @@ layer     the decode MoE layer at T = 1, 8, 16, 64, 256 tokens, bf16: Qwen3-30B-
           read (experts with tokens, the shared expert, the router) over the measured copy bandwidth
 generate  tokens/s of a ~1B-parameter random Qwen3-MoE (turbomoe.inference.Engine, CUDA-graph
           decode) vs transformers' generate (eager, and static cache + torch.compile) at batch 1, 8, 64
+sampling  (not by default) a decode step's token choice at batch 1, 8, 64 over Qwen3's 151,936-token
+          vocabulary (turbomoe.inference.sampling: greedy, repetition penalty, temperature, top-p over
+          the whole vocabulary, Qwen3's generation_config.json's top-k 20 / top-p 0.95, min-p) vs
+          transformers' logits processors and multinomial draw, the same settings
 stages    (not by default) the few-rows layer's kernels each timed alone (router, shuffle, the two
           GEMMs, combine) beside the whole layer, at --tune-tokens: where a decode step's time goes
 tune      (not by default) the two few-rows GEMMs swept over their tilings at --tune-tokens, the
@@ -408,6 +412,51 @@ GEN_MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe
                  num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=512, initializer_range=0.02)
 
 
+SAMPLINGS = {"greedy": dict(), "greedy, penalty 1.1": dict(repetition_penalty=1.1),
+             "temperature 0.7": dict(do_sample=True, temperature=0.7),
+             "top-p 0.95": dict(do_sample=True, temperature=0.7, top_p=0.95),
+             "Qwen3 (0.6, top-k 20, top-p 0.95)": dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
+             "Qwen3 + min-p 0.05, penalty 1.1": dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, min_p=0.05,
+                                                    repetition_penalty=1.1)}
+
+
+def bench_sampling(args, log, vocab=151936, prompt_len=512):
+    """us per decode step's token choice, turbomoe's Sampling.select against transformers' processors
+    (as its generate chains them) and its multinomial draw."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    from turbomoe.inference.sampling import Sampling
+    rows = []
+    for B, (name, kw) in itertools.product((1, 8, 64), SAMPLINGS.items()):
+        s = Sampling.checked(**{**dict(do_sample=False, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                                       repetition_penalty=1.0), **kw})
+        logits = torch.randn(B, vocab, device="cuda") * 3
+        prompt = torch.randint(0, vocab, (B, prompt_len), device="cuda")
+        seen = s.seen(prompt, torch.ones_like(prompt, dtype=torch.bool), vocab)
+        chain = [RepetitionPenaltyLogitsProcessor(s.repetition_penalty)] if s.repetition_penalty != 1 else []
+        if s.do_sample:
+            chain += [TemperatureLogitsWarper(s.temperature)] if s.temperature != 1 else []
+            chain += [TopKLogitsWarper(s.top_k)] if s.top_k else []
+            chain += [TopPLogitsWarper(s.top_p)] if s.top_p < 1 else []
+            chain += [MinPLogitsWarper(s.min_p)] if s.min_p > 0 else []
+
+        def peer():
+            scores = logits
+            for f in chain:
+                scores = f(prompt, scores)
+            if not s.do_sample:
+                return scores.argmax(-1)
+            return torch.multinomial(scores.softmax(-1), 1)[:, 0]
+
+        ours, how = timed_us(lambda: s.select(logits, seen))
+        theirs, how_peer = timed_us(peer)
+        rows.append(dict(batch=B, settings=name, turbomoe_us=ours, transformers_us=theirs, speedup=theirs / ours,
+                         timing=how if how == how_peer else f"{how} / {how_peer}"))
+        log(json.dumps(rounded(rows[-1])))
+    return rows
+
+
 def bench_generate(args, log, prompt_len=32, new_tokens=64):
     """Tokens/s of generate (prefill + new_tokens greedy steps, all rows to the end) on a random ~1B
     Qwen3-MoE saved by transformers and read by turbomoe.inference.load (and loaded again with
@@ -474,7 +523,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bench_inference")
     p.add_argument("--sections", default="shuffle,layer,generate",
-                   help="also: stages (the few-rows layer's kernels one by one), tune (the few-rows GEMMs' sweep)")
+                   help="also: sampling (a step's token choice), stages (the few-rows layer's kernels one by one), "
+                   "tune (the few-rows GEMMs' sweep)")
     p.add_argument("--hf-compile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1],
                    help="batch sizes at which to time transformers' static-cache compiled generate")
     p.add_argument("--generate-no-tune", action="store_true",
@@ -512,6 +562,8 @@ def main():
         result["stages"] = bench_stages(args, log)
     if "tune" in sections:
         result["tune"] = bench_tune(args, log, result["copy_GBs"])
+    if "sampling" in sections:
+        result["sampling"] = bench_sampling(args, log)
     if "generate" in sections:
         result["generate"] = bench_generate(args, log)
     with open(os.path.join(args.out, "bench_inference.json"), "w") as f:

@@ -304,7 +304,7 @@ def test_engine_errors(tmp_path, monkeypatch):
     # up front, not an index error once a row stops
     with pytest.raises(ValueError, match="the default is eos_token_id's first id, 101: pass pad_token_id"):
         engine.generate(ids, 2, eos_token_id=[101, 5])
-    with pytest.raises(ValueError, match="sampling needs temperature > 0"):
+    with pytest.raises(ValueError, match="sampling needs a finite temperature > 0"):
         engine.generate(ids, 2, do_sample=True, temperature="hot")
     with pytest.raises(ValueError, match="at least one row and one token per row, got shape"):
         engine.generate(torch.ones(0, 3, dtype=torch.long), 2)
@@ -448,7 +448,8 @@ def test_generate_cli(tmp_path, capsys):
                           ([out, "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
                           ([out, "--prompt", ""], "--prompt must not be empty"),
                           ([out, "--prompt", "a", "--prompt", "b", "--stream"], "--stream prints one prompt's text"),
-                          ([out, "--prompt", "a", "--sample", "--temperature", "0"], "--sample needs --temperature > 0"),
+                          ([out, "--prompt", "a", "--sample", "--temperature", "0"], "sampling needs a finite temperature > 0, got 0.0: "
+                           "--temperature 0.0, --top-k 50"),
                           ([out, "--prompt", "a", "--device", "cpu", "--tune"], "--tune and --tiles choose the GPU"),
                           ([out, "--prompt", "a", "--device", "cpu", "--tiles", str(tmp_path / "t.json")],
                            "the device is cpu"),
@@ -475,12 +476,14 @@ def test_generate_cli(tmp_path, capsys):
     last = next(i for i, t in enumerate(ids.tolist()) if t in stops)
     text = AutoTokenizer.from_pretrained(out).decode(ids[:last + 1], skip_special_tokens=True)
     assert capsys.readouterr().out == text + "\n"
-    # Sampling prints what a generator seeded --seed gives (the warm-up calls take generators of their own).
+    # Sampling prints what a generator seeded --seed gives (the warm-up calls take generators of their own),
+    # with transformers' top-k 50 where generation_config.json sets none, and says how it decoded.
     main([out, "--prompt", "abc", "--max-new-tokens", "5", "--device", "cpu", "--sample", "--seed", "3"])
-    sampled = engine.generate(torch.tensor([[97, 98, 99]]), 5, do_sample=True, eos_token_id=stops, pad_token_id=256,
-                              generator=torch.Generator().manual_seed(3))[0, 3:]
+    sampled = engine.generate(torch.tensor([[97, 98, 99]]), 5, do_sample=True, top_k=50, eos_token_id=stops,
+                              pad_token_id=256, generator=torch.Generator().manual_seed(3))[0, 3:]
     text = AutoTokenizer.from_pretrained(out).decode(sampled, skip_special_tokens=True)
-    assert capsys.readouterr().out == text + "\n"
+    printed = capsys.readouterr()
+    assert printed.out == text + "\n" and "decoding: sampling, temperature 1.0, top_k 50\n" in printed.err
 
 
 def test_generate_cli_tile_file_unwritable(tmp_path, capsys, monkeypatch):

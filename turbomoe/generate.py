@@ -1,15 +1,18 @@
 """Generate text from a Hugging Face Qwen3-MoE directory at a terminal, on turbomoe's inference engine.
 
-    python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--sample
-        --temperature 0.8 --top-p 0.95] [--chat [--system TEXT]] [--dtype bf16|fp16|fp32]
-        [--device cuda|cpu] [--seed 0] [--tune] [--tiles FILE] [--stream]
+    python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--greedy | --sample]
+        [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--chat [--system TEXT]]
+        [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0] [--tune] [--tiles FILE] [--stream]
 
 The tokenizer is the directory's (transformers' AutoTokenizer); generation stops at the EOS ids of the
 directory's generation_config.json and the tokenizer's. With --chat each prompt is a user message put
 through the tokenizer's chat template (a published chat model's, such as Qwen3's), after --system's.
-Prints the continuation, then the prefill and decode times and the decode tokens/s (the first call of a
-batch size also captures its CUDA graph: reported apart). With --sample, the text is what
-Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures the decode step's
+Decoding follows the directory's generation_config.json as transformers' generate does (Qwen3's chat
+models sample: temperature 0.6, top-k 20, top-p 0.95), transformers' defaults where it sets nothing
+(greedy; top-k 50 when sampling); --greedy, --sample and the sampling flags override it, and the
+settings used are printed. Prints the continuation, then the prefill and decode times and the decode
+tokens/s (the first call of a batch size also captures its CUDA graph: reported apart). Sampled, the
+text is what Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures the decode step's
 few-rows GEMM tilings for this batch size (Engine(tune=True)); --tiles FILE reads the table measured for
 this GPU, model shape and dtype from FILE, and after --tune keeps the new one there
 (turbomoe.inference.tiling's tile files). --stream (one prompt) prints the text as it is made
@@ -40,6 +43,15 @@ def eos_ids(model_dir: str, tok) -> list:
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
+def describe(decoding: dict) -> str:
+    """The decoding settings in use, those that act."""
+    on = {"repetition_penalty": decoding["repetition_penalty"] != 1}
+    if decoding["do_sample"]:
+        on.update(temperature=True, top_k=decoding["top_k"] > 0, top_p=decoding["top_p"] < 1, min_p=decoding["min_p"] > 0)
+    words = ["sampling" if decoding["do_sample"] else "greedy"]
+    return ", ".join(words + [f"{k} {decoding[k]}" for k, v in on.items() if v])
+
+
 def chat_texts(tok, prompts: list, system, p) -> list:
     """Each prompt as the chat template's text of one user turn (after a system turn where given), ready
     for the assistant's reply."""
@@ -60,9 +72,13 @@ def main(argv=None):
     p.add_argument("model_dir")
     p.add_argument("--prompt", required=True, action="append", help="repeat for a batch of prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--greedy", dest="sample", action="store_false", default=None,
+                     help="greedy decoding (default: generation_config.json's do_sample)")
+    how.add_argument("--sample", dest="sample", action="store_true", default=None, help="sample")
+    for flag, kind, default in (("--temperature", float, 1.0), ("--top-k", int, "50; 0: off"), ("--top-p", float, 1.0),
+                                ("--min-p", float, "0: off"), ("--repetition-penalty", float, "1: off")):
+        p.add_argument(flag, type=kind, default=None, help=f"default: generation_config.json's, else {default}")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     p.add_argument("--device", default=None, help="default: cuda where available")
     p.add_argument("--seed", type=int, default=0)
@@ -81,8 +97,6 @@ def main(argv=None):
         p.error("--system needs --chat")
     if args.stream and len(args.prompt) > 1:
         p.error(f"--stream prints one prompt's text as it is made; got {len(args.prompt)} prompts")
-    if args.sample and not (args.temperature > 0 and 0 < args.top_p <= 1):
-        p.error(f"--sample needs --temperature > 0 and 0 < --top-p <= 1, got {args.temperature}, {args.top_p}")
 
     if args.tune and args.tiles:  # where the tune's table will be written, before the load and the tune
         folder = os.path.dirname(os.path.abspath(args.tiles))
@@ -107,6 +121,7 @@ def main(argv=None):
     from .data.tokenizer import tokenizer_files
     from .inference import load
     from .inference.engine import check_model_dir
+    from .inference.sampling import Sampling, generation_defaults
     from .inference.tiling import read_tile_file, read_tile_tables, tile_key, write_tile_file
     try:  # before the tokenizer, which would take a missing directory for a Hub model's name
         config = check_model_dir(args.model_dir)
@@ -115,6 +130,18 @@ def main(argv=None):
     if not tokenizer_files(args.model_dir):
         # AutoTokenizer would not fail: it makes an empty tokenizer that turns any prompt into no tokens
         p.error(f"{args.model_dir} has no tokenizer (tokenizer.json, vocab.json, ...): save one beside the model")
+    try:  # the directory's decoding settings under the flags given
+        decoding = generation_defaults(args.model_dir)
+    except ValueError as e:
+        p.error(str(e))
+    given = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                 min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    decoding.update({k: v for k, v in given.items() if v is not None})
+    try:
+        Sampling.checked(**decoding)
+    except ValueError as e:
+        flags = {k: "--" + k.replace("_", "-") for k in given}
+        p.error(f"{e}: {', '.join(f'{flags[k]} {v}' for k, v in decoding.items() if k != 'do_sample')}")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     eos = eos_ids(args.model_dir, tok)
     if tok.pad_token_id is None and eos:
@@ -167,8 +194,8 @@ def main(argv=None):
             p.error(str(e))
         except OSError as e:  # the folder was checked before the tune; a full disk, say, remains
             p.error(f"--tiles {args.tiles} could not be written: {e}")
-    kw = dict(attention_mask=batch["attention_mask"], eos_token_id=eos, pad_token_id=tok.pad_token_id,
-              do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
+    kw = dict(attention_mask=batch["attention_mask"], eos_token_id=eos, pad_token_id=tok.pad_token_id, **decoding)
+    print(f"decoding: {describe(decoding)}", file=sys.stderr)
 
     def timed(n, seed, streamer=None):
         gen = torch.Generator(device=engine.device).manual_seed(seed)

@@ -34,6 +34,7 @@ from ..models.hf_names import to_hf_state_dict
 from ..models.qwen3_moe import ExpertsMoved, Qwen3MoeForCausalLM, rotary_cos_sin
 from ..kernels.launch import on_device
 from .moe import SparseMoE, check_options
+from .sampling import Sampling
 from .tiling import check_tile_table
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -349,10 +350,13 @@ class Engine:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
                  top_p: float = 1.0, eos_token_id=None, attention_mask: Optional[torch.Tensor] = None,
                  pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 streamer=None) -> torch.Tensor:
+                 streamer=None, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0) -> torch.Tensor:
         """[B, T + n] tokens: the prompt, then up to max_new_tokens per row; a row that produced
         eos_token_id (an int or a list) gets pad_token_id (default: the first eos) after it, and
-        generation stops when every row has. Greedy unless do_sample (temperature, top_p). input_ids: any
+        generation stops when every row has. Greedy unless do_sample (temperature, top_k, top_p, min_p:
+        transformers' warpers, 0 / 1 / 0 off), after repetition_penalty (1: off) over each row's prompt
+        and output (turbomoe.inference.sampling; its generation_defaults(model_dir) gives a model
+        directory's own settings: no value here comes from generation_config.json). input_ids: any
         integer dtype; without attention_mask, an explicit pad_token_id that is no EOS marks the padding
         where input_ids hold it (transformers' rule), else every token is real. streamer: transformers'
         streamer protocol (TextStreamer, TextIteratorStreamer): put(the prompt [B, T]), then put(each
@@ -361,14 +365,15 @@ class Engine:
         if streamer is not None and not all(callable(getattr(streamer, f, None)) for f in ("put", "end")):
             raise TypeError(f"streamer must have put(tokens) and end() (transformers' TextStreamer, say), got "
                             f"{type(streamer).__name__}")
+        sampling = (do_sample, temperature, top_k, top_p, min_p, repetition_penalty)
         if streamer is None:
-            return self._checked_generate(input_ids, max_new_tokens, do_sample, temperature, top_p, eos_token_id,
-                                          attention_mask, pad_token_id, generator)
+            return self._checked_generate(input_ids, max_new_tokens, sampling, eos_token_id, attention_mask,
+                                          pad_token_id, generator)
         # end() whatever happens, a bad argument's error included: a consumer of TextIteratorStreamer (in another
         # thread) would otherwise wait for ever; after an error, an error of end()'s own does not replace it
         try:
-            out = self._checked_generate(input_ids, max_new_tokens, do_sample, temperature, top_p, eos_token_id,
-                                         attention_mask, pad_token_id, generator, streamer)
+            out = self._checked_generate(input_ids, max_new_tokens, sampling, eos_token_id, attention_mask,
+                                         pad_token_id, generator, streamer)
         except BaseException:
             with contextlib.suppress(Exception):
                 streamer.end()
@@ -376,8 +381,8 @@ class Engine:
         streamer.end()
         return out
 
-    def _checked_generate(self, input_ids, max_new_tokens, do_sample, temperature, top_p, eos_token_id, attention_mask,
-                          pad_token_id, generator, streamer=None):
+    def _checked_generate(self, input_ids, max_new_tokens, sampling, eos_token_id, attention_mask, pad_token_id,
+                          generator, streamer=None):
         input_ids = self._check(input_ids, attention_mask, max_new_tokens)
         eos = _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
         pad = _token_ids(pad_token_id, "pad_token_id") if pad_token_id is not None else eos[:1] or [0]
@@ -386,12 +391,15 @@ class Engine:
             given = (f"got {pad_token_id!r}" if pad_token_id is not None else
                      f"the default is eos_token_id's first id, {pad[0]}: pass pad_token_id")
             raise ValueError(f"pad_token_id must be one id below vocab_size {V}, {given}")
-        if do_sample and not (_real(temperature) and _real(top_p) and temperature > 0 and 0 < top_p <= 1):
-            raise ValueError(f"sampling needs temperature > 0 and 0 < top_p <= 1, got {temperature!r}, {top_p!r}")
+        sampling = Sampling.checked(*sampling)
+        do_sample = sampling.do_sample
         if do_sample and generator is not None and not isinstance(generator, torch.Generator):  # a seed, say
             raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        if do_sample and generator is not None and torch.device(generator.device) != self.device:
-            # torch.multinomial refuses it, after the prefill has run
+        gen_device = None if generator is None else torch.device(generator.device)
+        if do_sample and gen_device is not None and (gen_device.type != self.device.type or
+                                                     gen_device.index not in (None, self.device.index)):
+            # torch.multinomial refuses another kind's, after the prefill has run (torch.Generator("cuda"),
+            # with no index, serves any GPU)
             raise ValueError(f"generator is on {generator.device}; sampling runs on the engine's device {self.device}: "
                              f"torch.Generator(device={str(self.device)!r})")
         # transformers' generate rule: an explicit pad id, not an EOS, found in the prompt marks its padding
@@ -404,11 +412,10 @@ class Engine:
         with on_device(self.device), torch.autocast(self.device.type, enabled=False), torch.inference_mode(False):
             if streamer is not None:
                 streamer.put(input_ids.cpu())
-            return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator,
-                                  eos, pad[0], streamer.put if streamer is not None else None)
+            return self._generate(input_ids, attention_mask, max_new_tokens, sampling, generator, eos, pad[0],
+                                  streamer.put if streamer is not None else None)
 
-    def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_p, generator, eos, pad,
-                  put=None):
+    def _generate(self, input_ids, attention_mask, max_new_tokens, sampling, generator, eos, pad, put=None):
         B, T = input_ids.shape
         Bb = self._bucket(B)
         self._reserve(B, T + max_new_tokens)  # checked by _check
@@ -418,6 +425,7 @@ class Engine:
         eos_t = torch.tensor(eos, dtype=torch.long, device=self.device)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         out = [ids]
+        history = sampling.history(ids, mask, max_new_tokens)
         logits = self._prefill(ids, mask)
         # The host reads each step's tokens (put) or whether every row is done (EOS): one sync a step. On
         # a GPU they go through pinned memory and the host waits for them after the next step is queued,
@@ -428,7 +436,7 @@ class Engine:
             tok_host = torch.empty(max_new_tokens, B, dtype=torch.long, pin_memory=True)
             done_host = torch.zeros(max_new_tokens, dtype=torch.bool, pin_memory=True)
         for step in range(max_new_tokens):
-            tok = self._select(logits[:B], do_sample, temperature, top_p, generator)
+            tok = sampling.select(logits[:B], history, generator)
             tok = torch.where(done, pad, tok)
             out.append(tok[:, None])
             if eos:
@@ -453,18 +461,6 @@ class Engine:
                 if finished:
                     break
         return torch.cat(out, 1)
-
-    @staticmethod
-    def _select(logits_BV, do_sample, temperature, top_p, generator):
-        if not do_sample:
-            return logits_BV.argmax(-1)
-        probs = torch.softmax(logits_BV / temperature, -1)
-        if top_p < 1:
-            # transformers' top-p: keep the smallest set of most likely tokens whose mass reaches top_p.
-            sorted_p, order = probs.sort(-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 def _check_left_padding(mask_BT: torch.Tensor, inferred_from: Optional[int] = None):
@@ -500,13 +496,6 @@ def _stack_qkv(attn, copy: bool):
                 setattr(p, name, torch.nn.Parameter(view, requires_grad=False))
         stacked.append(whole)
     return tuple(stacked)
-
-
-def _real(value) -> bool:
-    """A real number: a Python or numpy number, or a 0-d real tensor (what the sampling checks compare)."""
-    if isinstance(value, torch.Tensor):
-        return value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _positive_int(value) -> bool:

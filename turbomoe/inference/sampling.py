@@ -1,0 +1,153 @@
+"""Each decode step's token from its logits, as transformers' generate chooses it.
+
+The repetition penalty (greedy or sampling), then, when sampling, temperature -> top-k -> top-p ->
+min-p -> one draw: the formulas and order of transformers' RepetitionPenaltyLogitsProcessor (the prompt's
+left padding ignored), TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper
+(tests/test_sampling.py checks them against those classes). With top_k, top-p, min-p and the draw run
+over the k most likely tokens (torch.topk) instead of the whole vocabulary (151,936 tokens a row for
+Qwen3, sorted each step for top-p): the same distribution, except that where several tokens tie at
+the k-th logit, k of them stay where transformers keeps them all.
+
+generation_defaults(model_dir) reads a directory's generation_config.json as transformers' generate
+would run it (its unset values taking transformers' global defaults: top_k 50 among them), for
+Engine.generate(..., **generation_defaults(model_dir)): Qwen3's chat models, for one, ask to be
+sampled (temperature 0.6, top_k 20, top_p 0.95), and repeat themselves when decoded greedily.
+"""
+import json
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# transformers' GenerationConfig._get_default_generation_params() for these (min_p: None, off)
+TRANSFORMERS_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+
+
+def _number(value) -> Optional[float]:
+    """A finite real (a Python or numpy number, a 0-d real tensor) as a float, else None."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            return None
+        value = value.item()
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a step's token is chosen; Sampling.checked(...) validates and normalises the arguments."""
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def checked(cls, do_sample, temperature, top_k, top_p, min_p, repetition_penalty) -> "Sampling":
+        """ValueError naming the argument, before anything runs. The warpers' arguments are checked only
+        when sampling (greedy decoding ignores them, as transformers' does); the penalty always."""
+        penalty = _number(repetition_penalty)
+        if penalty is None or penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {repetition_penalty!r}")
+        if not do_sample:
+            return cls(repetition_penalty=penalty)
+        t, p, m = _number(temperature), _number(top_p), _number(min_p)
+        if t is None or t <= 0:
+            raise ValueError(f"sampling needs a finite temperature > 0, got {temperature!r}")
+        if p is None or not 0 < p <= 1:
+            raise ValueError(f"sampling needs 0 < top_p <= 1 (1: off), got {top_p!r}")
+        if m is None or not 0 <= m <= 1:
+            raise ValueError(f"sampling needs 0 <= min_p <= 1 (0: off), got {min_p!r}")
+        if top_k is None:
+            top_k = 0
+        if isinstance(top_k, torch.Tensor) and top_k.dim() == 0 and not top_k.is_floating_point():
+            top_k = top_k.item()
+        if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 0:
+            raise ValueError(f"sampling needs an int top_k >= 0 (0: off), got {top_k!r}")
+        return cls(True, t, int(top_k), p, m, penalty)
+
+    def history(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, new_tokens: int) -> Optional["History"]:
+        """The ids the penalty looks at (None without one)."""
+        return None if self.repetition_penalty == 1 else History(ids_BT, mask_BT, new_tokens)
+
+    def select(self, logits_BV: torch.Tensor, history: Optional["History"] = None,
+               generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """[B] the next tokens, added to history."""
+        if history is not None:  # over the B x L ids seen, not the B x V logits
+            seen = logits_BV.gather(1, history.ids_BL)
+            p = self.repetition_penalty
+            logits_BV = logits_BV.scatter(1, history.ids_BL, torch.where(seen < 0, seen * p, seen / p))
+        if not self.do_sample:
+            tok_B = logits_BV.argmax(-1)
+        else:
+            scores = logits_BV / self.temperature if self.temperature != 1 else logits_BV
+            k = self.top_k
+            if 0 < k < scores.shape[-1]:
+                scores, index_BK = scores.topk(k, -1)
+                tok_B = index_BK.gather(1, self._draw(scores, generator)[:, None])[:, 0]
+            else:
+                tok_B = self._draw(scores, generator)
+        if history is not None:
+            history.add(tok_B)
+        return tok_B
+
+    def _draw(self, scores_BN: torch.Tensor, generator) -> torch.Tensor:
+        """One index per row from softmax(scores) after top-p and min-p (transformers' formulas)."""
+        if self.top_p < 1:
+            ascending, order = scores_BN.sort(-1)
+            remove = ascending.softmax(-1).cumsum(-1) <= 1 - self.top_p
+            remove[:, -1] = False  # the most likely token stays
+            scores_BN = scores_BN.masked_fill(remove.scatter(1, order, remove), -math.inf)
+        probs = scores_BN.softmax(-1)
+        if self.min_p > 0:  # the most likely token is never below min_p times itself
+            probs = probs.masked_fill(probs < self.min_p * probs.amax(-1, keepdim=True), 0.0)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class History:
+    """[B, L] the ids each row has seen, for the repetition penalty: its prompt, then the tokens chosen.
+    Padding and the slots not yet filled hold the row's last prompt id: a repeated id is penalised once
+    (scatter writes the same value for each of its copies)."""
+
+    def __init__(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, new_tokens: int):
+        last_B1 = ids_BT[:, -1:]  # left padding: the last column is real
+        self.ids_BL = torch.cat([torch.where(mask_BT, ids_BT, last_B1), last_B1.expand(-1, new_tokens)], 1)
+        self.filled = ids_BT.shape[1]
+
+    def add(self, tok_B: torch.Tensor):
+        if self.filled == self.ids_BL.shape[1]:
+            raise ValueError(f"History: all {self.ids_BL.shape[1]} slots are filled")
+        self.ids_BL[:, self.filled] = tok_B
+        self.filled += 1
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """do_sample, temperature, top_k, top_p, min_p and repetition_penalty as transformers' generate runs
+    the model of model_dir: its generation_config.json's values, transformers' defaults for those it does
+    not set (or without the file). A value of the wrong kind is a ValueError naming the file and field."""
+    path = os.path.join(model_dir, "generation_config.json")
+    stored = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            try:
+                stored = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not JSON: {e}") from e
+        if not isinstance(stored, dict):
+            raise ValueError(f"{path} holds a {type(stored).__name__}, not an object")
+    out = {}
+    for name, default in TRANSFORMERS_DEFAULTS.items():
+        value = stored.get(name)
+        out[name] = default if value is None else value
+    if not isinstance(out["do_sample"], bool):
+        raise ValueError(f"{path}: do_sample must be true or false, got {out['do_sample']!r}")
+    try:
+        Sampling.checked(out["do_sample"], out["temperature"], out["top_k"], out["top_p"], out["min_p"], out["repetition_penalty"])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return out
