@@ -5,6 +5,7 @@ against transformers' generate; generation_defaults and the CLI's decoding setti
 import json
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -164,6 +165,14 @@ def test_generation_defaults(tmp_path):
     json.dump(qwen3, open(path, "w"))
     assert generation_defaults(d) == dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, min_p=0.0,
                                           repetition_penalty=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing it does not implement
+        generation_defaults(d)
+    # settings of transformers' generate that turbomoe does not implement: named in a warning where on
+    json.dump({**qwen3, "num_beams": 4, "typical_p": 0.9, "min_new_tokens": 0, "bad_words_ids": None,
+               "guidance_scale": 1.0}, open(path, "w"))
+    with pytest.warns(UserWarning, match="sets num_beams 4, typical_p 0.9: not implemented by turbomoe.inference"):
+        assert generation_defaults(d)["top_k"] == 20
     json.dump({"do_sample": False, "temperature": 0.0}, open(path, "w"))  # greedy: the warpers' values unused
     assert generation_defaults(d)["temperature"] == 0.0
     for stored, message in (({"do_sample": "yes"}, "do_sample must be true or false"),
@@ -212,6 +221,11 @@ def test_generate_cli_decodes_as_generation_config(tmp_path, capsys):
     printed = capsys.readouterr()
     want = text(do_sample=True, temperature=0.6, top_p=0.9, generator=torch.Generator().manual_seed(4))
     assert printed.out == want and "decoding: sampling, temperature 0.6, top_p 0.9\n" in printed.err
+    json.dump({**config, "do_sample": True, "temperature": 0.6, "top_k": 1, "no_repeat_ngram_size": 3},
+              open(config_path, "w"))
+    main(argv)
+    printed = capsys.readouterr()
+    assert printed.out == text() and "sets no_repeat_ngram_size 3: not implemented" in printed.err
     for extra, message in ((["--min-p", "2"], "min_p <= 1"), (["--greedy", "--sample"], "not allowed with")):
         with pytest.raises(SystemExit) as e:
             main(argv + extra)

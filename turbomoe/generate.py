@@ -10,7 +10,8 @@ through the tokenizer's chat template (a published chat model's, such as Qwen3's
 Decoding follows the directory's generation_config.json as transformers' generate does (Qwen3's chat
 models sample: temperature 0.6, top-k 20, top-p 0.95), transformers' defaults where it sets nothing
 (greedy; top-k 50 when sampling); --greedy, --sample and the sampling flags override it, and the
-settings used are printed. Prints the continuation, then the prefill and decode times and the decode
+settings used are printed, with those of the file that the engine does not implement (beam search,
+typical-p, ...), which it ignores. Prints the continuation, then the prefill and decode times and the decode
 tokens/s (the first call of a batch size also captures its CUDA graph: reported apart). Sampled, the
 text is what Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures the decode step's
 few-rows GEMM tilings for this batch size (Engine(tune=True)); --tiles FILE reads the table measured for
@@ -121,7 +122,7 @@ def main(argv=None):
     from .data.tokenizer import tokenizer_files
     from .inference import load
     from .inference.engine import check_model_dir
-    from .inference.sampling import Sampling, generation_defaults
+    from .inference.sampling import TRANSFORMERS_DEFAULTS, Sampling, file_settings, ignored_text
     from .inference.tiling import read_tile_file, read_tile_tables, tile_key, write_tile_file
     try:  # before the tokenizer, which would take a missing directory for a Hub model's name
         config = check_model_dir(args.model_dir)
@@ -130,18 +131,25 @@ def main(argv=None):
     if not tokenizer_files(args.model_dir):
         # AutoTokenizer would not fail: it makes an empty tokenizer that turns any prompt into no tokens
         p.error(f"{args.model_dir} has no tokenizer (tokenizer.json, vocab.json, ...): save one beside the model")
-    try:  # the directory's decoding settings under the flags given
-        decoding = generation_defaults(args.model_dir)
+    try:
+        path, stored, ignored = file_settings(args.model_dir)
     except ValueError as e:
         p.error(str(e))
     given = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                  min_p=args.min_p, repetition_penalty=args.repetition_penalty)
-    decoding.update({k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in given.items() if v is not None}
+    # the directory's decoding settings under the flags given, checked together (as generate's arguments go
+    # over the file's): a bad value of the file's that a flag replaces, or that --greedy leaves unused, stops nothing
+    decoding = {**TRANSFORMERS_DEFAULTS, **stored, **given}
     try:
         Sampling.checked(**decoding)
     except ValueError as e:
-        flags = {k: "--" + k.replace("_", "-") for k in given}
-        p.error(f"{e}: {', '.join(f'{flags[k]} {v}' for k, v in decoding.items() if k != 'do_sample')}")
+        if not given:
+            p.error(f"{path}: {e}")
+        # each value as its flag; one no flag gave, but the file, named as the file's
+        shown = (f"--{k.replace('_', '-')} {v}" + (f" ({path}'s)" if k in stored and k not in given else "")
+                 for k, v in decoding.items() if k != "do_sample")
+        p.error(f"{e}: {', '.join(shown)}")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     eos = eos_ids(args.model_dir, tok)
     if tok.pad_token_id is None and eos:
@@ -196,6 +204,8 @@ def main(argv=None):
             p.error(f"--tiles {args.tiles} could not be written: {e}")
     kw = dict(attention_mask=batch["attention_mask"], eos_token_id=eos, pad_token_id=tok.pad_token_id, **decoding)
     print(f"decoding: {describe(decoding)}", file=sys.stderr)
+    if ignored:
+        print(ignored_text(path, ignored), file=sys.stderr)
 
     def timed(n, seed, streamer=None):
         gen = torch.Generator(device=engine.device).manual_seed(seed)

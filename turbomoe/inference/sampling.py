@@ -8,15 +8,18 @@ over the k most likely tokens (torch.topk) instead of the whole vocabulary (151,
 Qwen3, sorted each step for top-p): the same distribution, except that where several tokens tie at
 the k-th logit, k of them stay where transformers keeps them all.
 
-generation_defaults(model_dir) reads a directory's generation_config.json as transformers' generate
-would run it (its unset values taking transformers' global defaults: top_k 50 among them), for
-Engine.generate(..., **generation_defaults(model_dir)): Qwen3's chat models, for one, ask to be
-sampled (temperature 0.6, top_k 20, top_p 0.95), and repeat themselves when decoded greedily.
+generation_defaults(model_dir) reads a directory's generation_config.json (without one, its
+config.json) as transformers' generate would run it (its unset values taking transformers' global
+defaults: top_k 50 among them), for Engine.generate(..., **generation_defaults(model_dir)): Qwen3's
+chat models, for one, ask to be sampled (temperature 0.6, top_k 20, top_p 0.95), and repeat
+themselves when decoded greedily. Settings of transformers' generate that this module does not
+implement (beam search, typical-p, n-gram bans, ...) are named in a warning where the file turns them on.
 """
 import json
 import math
 import numbers
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,6 +27,13 @@ import torch
 
 # transformers' GenerationConfig._get_default_generation_params() for these (min_p: None, off)
 TRANSFORMERS_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+# The other settings by which transformers' _get_logits_processor (or beam search) changes a decoder's
+# tokens, each with the values that leave it off: not implemented here
+NOT_IMPLEMENTED = {"num_beams": (1, ), "typical_p": (1.0, ), "no_repeat_ngram_size": (0, ), "epsilon_cutoff": (0.0, ),
+                   "eta_cutoff": (0.0, ), "top_h": (), "min_length": (0, ), "min_new_tokens": (0, ),
+                   "bad_words_ids": (), "suppress_tokens": (), "begin_suppress_tokens": (), "forced_bos_token_id": (),
+                   "forced_eos_token_id": (), "sequence_bias": (), "exponential_decay_length_penalty": (),
+                   "guidance_scale": (1, ), "watermarking_config": (), "penalty_alpha": ()}
 
 
 def _number(value) -> Optional[float]:
@@ -126,11 +136,14 @@ class History:
         self.filled += 1
 
 
-def generation_defaults(model_dir: str) -> dict:
-    """do_sample, temperature, top_k, top_p, min_p and repetition_penalty as transformers' generate runs
-    the model of model_dir: its generation_config.json's values, transformers' defaults for those it does
-    not set (or without the file). A value of the wrong kind is a ValueError naming the file and field."""
+def file_settings(model_dir: str) -> tuple:
+    """(the file, the settings of do_sample ... repetition_penalty it sets, the NOT_IMPLEMENTED ones it
+    turns on): model_dir's generation_config.json, or without one its config.json, where transformers'
+    generate then looks (older checkpoints keep them there). Unchecked but for do_sample; bad JSON is a
+    ValueError naming the file."""
     path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        path = os.path.join(model_dir, "config.json")
     stored = {}
     if os.path.isfile(path):
         with open(path) as f:
@@ -140,14 +153,29 @@ def generation_defaults(model_dir: str) -> dict:
                 raise ValueError(f"{path} is not JSON: {e}") from e
         if not isinstance(stored, dict):
             raise ValueError(f"{path} holds a {type(stored).__name__}, not an object")
-    out = {}
-    for name, default in TRANSFORMERS_DEFAULTS.items():
-        value = stored.get(name)
-        out[name] = default if value is None else value
-    if not isinstance(out["do_sample"], bool):
+    out = {name: stored[name] for name in TRANSFORMERS_DEFAULTS if stored.get(name) is not None}
+    if not isinstance(out.get("do_sample", False), bool):
         raise ValueError(f"{path}: do_sample must be true or false, got {out['do_sample']!r}")
+    ignored = {k: stored[k] for k, off in NOT_IMPLEMENTED.items() if stored.get(k) not in (None, [], {}, *off)}
+    return path, out, ignored
+
+
+def generation_defaults(model_dir: str) -> dict:
+    """do_sample, temperature, top_k, top_p, min_p and repetition_penalty as transformers' generate runs
+    the model of model_dir: file_settings' values, transformers' defaults for those it does not set (or
+    without the file). A value of the wrong kind is a ValueError naming the file and field; settings the
+    file turns on that turbomoe does not implement, a warning naming them."""
+    path, stored, ignored = file_settings(model_dir)
+    if ignored:
+        warnings.warn(ignored_text(path, ignored), stacklevel=2)
+    out = {**TRANSFORMERS_DEFAULTS, **stored}
     try:
-        Sampling.checked(out["do_sample"], out["temperature"], out["top_k"], out["top_p"], out["min_p"], out["repetition_penalty"])
+        Sampling.checked(**out)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return out
+
+
+def ignored_text(path: str, ignored: dict) -> str:
+    settings = ", ".join(f"{k} {v!r}" for k, v in ignored.items())
+    return f"{path} sets {settings}: not implemented by turbomoe.inference, ignored (transformers' generate would apply them)"
