@@ -19,6 +19,11 @@ sampling  (not by default) a decode step's token choice at batch 1, 8, 64 over Q
           vocabulary (turbomoe.inference.sampling: greedy, repetition penalty, temperature, top-p over
           the whole vocabulary, Qwen3's generation_config.json's top-k 20 / top-p 0.95, min-p) vs
           transformers' logits processors and multinomial draw, the same settings
+generate-30b  (not by default) the same at Qwen3-30B-A3B's config (48 layers, 128 experts top-8,
+          hidden 2048, 151,936-token vocabulary: 30.5B parameters, 61 GB in bf16) with random weights
+          made on the GPU, transformers' eager generate first (its own model, then freed), against the
+          floor: the bytes a decode step must read (dense weights, LM head, the experts a uniform
+          routing uses in expectation, the KV cache) over the measured copy bandwidth
 stages    (not by default) the few-rows layer's kernels each timed alone (router, shuffle, the two
           GEMMs, combine) beside the whole layer, at --tune-tokens: where a decode step's time goes
 tune      (not by default) the two few-rows GEMMs swept over their tilings at --tune-tokens, the
@@ -524,11 +529,99 @@ def bench_generate(args, log, prompt_len=32, new_tokens=64):
     return rows
 
 
+# Qwen3-30B-A3B's config.json (its decoding-relevant fields)
+QWEN3_30B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                 num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                 num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1e6,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def random_on_gpu(make):
+    """make() built on the meta device, cast to bf16 and given GPU memory, then normal(0, 0.02) weights
+    (norms 1): a 61 GB model in seconds, never in host memory."""
+    with torch.device("meta"):
+        model = make()
+    model = model.to(torch.bfloat16).to_empty(device="cuda")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def decode_floor_ms(cfg: dict, B: int, context: int, copy_gbs: float) -> float:
+    """Bytes one decode step of B rows must read, over the copy bandwidth: every dense weight and the LM
+    head, the experts that B tokens routed uniformly (k distinct each) use in expectation, the router and
+    the KV cache of `context` tokens a row; bf16."""
+    H, L, E, k = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"]
+    D, N, G = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attention = H * (N + 2 * G) * D + N * D * H
+    used = E * (1 - ((E - k) / E) ** B)
+    experts = used * 3 * H * cfg["moe_intermediate_size"]
+    elements = L * (attention + E * H + experts + B * context * 2 * G * D) + cfg["vocab_size"] * H
+    return elements * 2 / (copy_gbs * 1e9) * 1e3
+
+
+def bench_generate_30b(args, log, copy_gbs, prompt_len=128, new_tokens=64):
+    """Tokens/s at Qwen3-30B-A3B's size, random weights (greedy, all rows to the end): transformers' eager
+    generate on its model, which is then freed, and turbomoe's engine on a model of its own."""
+    import gc
+
+    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM as HF
+
+    from turbomoe.inference import Engine
+    from turbomoe.models import Qwen3MoeForCausalLM
+    from turbomoe.models.config import ModelConfig
+    batches = [1, 8] if args.quick else [1, 8, 64]
+    torch.manual_seed(0)
+    prompts = {B: torch.randint(0, QWEN3_30B["vocab_size"], (B, prompt_len), device="cuda") for B in batches}
+    rows = {B: {"batch": B, "prompt": prompt_len, "new_tokens": new_tokens, "timed_calls_each": GEN_REPEATS,
+                "floor_tok_s": B / decode_floor_ms(QWEN3_30B, B, prompt_len + new_tokens // 2, copy_gbs) * 1e3}
+            for B in batches}
+
+    def fastest(fn):
+        return fastest_wall(fn, torch.cuda.synchronize)
+
+    t0 = time.perf_counter()
+    hf = random_on_gpu(lambda: HF(Qwen3MoeConfig(**QWEN3_30B)))
+    rows[1]["params"] = sum(p.numel() for p in hf.parameters())
+    log(f"  generate-30b: transformers' model made in {time.perf_counter() - t0:.1f} s, {rows[1]['params']:,} "
+        f"parameters, {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    hf_kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        for B in batches:
+            hf.generate(prompts[B], max_new_tokens=2, do_sample=False, pad_token_id=0)
+            _, t = fastest(lambda: hf.generate(prompts[B], **hf_kw))
+            rows[B]["transformers_eager_tok_s"] = B * new_tokens / t
+            log(f"  generate-30b: transformers eager, batch {B}: {rows[B]['transformers_eager_tok_s']:.1f} tokens/s")
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    fields = {f: QWEN3_30B[f] for f in QWEN3_30B if f in ModelConfig.__dataclass_fields__}
+    engine = Engine(random_on_gpu(lambda: Qwen3MoeForCausalLM(ModelConfig.from_dict(fields))),
+                    max_batch=max(batches), max_seq_len=prompt_len + new_tokens)
+    engine.reserve(max(batches), prompt_len + new_tokens)
+    log(f"  generate-30b: turbomoe's engine made in {time.perf_counter() - t0:.1f} s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+    for B in batches:
+        t0 = time.perf_counter()
+        engine.generate(prompts[B], new_tokens)  # warm-up: compiles, captures this bucket's decode graph
+        warm = time.perf_counter() - t0
+        _, t = fastest(lambda: engine.generate(prompts[B], new_tokens))
+        r = rows[B]
+        r["turbomoe_tok_s"] = B * new_tokens / t
+        r["speedup_vs_eager"] = r["turbomoe_tok_s"] / r["transformers_eager_tok_s"]
+        r["of_floor"] = r["turbomoe_tok_s"] / r["floor_tok_s"]
+        log(f"generate-30b (first call {warm:.1f} s) " + json.dumps(rounded(r, 3)))
+    return list(rows.values())
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/bench_inference")
     p.add_argument("--sections", default="shuffle,layer,generate",
-                   help="also: sampling (a step's token choice), stages (the few-rows layer's kernels one by one), "
+                   help="also: generate-30b (Qwen3-30B-A3B's size), sampling (a step's token choice), stages (the few-rows layer's kernels one by one), "
                    "tune (the few-rows GEMMs' sweep)")
     p.add_argument("--hf-compile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[1],
                    help="batch sizes at which to time transformers' static-cache compiled generate")
@@ -571,6 +664,8 @@ def main():
         result["sampling"] = bench_sampling(args, log)
     if "generate" in sections:
         result["generate"] = bench_generate(args, log)
+    if "generate-30b" in sections:
+        result["generate_30b"] = bench_generate_30b(args, log, result["copy_GBs"])
     with open(os.path.join(args.out, "bench_inference.json"), "w") as f:
         json.dump(result, f, indent=1)
 
