@@ -3,6 +3,7 @@ replayed (median of 50 replays), generate's tokens/s (fastest of 3 calls), and t
 kernels summed by name over 20 replays, with the dense parts eager and compiled (Engine's compile).
 
     python scripts/profile_decode.py [--batches 1,8,64] [--modes eager,compiled] [--top 12] [--out DIR]
+        [--model qwen3-30b]   (Qwen3-30B-A3B's size, random weights made on the GPU: bench_inference's generate-30b)
 """
 import argparse
 import collections
@@ -14,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_inference import GEN_MODEL, fastest_wall  # noqa: E402
+from bench_inference import GEN_MODEL, QWEN3_30B, fastest_wall, random_on_gpu  # noqa: E402
 from timing import cuda_time_ms, require_gpu  # noqa: E402
 
 PROMPT, NEW_TOKENS = 32, 64
@@ -22,7 +23,7 @@ PROMPT, NEW_TOKENS = 32, 64
 
 def profile_step(engine, B, top, say):
     from torch.profiler import ProfilerActivity, profile
-    ids = torch.randint(0, GEN_MODEL["vocab_size"], (B, PROMPT), device="cuda")
+    ids = torch.randint(0, engine.config.vocab_size, (B, PROMPT), device="cuda")
     t0 = time.perf_counter()
     tokens = engine.generate(ids, NEW_TOKENS)
     say(f"  first generate at batch {B} (compiles and capture included): {time.perf_counter() - t0:.1f} s")
@@ -54,6 +55,8 @@ def main():
                    help="the dense parts eager, compiled or both (an A/B of two trees needs one)")
     p.add_argument("--top", type=int, default=12, help="kernels listed a batch, most time first")
     p.add_argument("--out", default=None, help="folder for profile_decode.txt")
+    p.add_argument("--model", choices=("gen", "qwen3-30b"), default="gen",
+                   help="the generation benchmark's ~1B model (default) or Qwen3-30B-A3B's size")
     args = p.parse_args()
     if not args.modes or set(args.modes) - {"eager", "compiled"}:
         p.error(f"--modes: eager, compiled or both, not {','.join(args.modes)}")
@@ -68,19 +71,32 @@ def main():
         print(s, flush=True)
 
     torch.manual_seed(0)
-    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEN_MODEL)).to(device="cuda", dtype=torch.bfloat16).eval()
-    path = tempfile.mkdtemp()
-    hf.save_pretrained(path)
-    del hf
+    if args.model == "gen":
+        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEN_MODEL)).to(device="cuda", dtype=torch.bfloat16).eval()
+        path = tempfile.mkdtemp()
+        hf.save_pretrained(path)
+        del hf
+
+    def engine_of(compiled):
+        if args.model == "gen":
+            return load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(args.batches),
+                        max_seq_len=PROMPT + NEW_TOKENS, compile=compiled)
+        from turbomoe.inference import Engine
+        from turbomoe.models import Qwen3MoeForCausalLM as Ours
+        from turbomoe.models.config import ModelConfig
+        fields = {f: QWEN3_30B[f] for f in QWEN3_30B if f in ModelConfig.__dataclass_fields__}
+        return Engine(random_on_gpu(lambda: Ours(ModelConfig.from_dict(fields))), max_batch=max(args.batches),
+                      max_seq_len=PROMPT + NEW_TOKENS, compile=compiled)
+
     say(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     tokens = {}
     for compiled in (mode == "compiled" for mode in args.modes):
-        engine = load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(args.batches),
-                      max_seq_len=PROMPT + NEW_TOKENS, compile=compiled)
+        engine = engine_of(compiled)
         say(f"dense parts {'compiled' if compiled else 'eager'}")
         torch.manual_seed(1)  # the same prompts both ways
         tokens[compiled] = [profile_step(engine, B, args.top, say) for B in args.batches]
         del engine
+        torch.cuda.empty_cache()
     for B, eager, comp in zip(args.batches, tokens.get(False, ()), tokens.get(True, ())):
         say(f"batch {B}: greedy tokens equal eager / compiled: {float((eager == comp).float().mean()):.3f}")
     if args.out:

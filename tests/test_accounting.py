@@ -94,6 +94,20 @@ def test_decode_floor_bytes():
     assert bench_inference.decode_weight_bytes(scout, 1) == 2 * 3 * 5120 * 1024 * 2 + 16 * 5120 * 2
 
 
+def test_generation_floor_bytes_at_qwen3_30b():
+    """generate-30b's floor, counted by hand for one row: per layer q/k/v [2048, 40 x 128] and o
+    [32 x 128, 2048], the router, the 8 experts one token uses, the KV cache of 100 tokens (2 x 4 heads
+    x 128); then the LM head; bf16. With 128 tokens nearly every expert is used."""
+    import bench_inference
+    q = bench_inference.QWEN3_30B
+    per_layer = 2048 * 5120 + 4096 * 2048 + 128 * 2048 + 8 * 3 * 2048 * 768 + 100 * 2 * 4 * 128
+    elements = 48 * per_layer + 151936 * 2048
+    assert bench_inference.decode_floor_ms(q, 1, 100, copy_gbs=1.0) == pytest.approx(elements * 2 / 1e9 * 1e3, rel=1e-12)
+    used = (bench_inference.decode_floor_ms(q, 128, 0, 1.0) * 1e6 / 2 - 151936 * 2048) / 48 - 2048 * 5120 - 4096 * 2048 \
+        - 128 * 2048
+    assert 127 < used / (3 * 2048 * 768) < 128
+
+
 @pytest.mark.parametrize("path", ["bench_inference.json", "bench_inference_h200.json"])
 def test_published_decode_floors_reproduce(path):
     import bench_inference
