@@ -121,6 +121,30 @@ def test_generate_repetition_penalty_equals_transformers(tmp_path, penalty):
     assert not torch.equal(got, engine.generate(ids, 14, attention_mask=mask, pad_token_id=0))  # it acted
 
 
+def test_generate_min_new_tokens_equals_transformers(tmp_path):
+    """min_new_tokens bars the EOS ids (those in the vocabulary) until that many new tokens, greedy or
+    sampled, as transformers' generate does; rows still stop at EOS afterwards."""
+    hf, path = hf_model(tmp_path, 5)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=4, max_seq_len=48)
+    ids, mask = random_prompts((6, 3, 8), torch.Generator().manual_seed(random.randrange(1 << 30)))
+    free = engine.generate(ids, 12, attention_mask=mask, pad_token_id=0)
+    T = ids.shape[1]
+    eos = [int(free[0, T + 1]), int(free[2, T])]  # row 0 would stop at its second token, row 2 at its first
+    for m in (0, 4, 20):
+        want = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                           eos_token_id=eos, min_new_tokens=m)
+        got = engine.generate(ids, 12, attention_mask=mask, pad_token_id=0, eos_token_id=eos + [10 ** 6],
+                              min_new_tokens=m)  # an id past the vocabulary barred by neither
+        assert torch.equal(got, want), (m, got, want)
+        early = torch.isin(got[:, T:T + max(m, 2)], torch.tensor(eos)).any()
+        assert bool(early) == (m == 0)  # row 0's EOS at its second token, unless barred
+    sampled = engine.generate(ids, 6, attention_mask=mask, do_sample=True, top_k=3, eos_token_id=eos, pad_token_id=0,
+                              min_new_tokens=6, generator=torch.Generator().manual_seed(1))
+    assert sampled.shape[1] == T + 6 and not torch.isin(sampled[:, T:], torch.tensor(eos)).any()
+    with pytest.raises(ValueError, match="min_new_tokens must be an int >= 0"):
+        engine.generate(ids, 2, min_new_tokens=-1)
+
+
 def test_generate_sampling_settings(tmp_path):
     """top_k=1 and min_p=1 sample the greedy tokens; a seeded generator repeats a sampled run."""
     _, path = hf_model(tmp_path, 4)
@@ -158,13 +182,13 @@ def test_generation_defaults(tmp_path):
     defaults for the rest (no file: all defaults); values of the wrong kind name the file."""
     d = str(tmp_path)
     assert generation_defaults(d) == dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0,
-                                          repetition_penalty=1.0)
+                                          repetition_penalty=1.0, min_new_tokens=0)
     path = os.path.join(d, "generation_config.json")
     qwen3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
              "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": None, "transformers_version": "4.51.0"}
     json.dump(qwen3, open(path, "w"))
     assert generation_defaults(d) == dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, min_p=0.0,
-                                          repetition_penalty=1.0)
+                                          repetition_penalty=1.0, min_new_tokens=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing it does not implement
         generation_defaults(d)
@@ -214,9 +238,10 @@ def test_generate_cli_decodes_as_generation_config(tmp_path, capsys):
     main(argv)
     printed = capsys.readouterr()
     assert printed.out == text() and "decoding: sampling, temperature 0.6, top_k 1\n" in printed.err
-    main(argv + ["--greedy", "--repetition-penalty", "1.5"])
+    main(argv + ["--greedy", "--repetition-penalty", "1.5", "--min-new-tokens", "3"])
     printed = capsys.readouterr()
-    assert printed.out == text(repetition_penalty=1.5) and "decoding: greedy, repetition_penalty 1.5\n" in printed.err
+    assert printed.out == text(repetition_penalty=1.5, min_new_tokens=3)
+    assert "decoding: greedy, repetition_penalty 1.5, min_new_tokens 3\n" in printed.err
     main(argv + ["--top-k", "0", "--top-p", "0.9", "--seed", "4"])  # generation_config.json's sampling, top-k off
     printed = capsys.readouterr()
     want = text(do_sample=True, temperature=0.6, top_p=0.9, generator=torch.Generator().manual_seed(4))

@@ -1,8 +1,9 @@
 """Generate text from a Hugging Face Qwen3-MoE directory at a terminal, on turbomoe's inference engine.
 
     python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--greedy | --sample]
-        [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--chat [--system TEXT]]
-        [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0] [--tune] [--tiles FILE] [--stream]
+        [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--min-new-tokens N]
+        [--chat [--system TEXT]] [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0] [--tune] [--tiles FILE]
+        [--stream]
 
 The tokenizer is the directory's (transformers' AutoTokenizer); generation stops at the EOS ids of the
 directory's generation_config.json and the tokenizer's. With --chat each prompt is a user message put
@@ -46,7 +47,7 @@ def eos_ids(model_dir: str, tok) -> list:
 
 def describe(decoding: dict) -> str:
     """The decoding settings in use, those that act."""
-    on = {"repetition_penalty": decoding["repetition_penalty"] != 1}
+    on = {"repetition_penalty": decoding["repetition_penalty"] != 1, "min_new_tokens": decoding["min_new_tokens"] > 0}
     if decoding["do_sample"]:
         on.update(temperature=True, top_k=decoding["top_k"] > 0, top_p=decoding["top_p"] < 1, min_p=decoding["min_p"] > 0)
     words = ["sampling" if decoding["do_sample"] else "greedy"]
@@ -78,7 +79,8 @@ def main(argv=None):
                      help="greedy decoding (default: generation_config.json's do_sample)")
     how.add_argument("--sample", dest="sample", action="store_true", default=None, help="sample")
     for flag, kind, default in (("--temperature", float, 1.0), ("--top-k", int, "50; 0: off"), ("--top-p", float, 1.0),
-                                ("--min-p", float, "0: off"), ("--repetition-penalty", float, "1: off")):
+                                ("--min-p", float, "0: off"), ("--repetition-penalty", float, "1: off"),
+                                ("--min-new-tokens", int, "0: off")):
         p.add_argument(flag, type=kind, default=None, help=f"default: generation_config.json's, else {default}")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     p.add_argument("--device", default=None, help="default: cuda where available")
@@ -136,7 +138,7 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     given = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                 min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens)
     given = {k: v for k, v in given.items() if v is not None}
     # the directory's decoding settings under the flags given, checked together (as generate's arguments go
     # over the file's): a bad value of the file's that a flag replaces, or that --greedy leaves unused, stops nothing

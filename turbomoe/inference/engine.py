@@ -21,6 +21,7 @@ On the CPU the same code runs the reference ops.
 import contextlib
 import inspect
 import json
+import math
 import numbers
 import operator
 import os
@@ -350,12 +351,13 @@ class Engine:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
                  top_p: float = 1.0, eos_token_id=None, attention_mask: Optional[torch.Tensor] = None,
                  pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 streamer=None, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0) -> torch.Tensor:
+                 streamer=None, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 min_new_tokens: int = 0) -> torch.Tensor:
         """[B, T + n] tokens: the prompt, then up to max_new_tokens per row; a row that produced
         eos_token_id (an int or a list) gets pad_token_id (default: the first eos) after it, and
         generation stops when every row has. Greedy unless do_sample (temperature, top_k, top_p, min_p:
         transformers' warpers, 0 / 1 / 0 off), after repetition_penalty (1: off) over each row's prompt
-        and output (turbomoe.inference.sampling; its generation_defaults(model_dir) gives a model
+        and output; no EOS before min_new_tokens new tokens (turbomoe.inference.sampling; its generation_defaults(model_dir) gives a model
         directory's own settings: no value here comes from generation_config.json). input_ids: any
         integer dtype; without attention_mask, an explicit pad_token_id that is no EOS marks the padding
         where input_ids hold it (transformers' rule), else every token is real. streamer: transformers'
@@ -365,7 +367,7 @@ class Engine:
         if streamer is not None and not all(callable(getattr(streamer, f, None)) for f in ("put", "end")):
             raise TypeError(f"streamer must have put(tokens) and end() (transformers' TextStreamer, say), got "
                             f"{type(streamer).__name__}")
-        sampling = (do_sample, temperature, top_k, top_p, min_p, repetition_penalty)
+        sampling = (do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens)
         if streamer is None:
             return self._checked_generate(input_ids, max_new_tokens, sampling, eos_token_id, attention_mask,
                                           pad_token_id, generator)
@@ -423,6 +425,7 @@ class Engine:
         mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
                 else attention_mask.to(self.device, torch.bool))
         eos_t = torch.tensor(eos, dtype=torch.long, device=self.device)
+        barred = torch.tensor([i for i in eos if i < self.config.vocab_size], dtype=torch.long, device=self.device)
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         out = [ids]
         history = sampling.history(ids, mask, max_new_tokens)
@@ -436,7 +439,10 @@ class Engine:
             tok_host = torch.empty(max_new_tokens, B, dtype=torch.long, pin_memory=True)
             done_host = torch.zeros(max_new_tokens, dtype=torch.bool, pin_memory=True)
         for step in range(max_new_tokens):
-            tok = sampling.select(logits[:B], history, generator)
+            logits_BV = logits[:B]
+            if step < sampling.min_new_tokens and len(barred):  # transformers' MinNewTokensLengthLogitsProcessor
+                logits_BV = logits_BV.index_fill(1, barred, -math.inf)
+            tok = sampling.select(logits_BV, history, generator)
             tok = torch.where(done, pad, tok)
             out.append(tok[:, None])
             if eos:

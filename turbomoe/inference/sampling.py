@@ -3,7 +3,8 @@
 The repetition penalty (greedy or sampling), then, when sampling, temperature -> top-k -> top-p ->
 min-p -> one draw: the formulas and order of transformers' RepetitionPenaltyLogitsProcessor (the prompt's
 left padding ignored), TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper
-(tests/test_sampling.py checks them against those classes). With top_k, top-p, min-p and the draw run
+(tests/test_sampling.py checks them against those classes); min_new_tokens bars the EOS ids before
+that many new tokens, as MinNewTokensLengthLogitsProcessor (Engine.generate applies it). With top_k, top-p, min-p and the draw run
 over the k most likely tokens (torch.topk) instead of the whole vocabulary (151,936 tokens a row for
 Qwen3, sorted each step for top-p): the same distribution, except that where several tokens tie at
 the k-th logit, k of them stay where transformers keeps them all.
@@ -26,11 +27,12 @@ from typing import Optional
 import torch
 
 # transformers' GenerationConfig._get_default_generation_params() for these (min_p: None, off)
-TRANSFORMERS_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+TRANSFORMERS_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                             min_new_tokens=0)
 # The other settings by which transformers' _get_logits_processor (or beam search) changes a decoder's
 # tokens, each with the values that leave it off: not implemented here
 NOT_IMPLEMENTED = {"num_beams": (1, ), "typical_p": (1.0, ), "no_repeat_ngram_size": (0, ), "epsilon_cutoff": (0.0, ),
-                   "eta_cutoff": (0.0, ), "top_h": (), "min_length": (0, ), "min_new_tokens": (0, ),
+                   "eta_cutoff": (0.0, ), "top_h": (), "min_length": (0, ),
                    "bad_words_ids": (), "suppress_tokens": (), "begin_suppress_tokens": (), "forced_bos_token_id": (),
                    "forced_eos_token_id": (), "sequence_bias": (), "exponential_decay_length_penalty": (),
                    "guidance_scale": (1, ), "watermarking_config": (), "penalty_alpha": ()}
@@ -47,6 +49,15 @@ def _number(value) -> Optional[float]:
     return float(value)
 
 
+def _count(value) -> Optional[int]:
+    """An int >= 0 (a Python or numpy integer, a 0-d integer tensor) as an int, else None."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        value = value.item()
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        return None
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How a step's token is chosen; Sampling.checked(...) validates and normalises the arguments."""
@@ -56,16 +67,20 @@ class Sampling:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    min_new_tokens: int = 0  # EOS ids barred before this many new tokens (the engine applies it: it knows the step)
 
     @classmethod
-    def checked(cls, do_sample, temperature, top_k, top_p, min_p, repetition_penalty) -> "Sampling":
+    def checked(cls, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens=0) -> "Sampling":
         """ValueError naming the argument, before anything runs. The warpers' arguments are checked only
-        when sampling (greedy decoding ignores them, as transformers' does); the penalty always."""
+        when sampling (greedy decoding ignores them, as transformers' does); the others always."""
         penalty = _number(repetition_penalty)
         if penalty is None or penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {repetition_penalty!r}")
+        min_new = _count(min_new_tokens)
+        if min_new is None:
+            raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
         if not do_sample:
-            return cls(repetition_penalty=penalty)
+            return cls(repetition_penalty=penalty, min_new_tokens=min_new)
         t, p, m = _number(temperature), _number(top_p), _number(min_p)
         if t is None or t <= 0:
             raise ValueError(f"sampling needs a finite temperature > 0, got {temperature!r}")
@@ -73,13 +88,10 @@ class Sampling:
             raise ValueError(f"sampling needs 0 < top_p <= 1 (1: off), got {top_p!r}")
         if m is None or not 0 <= m <= 1:
             raise ValueError(f"sampling needs 0 <= min_p <= 1 (0: off), got {min_p!r}")
-        if top_k is None:
-            top_k = 0
-        if isinstance(top_k, torch.Tensor) and top_k.dim() == 0 and not top_k.is_floating_point():
-            top_k = top_k.item()
-        if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 0:
+        k = _count(0 if top_k is None else top_k)
+        if k is None:
             raise ValueError(f"sampling needs an int top_k >= 0 (0: off), got {top_k!r}")
-        return cls(True, t, int(top_k), p, m, penalty)
+        return cls(True, t, k, p, m, penalty, min_new)
 
     def history(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, new_tokens: int) -> Optional["History"]:
         """The ids the penalty looks at (None without one)."""
