@@ -264,7 +264,8 @@ def test_generate_cli_decodes_as_generation_config(tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_sampling(tmp_path):
-    """On the GPU (CUDA-graph decode): the penalised greedy tokens are the CPU path's in fp32; a seeded
+    """On the GPU (CUDA-graph decode): the penalised greedy tokens, and those with EOS barred for
+    min_new_tokens, are the CPU path's in fp32; a seeded
     CUDA generator repeats a sampled run; top_k=1 samples the greedy tokens; the token choice makes no
     host sync."""
     _, path = hf_model(tmp_path, 3)
@@ -273,6 +274,10 @@ def test_cuda_sampling(tmp_path):
     ids, mask = random_prompts((7, 3, 11, 5), torch.Generator().manual_seed(random.randrange(1 << 30)))
     want = cpu.generate(ids, 14, attention_mask=mask, repetition_penalty=1.8)
     assert torch.equal(gpu.generate(ids, 14, attention_mask=mask, repetition_penalty=1.8).cpu(), want)
+    eos = [int(want[0, ids.shape[1] + 1])]  # EOS barred for 5 steps, then stopping: the CPU path's tokens
+    want = cpu.generate(ids, 14, attention_mask=mask, eos_token_id=eos, pad_token_id=0, min_new_tokens=5)
+    assert torch.equal(gpu.generate(ids, 14, attention_mask=mask, eos_token_id=eos, pad_token_id=0,
+                                    min_new_tokens=5).cpu(), want)
     kw = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.1)
     runs = [gpu.generate(ids, 14, attention_mask=mask, generator=torch.Generator(device).manual_seed(5), **kw)
             for device in ("cuda", "cuda:0")]  # with an index or without
