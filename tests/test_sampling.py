@@ -296,3 +296,18 @@ def test_cuda_sampling(tmp_path):
         checked(top_p=0.9, do_sample=True).select(logits)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_cli_eos_ids_where_transformers_finds_them(tmp_path):
+    """The CLI stops at generation_config.json's EOS ids, without that file at config.json's (as
+    transformers' generate), then at the tokenizer's; each once."""
+    from types import SimpleNamespace
+
+    from turbomoe.generate import eos_ids
+    tok = SimpleNamespace(eos_token_id=9)
+    d = str(tmp_path)
+    json.dump({"eos_token_id": [5, 9], "model_type": "qwen3_moe"}, open(os.path.join(d, "config.json"), "w"))
+    assert eos_ids(d, tok) == [5, 9]
+    json.dump({"eos_token_id": 7}, open(os.path.join(d, "generation_config.json"), "w"))
+    assert eos_ids(d, tok) == [7, 9]
+    assert eos_ids(str(tmp_path / "none"), SimpleNamespace(eos_token_id=None)) == []

@@ -22,7 +22,6 @@ this GPU, model shape and dtype from FILE, and after --tune keeps the new one th
 """
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -34,14 +33,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def eos_ids(model_dir: str, tok) -> list:
     """The EOS ids to stop at: generation_config.json's (a model may list several, as Qwen3's chat models
-    do) and then the tokenizer's, each once."""
-    ids = []
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos]
-    ids.append(tok.eos_token_id)
+    do; without the file, config.json's, as transformers' generate) and then the tokenizer's, each once."""
+    from .inference.sampling import generation_file
+    eos = generation_file(model_dir)[1].get("eos_token_id")
+    ids = (eos if isinstance(eos, list) else [eos]) + [tok.eos_token_id]
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 

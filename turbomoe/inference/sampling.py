@@ -148,11 +148,10 @@ class History:
         self.filled += 1
 
 
-def file_settings(model_dir: str) -> tuple:
-    """(the file, the settings of do_sample ... repetition_penalty it sets, the NOT_IMPLEMENTED ones it
-    turns on): model_dir's generation_config.json, or without one its config.json, where transformers'
-    generate then looks (older checkpoints keep them there). Unchecked but for do_sample; bad JSON is a
-    ValueError naming the file."""
+def generation_file(model_dir: str) -> tuple:
+    """(path, its JSON object) of the file transformers' generate takes a directory's settings from:
+    generation_config.json, or without one config.json (older checkpoints keep them there); ({} where
+    neither exists). Bad JSON is a ValueError naming the file."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
         path = os.path.join(model_dir, "config.json")
@@ -165,6 +164,13 @@ def file_settings(model_dir: str) -> tuple:
                 raise ValueError(f"{path} is not JSON: {e}") from e
         if not isinstance(stored, dict):
             raise ValueError(f"{path} holds a {type(stored).__name__}, not an object")
+    return path, stored
+
+
+def file_settings(model_dir: str) -> tuple:
+    """(the file, the settings of do_sample ... min_new_tokens it sets, the NOT_IMPLEMENTED ones it
+    turns on), from generation_file. Unchecked but for do_sample."""
+    path, stored = generation_file(model_dir)
     out = {name: stored[name] for name in TRANSFORMERS_DEFAULTS if stored.get(name) is not None}
     if not isinstance(out.get("do_sample", False), bool):
         raise ValueError(f"{path}: do_sample must be true or false, got {out['do_sample']!r}")
