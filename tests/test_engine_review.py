@@ -204,3 +204,32 @@ def test_generate_cli_chat(tmp_path, capsys):
         main([out, "--prompt", "hi", "--prompt", "a longer one", "--chat", "--max-new-tokens", "5", "--device", "cpu",
               *(("--system", system) if system else ())])
         assert capsys.readouterr().out == want
+
+
+def test_generate_cli_chat_kwargs(tmp_path, capsys):
+    """--chat-kwargs: a JSON object of the chat template's variables (Qwen3's enable_thinking), passed to
+    apply_chat_template; not JSON, not an object, or without --chat: usage errors."""
+    from transformers import AutoTokenizer
+
+    from turbomoe.generate import main
+    out = byte_model(tmp_path)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+                         "not enable_thinking %}<nothink>{% endif %}{% endif %}")
+    tok.save_pretrained(out)
+    engine = load(out, device="cpu", max_batch=1, max_seq_len=64)
+    capsys.readouterr()
+    for kwargs, tail in ((None, ""), ('{"enable_thinking": false}', "<nothink>"), ('{"enable_thinking": true}', "")):
+        ids = torch.tensor([list(("<user>hi\n<assistant>" + tail).encode())])
+        row = engine.generate(ids, 5, eos_token_id=256, pad_token_id=256)[0, ids.shape[1]:].tolist()
+        want = tok.decode(row[:next((i + 1 for i, t in enumerate(row) if t == 256), len(row))], skip_special_tokens=True)
+        main([out, "--prompt", "hi", "--chat", "--max-new-tokens", "5", "--device", "cpu",
+              *(("--chat-kwargs", kwargs) if kwargs else ())])
+        assert capsys.readouterr().out == want + "\n", kwargs
+    for argv, message in ((["--chat", "--chat-kwargs", "{nope"], "not JSON"),
+                          (["--chat", "--chat-kwargs", "[1]"], "a JSON object of the template's variables"),
+                          (["--chat-kwargs", "{}"], "--chat-kwargs needs --chat")):
+        with pytest.raises(SystemExit) as e:
+            main([out, "--prompt", "hi", "--device", "cpu", *argv])
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv

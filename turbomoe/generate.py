@@ -2,19 +2,20 @@
 
     python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--greedy | --sample]
         [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--min-new-tokens N]
-        [--chat [--system TEXT]] [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0] [--tune] [--tiles FILE]
-        [--stream]
+        [--chat [--system TEXT] [--chat-kwargs JSON]] [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0]
+        [--tune] [--tiles FILE] [--stream]
 
 The tokenizer is the directory's (transformers' AutoTokenizer); generation stops at the EOS ids of the
 directory's generation_config.json and the tokenizer's. With --chat each prompt is a user message put
-through the tokenizer's chat template (a published chat model's, such as Qwen3's), after --system's.
+through the tokenizer's chat template (a published chat model's, such as Qwen3's), after --system's;
+--chat-kwargs sets the template's variables ('{"enable_thinking": false}': Qwen3 answers without thinking).
 Decoding follows the directory's generation_config.json as transformers' generate does (Qwen3's chat
 models sample: temperature 0.6, top-k 20, top-p 0.95), transformers' defaults where it sets nothing
 (greedy; top-k 50 when sampling); --greedy, --sample and the sampling flags override it, and the
 settings used are printed, with those of the file that the engine does not implement (beam search,
-typical-p, ...), which it ignores. Prints the continuation, then the prefill and decode times and the decode
-tokens/s (the first call of a batch size also captures its CUDA graph: reported apart). Sampled, the
-text is what Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures the decode step's
+typical-p, ...), which it ignores. Prints the continuation, then the prefill and decode times and the
+decode tokens/s (the first call of a batch size also captures its CUDA graph: reported apart). Sampled,
+the text is what Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures the decode step's
 few-rows GEMM tilings for this batch size (Engine(tune=True)); --tiles FILE reads the table measured for
 this GPU, model shape and dtype from FILE, and after --tune keeps the new one there
 (turbomoe.inference.tiling's tile files). --stream (one prompt) prints the text as it is made
@@ -22,6 +23,7 @@ this GPU, model shape and dtype from FILE, and after --tune keeps the new one th
 """
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
@@ -49,9 +51,21 @@ def describe(decoding: dict) -> str:
     return ", ".join(words + [f"{k} {decoding[k]}" for k, v in on.items() if v])
 
 
-def chat_texts(tok, prompts: list, system, p) -> list:
+def json_object(text: str) -> dict:
+    """--chat-kwargs' value: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of the template's variables, got {text!r}")
+    return value
+
+
+def chat_texts(tok, prompts: list, system, p, template_kwargs=None) -> list:
     """Each prompt as the chat template's text of one user turn (after a system turn where given), ready
-    for the assistant's reply."""
+    for the assistant's reply; template_kwargs are the template's own variables (Qwen3's
+    enable_thinking, say)."""
     if not tok.chat_template:
         p.error("--chat: the tokenizer has no chat template (chat_template in tokenizer_config.json or "
                 "chat_template.jinja): prompt the model as plain text instead")
@@ -59,7 +73,7 @@ def chat_texts(tok, prompts: list, system, p) -> list:
     head = [{"role": "system", "content": system}] if system is not None else []
     try:
         return [tok.apply_chat_template(head + [{"role": "user", "content": text}], tokenize=False,
-                                        add_generation_prompt=True) for text in prompts]
+                                        add_generation_prompt=True, **(template_kwargs or {})) for text in prompts]
     except (TemplateError, ValueError) as e:  # a template's raise_exception (no system role, say), or no default one
         p.error(f"--chat: the tokenizer's chat template failed: {e}")
 
@@ -85,6 +99,8 @@ def main(argv=None):
                    "and after --tune written to it")
     p.add_argument("--chat", action="store_true", help="each prompt a user message, through the tokenizer's chat template")
     p.add_argument("--system", help="with --chat: a system message before each prompt")
+    p.add_argument("--chat-kwargs", metavar="JSON", type=json_object, default=None,
+                   help="with --chat: the chat template's variables, e.g. '{\"enable_thinking\": false}' (Qwen3)")
     p.add_argument("--stream", action="store_true", help="print the text as it is made (one prompt)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
@@ -93,6 +109,8 @@ def main(argv=None):
         p.error("--prompt must not be empty")
     if args.system is not None and not args.chat:
         p.error("--system needs --chat")
+    if args.chat_kwargs is not None and not args.chat:
+        p.error("--chat-kwargs needs --chat")
     if args.stream and len(args.prompt) > 1:
         p.error(f"--stream prints one prompt's text as it is made; got {len(args.prompt)} prompts")
 
@@ -154,7 +172,7 @@ def main(argv=None):
     # Left-padded here, not by the tokenizer, which refuses to pad (even one prompt) without a pad token;
     # the mask marks the padding, so its id is any the embedding has.
     if args.chat:  # the template writes the special tokens it wants (a BOS among them): none added
-        rows = tok(chat_texts(tok, args.prompt, args.system, p), add_special_tokens=False)["input_ids"]
+        rows = tok(chat_texts(tok, args.prompt, args.system, p, args.chat_kwargs), add_special_tokens=False)["input_ids"]
     else:
         rows = tok(args.prompt)["input_ids"]
     empty = [i for i, row in enumerate(rows) if not row]
