@@ -15,9 +15,9 @@ models sample: temperature 0.6, top-k 20, top-p 0.95), transformers' defaults wh
 settings used are printed, with those of the file that the engine does not implement (beam search,
 typical-p, ...), which it ignores. Prints the continuation, then the prefill and decode times and the
 decode tokens/s (the first call of a batch size also captures its CUDA graph: reported apart). Sampled,
-the text is what Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures the decode step's
-few-rows GEMM tilings for this batch size (Engine(tune=True)); --tiles FILE reads the table measured for
-this GPU, model shape and dtype from FILE, and after --tune keeps the new one there
+the text is what Engine.generate gives with a generator seeded --seed. On a GPU, --tune first measures
+the decode step's few-rows GEMM tilings for this batch size (Engine(tune=True)); --tiles FILE reads the
+table measured for this GPU, model shape and dtype from FILE, and after --tune keeps the new one there
 (turbomoe.inference.tiling's tile files). --stream (one prompt) prints the text as it is made
 (transformers' TextStreamer through Engine.generate's streamer); its timing then includes the printing.
 """
