@@ -175,6 +175,11 @@ def test_generate_sampling_errors(tmp_path):
     with pytest.raises(ValueError, match="repetition_penalty"):
         engine.generate(ids, 2, repetition_penalty=-1.0)
     assert engine.generate(ids, 2, do_sample=True, top_k=torch.tensor(3), temperature=torch.tensor(0.5)).shape == (1, 5)
+    # None, as transformers' generate takes it: the argument's default (off)
+    none = dict(temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None, min_new_tokens=None)
+    g = [torch.Generator().manual_seed(3) for _ in range(2)]
+    assert torch.equal(engine.generate(ids, 4, do_sample=True, generator=g[0], **none),
+                       engine.generate(ids, 4, do_sample=True, generator=g[1]))
 
 
 def test_generation_defaults(tmp_path):
@@ -197,6 +202,9 @@ def test_generation_defaults(tmp_path):
                "guidance_scale": 1.0}, open(path, "w"))
     with pytest.warns(UserWarning, match="sets num_beams 4, typical_p 0.9: not implemented by turbomoe.inference"):
         assert generation_defaults(d)["top_k"] == 20
+    json.dump({"do_sample": False, "penalty_alpha": 0.6, "typical_p": 0.5}, open(path, "w"))  # contrastive search
+    with pytest.warns(UserWarning, match="sets penalty_alpha 0.6: not implemented"):  # typical_p: sampling only
+        generation_defaults(d)
     json.dump({"do_sample": False, "temperature": 0.0}, open(path, "w"))  # greedy: the warpers' values unused
     assert generation_defaults(d)["temperature"] == 0.0
     for stored, message in (({"do_sample": "yes"}, "do_sample must be true or false"),
@@ -310,4 +318,5 @@ def test_cli_eos_ids_where_transformers_finds_them(tmp_path):
     assert eos_ids(d, tok) == [5, 9]
     json.dump({"eos_token_id": 7}, open(os.path.join(d, "generation_config.json"), "w"))
     assert eos_ids(d, tok) == [7, 9]
-    assert eos_ids(str(tmp_path / "none"), SimpleNamespace(eos_token_id=None)) == []
+    with pytest.raises(FileNotFoundError, match="none is not a directory"):
+        eos_ids(str(tmp_path / "none"), tok)

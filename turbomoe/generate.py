@@ -6,7 +6,7 @@
         [--tune] [--tiles FILE] [--stream]
 
 The tokenizer is the directory's (transformers' AutoTokenizer); generation stops at the EOS ids of the
-directory's generation_config.json and the tokenizer's. With --chat each prompt is a user message put
+directory's generation_config.json (else config.json) and the tokenizer's. With --chat each prompt is a user message put
 through the tokenizer's chat template (a published chat model's, such as Qwen3's), after --system's;
 --chat-kwargs sets the template's variables ('{"enable_thinking": false}': Qwen3 answers without thinking).
 Decoding follows the directory's generation_config.json as transformers' generate does (Qwen3's chat
@@ -137,7 +137,7 @@ def main(argv=None):
     from .data.tokenizer import tokenizer_files
     from .inference import load
     from .inference.engine import check_model_dir
-    from .inference.sampling import TRANSFORMERS_DEFAULTS, Sampling, file_settings, ignored_text
+    from .inference.sampling import TRANSFORMERS_DEFAULTS, Sampling, file_settings, ignored_text, not_implemented
     from .inference.tiling import read_tile_file, read_tile_tables, tile_key, write_tile_file
     try:  # before the tokenizer, which would take a missing directory for a Hub model's name
         config = check_model_dir(args.model_dir)
@@ -147,7 +147,7 @@ def main(argv=None):
         # AutoTokenizer would not fail: it makes an empty tokenizer that turns any prompt into no tokens
         p.error(f"{args.model_dir} has no tokenizer (tokenizer.json, vocab.json, ...): save one beside the model")
     try:
-        path, stored, ignored = file_settings(args.model_dir)
+        path, stored, held = file_settings(args.model_dir)
     except ValueError as e:
         p.error(str(e))
     given = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -219,6 +219,7 @@ def main(argv=None):
             p.error(f"--tiles {args.tiles} could not be written: {e}")
     kw = dict(attention_mask=batch["attention_mask"], eos_token_id=eos, pad_token_id=tok.pad_token_id, **decoding)
     print(f"decoding: {describe(decoding)}", file=sys.stderr)
+    ignored = not_implemented(held, decoding["do_sample"])
     if ignored:
         print(ignored_text(path, ignored), file=sys.stderr)
 

@@ -29,13 +29,18 @@ import torch
 # transformers' GenerationConfig._get_default_generation_params() for these (min_p: None, off)
 TRANSFORMERS_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                              min_new_tokens=0)
-# The other settings by which transformers' _get_logits_processor (or beam search) changes a decoder's
-# tokens, each with the values that leave it off: not implemented here
-NOT_IMPLEMENTED = {"num_beams": (1, ), "typical_p": (1.0, ), "no_repeat_ngram_size": (0, ), "epsilon_cutoff": (0.0, ),
-                   "eta_cutoff": (0.0, ), "top_h": (), "min_length": (0, ),
-                   "bad_words_ids": (), "suppress_tokens": (), "begin_suppress_tokens": (), "forced_bos_token_id": (),
-                   "forced_eos_token_id": (), "sequence_bias": (), "exponential_decay_length_penalty": (),
-                   "guidance_scale": (1, ), "watermarking_config": (), "penalty_alpha": ()}
+# The other settings by which transformers' generate changes a decoder's tokens, not implemented here,
+# each with the values that leave it off, by when it acts: its warpers only when sampling, contrastive
+# search only when not, the rest always
+NOT_IMPLEMENTED = {
+    "sampling": {"typical_p": (1.0, ), "epsilon_cutoff": (0.0, ), "eta_cutoff": (0.0, ), "top_h": (),
+                 "num_return_sequences": (1, )},
+    "greedy": {"penalty_alpha": (0.0, )},
+    "always": {"num_beams": (1, ), "no_repeat_ngram_size": (0, ), "min_length": (0, ), "bad_words_ids": (),
+               "suppress_tokens": (), "begin_suppress_tokens": (), "forced_bos_token_id": (),
+               "forced_eos_token_id": (), "sequence_bias": (), "exponential_decay_length_penalty": (),
+               "guidance_scale": (1, ), "watermarking_config": (), "stop_strings": (), "remove_invalid_values": (False, ),
+               "force_words_ids": ()}}
 
 
 def _number(value) -> Optional[float]:
@@ -73,6 +78,11 @@ class Sampling:
     def checked(cls, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens=0) -> "Sampling":
         """ValueError naming the argument, before anything runs. The warpers' arguments are checked only
         when sampling (greedy decoding ignores them, as transformers' does); the others always."""
+        # None, as in transformers' generate: the default (here: off)
+        temperature, top_p, min_p = (1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p,
+                                     0.0 if min_p is None else min_p)
+        repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
+        min_new_tokens = 0 if min_new_tokens is None else min_new_tokens
         penalty = _number(repetition_penalty)
         if penalty is None or penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {repetition_penalty!r}")
@@ -153,6 +163,8 @@ def generation_file(model_dir: str) -> tuple:
     generation_config.json, or without one config.json (older checkpoints keep them there); ({} where
     neither exists). Bad JSON is a ValueError naming the file."""
     path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isdir(model_dir):  # a typo, or a Hub name: transformers' defaults would decode greedily
+        raise FileNotFoundError(f"{model_dir} is not a directory (a model directory on this machine)")
     if not os.path.isfile(path):
         path = os.path.join(model_dir, "config.json")
     stored = {}
@@ -168,14 +180,19 @@ def generation_file(model_dir: str) -> tuple:
 
 
 def file_settings(model_dir: str) -> tuple:
-    """(the file, the settings of do_sample ... min_new_tokens it sets, the NOT_IMPLEMENTED ones it
-    turns on), from generation_file. Unchecked but for do_sample."""
+    """(the file, the settings of do_sample ... min_new_tokens it sets, all it holds), from
+    generation_file. Unchecked but for do_sample."""
     path, stored = generation_file(model_dir)
     out = {name: stored[name] for name in TRANSFORMERS_DEFAULTS if stored.get(name) is not None}
     if not isinstance(out.get("do_sample", False), bool):
         raise ValueError(f"{path}: do_sample must be true or false, got {out['do_sample']!r}")
-    ignored = {k: stored[k] for k, off in NOT_IMPLEMENTED.items() if stored.get(k) not in (None, [], {}, *off)}
-    return path, out, ignored
+    return path, out, stored
+
+
+def not_implemented(stored: dict, do_sample: bool) -> dict:
+    """The NOT_IMPLEMENTED settings stored turns on that transformers' generate would apply, sampling or not."""
+    acting = {**NOT_IMPLEMENTED["always"], **NOT_IMPLEMENTED["sampling" if do_sample else "greedy"]}
+    return {k: stored[k] for k, off in acting.items() if stored.get(k) not in (None, [], {}, *off)}
 
 
 def generation_defaults(model_dir: str) -> dict:
@@ -183,10 +200,11 @@ def generation_defaults(model_dir: str) -> dict:
     the model of model_dir: file_settings' values, transformers' defaults for those it does not set (or
     without the file). A value of the wrong kind is a ValueError naming the file and field; settings the
     file turns on that turbomoe does not implement, a warning naming them."""
-    path, stored, ignored = file_settings(model_dir)
+    path, settings, stored = file_settings(model_dir)
+    out = {**TRANSFORMERS_DEFAULTS, **settings}
+    ignored = not_implemented(stored, out["do_sample"])
     if ignored:
         warnings.warn(ignored_text(path, ignored), stacklevel=2)
-    out = {**TRANSFORMERS_DEFAULTS, **stored}
     try:
         Sampling.checked(**out)
     except ValueError as e:
