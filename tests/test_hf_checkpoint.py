@@ -217,7 +217,9 @@ def test_missing_and_truncated_shard(sharded):
      "config.json: rope_scaling"),
     (dict(use_sliding_window=True, sliding_window=16), "config.json: use_sliding_window"),
     (dict(attention_dropout=0.1), "config.json: attention_dropout"),
-    (dict(quantization_config={"quant_method": "fp8"}), r"config.json: fields \['quantization_config'\]"),
+    (dict(quantization_config={"quant_method": "awq", "bits": 4}), r"config.json: quantization_config \{'quant_method': "
+     r"'awq', 'bits': 4\} is not supported \(only quant_method 'fp8'"),
+    (dict(quantization_config={"quant_method": "fp8", "activation_scheme": "static"}), r"dynamic activation_scheme only"),
     (dict(mlp_only_layers=[7]), r"config.json: model.mlp_only_layers \[7\]"),
     (dict(mlp_only_layers=1), r"config.json: model.mlp_only_layers must be a list of layer indices, got 1"),
     (dict(rms_norm_eps="1e-6"), r"config.json: model.rms_norm_eps must be a positive finite number, got '1e-6'"),

@@ -6,7 +6,9 @@ opened lazily (safe_open: a tensor is read when it is copied into the model); ex
 transformers loads for qwen3_moe:
   per expert (what transformers 5.x writes)  mlp.experts.J.{gate,up,down}_proj.weight  [F, H], [F, H], [H, F]
   fused (transformers' in-memory layout)     mlp.experts.gate_up_proj [E, 2F, H], mlp.experts.down_proj [E, H, F]
-An expert-parallel rank reads only its own experts' rows.
+An expert-parallel rank reads only its own experts' rows. FP8 block-quantized checkpoints
+(quantization_config quant_method "fp8", e4m3 weights X.weight with per-block scales X.weight_scale_inv,
+as Qwen3's -FP8 releases) are dequantized to the model's dtype as each tensor is read.
 
 Writing: config.json, generation_config.json, the byte tokenizer, safetensors shards (+ index) in the
 per-expert layout, built in a temporary directory that is renamed to the output at the end: a failed
@@ -14,6 +16,7 @@ write leaves nothing behind.
 """
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -50,7 +53,9 @@ _INERT = {"architectures", "model_type", "transformers_version", "dtype", "torch
           "output_router_logits", "router_aux_loss_coef", "bos_token_id", "eos_token_id", "pad_token_id",
           "max_window_layers", "_name_or_path", "output_attentions", "output_hidden_states", "return_dict"}
 _HANDLED = {"num_experts", "num_local_experts", "head_dim", "hidden_act", "attention_dropout", "rope_parameters",
-            "rope_theta", "rope_scaling", "use_sliding_window", "sliding_window"}
+            "rope_theta", "rope_scaling", "use_sliding_window", "sliding_window", "quantization_config"}
+FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+SCALE = "_scale_inv"  # X.weight's scales: X.weight_scale_inv (weight = stored e4m3 x scale, block by block)
 # Qwen3MoeConfig's defaults (transformers 5.x): a field config.json leaves out has this value in
 # transformers, so it has it here too.
 _HF_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
@@ -105,6 +110,39 @@ def _rope_theta(raw: dict, file: str) -> float:
     return params.get("rope_theta", raw.get("rope_theta", 10000.0))  # ModelConfig.validate checks it
 
 
+def fp8_blocks(raw: dict, file: str = CONFIG):
+    """config.json's quantization_config: None where there is none, else the FP8 checkpoint's weight blocks
+    ((rows, cols), or () for one scale a tensor). Only what dequantizing as read serves: quant_method fp8,
+    e4m3 weights, dynamic activation scales (none stored); anything else a CheckpointError."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        raise CheckpointError(f"{file}: quantization_config {q!r} is not supported (only quant_method 'fp8', "
+                              f"dequantized as it is read)")
+    if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"{file}: quantization_config {q!r} is not supported (FP8 weights in e4m3 with a "
+                              f"dynamic activation_scheme only)")
+    block = q.get("weight_block_size")
+    if block is None:
+        return ()
+    if not (isinstance(block, list) and len(block) == 2 and
+            all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"{file}: quantization_config's weight_block_size must be two positive ints, got "
+                              f"{block!r}")
+    return tuple(block)
+
+
+def dequantize_fp8(w_NK: torch.Tensor, scale: torch.Tensor, blocks) -> torch.Tensor:
+    """fp32 weights of e4m3 w [N, K] and its scales: one ([] or [1]) or a block's each ([ceil(N / bn),
+    ceil(K / bk)], the last row and column of blocks possibly partial)."""
+    w = w_NK.float()
+    if not blocks:
+        return w * scale.float().reshape(())
+    (N, K), (bn, bk) = w.shape, blocks
+    return w * scale.float().repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+
+
 def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") -> ModelConfig:
     """A Qwen3MoeConfig dict (config.json) -> ModelConfig; a field turbomoe cannot honour is an error."""
     if raw.get("model_type") != MODEL_TYPE:
@@ -113,6 +151,7 @@ def config_from_hf(raw: dict, file: str = CONFIG, moe_impl: str = "turbomoe") ->
     if unknown:
         raise CheckpointError(f"{file}: fields {unknown} are not supported by turbomoe's Qwen3-MoE (they may change "
                               f"the model's math)")
+    fp8_blocks(raw, file)  # math-neutral once dequantized; anything else refused
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{file}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
     if raw.get("attention_dropout", 0.0):
@@ -274,8 +313,9 @@ def _source_of(name: str, reader: CheckpointReader, global_expert: Callable[[int
     return fused, j, None if ours == "w2" else slice(0, F) if ours == "w1" else slice(F, 2 * F)
 
 
-def _expected_keys(cfg: ModelConfig, our_names: Iterable[str]) -> set:
-    """Every checkpoint key a whole model reads (all experts, any rank), for the unexpected-key check."""
+def _expected_keys(cfg: ModelConfig, our_names: Iterable[str], fp8: bool = False) -> set:
+    """Every checkpoint key a whole model reads (all experts, any rank), for the unexpected-key check; with
+    fp8, each weight's scales too."""
     keys = {to_hf_name(n) for n in our_names if not _OUR_EXPERT.match(n)}
     for layer in cfg.moe_layers():
         prefix = f"model.layers.{layer}.mlp.experts"
@@ -283,6 +323,8 @@ def _expected_keys(cfg: ModelConfig, our_names: Iterable[str]) -> set:
         keys |= {f"{prefix}.{j}.{p}.weight" for j in range(cfg.num_experts) for p in _OUR_TO_HF_LINEAR.values()}
     if cfg.tie_word_embeddings:
         keys.add("lm_head.weight")  # written by some tools though tied: read only to check it is the embedding
+    if fp8:
+        keys |= {k + SCALE for k in keys if k.endswith(".weight")}
     return keys
 
 
@@ -314,7 +356,12 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
     check_config(cfg, reader.path)
     num_local = cfg.num_experts // model.moe_args.ep_size
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    unexpected = sorted(set(reader.weight_map) - _expected_keys(cfg, params))
+    blocks = fp8_blocks(read_config(reader.path), os.path.join(reader.path, CONFIG))
+    scaled = sorted(k for k in reader.weight_map if k.endswith(SCALE))
+    if blocks is None and scaled:  # an FP8 checkpoint whose config.json lost its quantization_config
+        raise CheckpointError(f"{reader.file_of(scaled[0])}: holds FP8 scales ({scaled[0]}, {len(scaled)} in all) but "
+                              f"{CONFIG} has no quantization_config (quant_method 'fp8')")
+    unexpected = sorted(set(reader.weight_map) - _expected_keys(cfg, params, blocks is not None))
     if unexpected:
         raise CheckpointError(f"{reader.path}: tensors {unexpected[:5]} ({len(unexpected)} in all) are not part of "
                               f"a Qwen3-MoE model with this config.json")
@@ -336,7 +383,12 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
             expected = [cfg.num_experts, *([2 * expected[0]] if rows is not None else [expected[0]]), *expected[1:]]
         if shape != expected:
             raise CheckpointError(f"{reader.file_of(key)}: {key} has shape {shape}, but {CONFIG} implies {expected}")
-        plan.append((p, key, row, rows))
+        plan.append((p, key, row, rows, _fp8_scale(reader, key, row, shape, blocks)))
+    scales = {scale for *_, scale in plan}
+    stray = sorted(k for k in reader.weight_map if k.endswith(SCALE) and k not in scales)
+    if stray:
+        raise CheckpointError(f"{reader.file_of(stray[0])}: {stray[0]} scales a tensor that is not stored in FP8 "
+                              f"({len(stray)} such in all)")
     if reader.unlisted:
         key, name = sorted(reader.unlisted.items())[0]
         raise CheckpointError(f"{os.path.join(reader.path, name)}: holds {key} ({len(reader.unlisted)} tensors in all "
@@ -349,9 +401,33 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
                                   f"stored lm_head.weight differs from model.embed_tokens.weight; set "
                                   f"tie_word_embeddings to false to load them apart")
         del head, embedding
-    for p, key, row, rows in plan:
+    for p, key, row, rows, scale in plan:
         t = reader.get(key, row)
+        if scale is not None:
+            t = dequantize_fp8(t, reader.get(scale), blocks)
         p.copy_(t if rows is None else t[rows])
+
+
+def _fp8_scale(reader: CheckpointReader, key: str, row, shape: List[int], blocks) -> Optional[str]:
+    """The key of key's scales where key is stored in FP8 (checked: config.json says so, the scales are
+    there in the shape the blocks give), else None."""
+    if reader.stored_dtype(key) != FP8:
+        return None
+    file = reader.file_of(key)
+    if blocks is None:
+        raise CheckpointError(f"{file}: {key} is stored in FP8 ({FP8}) but {CONFIG} has no quantization_config")
+    if row is not None or len(shape) != 2:
+        raise CheckpointError(f"{file}: {key} is an FP8 tensor of shape {shape}; only FP8 matrices stored one a "
+                              f"tensor are read (experts per expert, not fused)")
+    scale = key + SCALE
+    if scale not in reader.weight_map:
+        raise CheckpointError(f"{file}: {key} is stored in FP8 but its scales {scale} are missing")
+    want = [-(-shape[0] // blocks[0]), -(-shape[1] // blocks[1])] if blocks else None
+    got = reader.shape(scale)
+    if (got != want) if blocks else (math.prod(got) != 1):
+        raise CheckpointError(f"{reader.file_of(scale)}: {scale} has shape {got}; {CONFIG}'s weight_block_size "
+                              f"{list(blocks) or None} implies {want or [1]} for {key} {shape}")
+    return scale
 
 
 # ---------------------------------------------------------------- writing a directory
