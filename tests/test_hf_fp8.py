@@ -110,6 +110,8 @@ def test_fp8_checkpoint_errors(tmp_path):
     broken(lambda t: t.pop(key + "_scale_inv"), "q_proj.weight is stored in FP8 but its scales .* are missing")
     broken(lambda t: t.update({key + "_scale_inv": torch.ones(2, 2)}),
            r"q_proj.weight_scale_inv has shape \[2, 2\]; config.json's weight_block_size \[16, 16\] implies \[3, 3\]")
+    broken(lambda t: t.update({key + "_scale_inv": torch.full((3, 3), 127, dtype=torch.uint8)}),
+           r"q_proj.weight_scale_inv is stored as U8; FP8 scales are read as floating-point numbers")
     broken(lambda t: t.update({"model.norm.weight_scale_inv": torch.ones(1)}),
            "model.norm.weight_scale_inv scales a tensor that is not stored in FP8")
     plain_config = {k: v for k, v in config.items() if k != "quantization_config"}

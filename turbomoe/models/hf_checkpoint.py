@@ -422,6 +422,9 @@ def _fp8_scale(reader: CheckpointReader, key: str, row, shape: List[int], blocks
     scale = key + SCALE
     if scale not in reader.weight_map:
         raise CheckpointError(f"{file}: {key} is stored in FP8 but its scales {scale} are missing")
+    if reader.stored_dtype(scale) not in ("F32", "BF16", "F16"):  # E8M0 exponents (MXFP8) are another format
+        raise CheckpointError(f"{reader.file_of(scale)}: {scale} is stored as {reader.stored_dtype(scale)}; FP8 "
+                              f"scales are read as floating-point numbers (F32, BF16, F16) only")
     want = [-(-shape[0] // blocks[0]), -(-shape[1] // blocks[1])] if blocks else None
     got = reader.shape(scale)
     if (got != want) if blocks else (math.prod(got) != 1):
