@@ -123,7 +123,7 @@ def fp8_blocks(raw: dict, file: str = CONFIG):
     if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
         raise CheckpointError(f"{file}: quantization_config {q!r} is not supported (FP8 weights in e4m3 with a "
                               f"dynamic activation_scheme only)")
-    block = q.get("weight_block_size")
+    block = q.get("weight_block_size", [128, 128])  # FineGrainedFP8Config's default where the field is left out
     if block is None:
         return ()
     if not (isinstance(block, list) and len(block) == 2 and
@@ -315,7 +315,7 @@ def _source_of(name: str, reader: CheckpointReader, global_expert: Callable[[int
 
 def _expected_keys(cfg: ModelConfig, our_names: Iterable[str], fp8: bool = False) -> set:
     """Every checkpoint key a whole model reads (all experts, any rank), for the unexpected-key check; with
-    fp8, each weight's scales too."""
+    fp8, each tensor's scales too."""
     keys = {to_hf_name(n) for n in our_names if not _OUR_EXPERT.match(n)}
     for layer in cfg.moe_layers():
         prefix = f"model.layers.{layer}.mlp.experts"
@@ -323,8 +323,8 @@ def _expected_keys(cfg: ModelConfig, our_names: Iterable[str], fp8: bool = False
         keys |= {f"{prefix}.{j}.{p}.weight" for j in range(cfg.num_experts) for p in _OUR_TO_HF_LINEAR.values()}
     if cfg.tie_word_embeddings:
         keys.add("lm_head.weight")  # written by some tools though tied: read only to check it is the embedding
-    if fp8:
-        keys |= {k + SCALE for k in keys if k.endswith(".weight")}
+    if fp8:  # the fused experts' too (FP8Experts' gate_up_proj_scale_inv): _fp8_scale refuses those by name
+        keys |= {k + SCALE for k in keys}
     return keys
 
 
@@ -384,8 +384,9 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
         if shape != expected:
             raise CheckpointError(f"{reader.file_of(key)}: {key} has shape {shape}, but {CONFIG} implies {expected}")
         plan.append((p, key, row, rows, _fp8_scale(reader, key, row, shape, blocks)))
-    scales = {scale for *_, scale in plan}
-    stray = sorted(k for k in reader.weight_map if k.endswith(SCALE) and k not in scales)
+    # judged by the scaled tensor as stored, not by this plan: other ranks' experts' scales are no strays
+    stray = [k for k in scaled if k[:-len(SCALE)] not in reader.weight_map or
+             reader.stored_dtype(k[:-len(SCALE)]) != FP8]
     if stray:
         raise CheckpointError(f"{reader.file_of(stray[0])}: {stray[0]} scales a tensor that is not stored in FP8 "
                               f"({len(stray)} such in all)")
