@@ -145,6 +145,30 @@ def test_generate_min_new_tokens_equals_transformers(tmp_path):
         engine.generate(ids, 2, min_new_tokens=-1)
 
 
+def test_generate_num_return_sequences(tmp_path):
+    """num_return_sequences n (sampled): [B x n, T + new], each prompt's n rows together, as transformers'
+    generate; the same as sampling the repeated prompts; greedy refuses n > 1, as transformers does; the
+    rows count against max_batch."""
+    _, path = hf_model(tmp_path, 4)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=6, max_seq_len=48)
+    ids, mask = random_prompts((6, 2), torch.Generator().manual_seed(random.randrange(1 << 30)))
+    kw = dict(do_sample=True, top_k=5, temperature=1.5)
+    out = engine.generate(ids, 8, attention_mask=mask, num_return_sequences=3, generator=torch.Generator().manual_seed(2),
+                          **kw)
+    assert out.shape == (6, ids.shape[1] + 8)
+    assert torch.equal(out[:, :ids.shape[1]], ids.repeat_interleave(3, 0))
+    same = engine.generate(ids.repeat_interleave(3, 0), 8, attention_mask=mask.repeat_interleave(3, 0),
+                           generator=torch.Generator().manual_seed(2), **kw)
+    assert torch.equal(out, same)
+    assert len({tuple(r) for r in out[:3, ids.shape[1]:].tolist()}) > 1  # a prompt's samples differ
+    with pytest.raises(ValueError, match="num_return_sequences 2 needs sampling"):
+        engine.generate(ids, 2, num_return_sequences=2)
+    with pytest.raises(ValueError, match="num_return_sequences must be an int >= 1, got 0"):
+        engine.generate(ids, 2, do_sample=True, num_return_sequences=0)
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.generate(ids, 2, do_sample=True, num_return_sequences=4)
+
+
 def test_generate_sampling_settings(tmp_path):
     """top_k=1 and min_p=1 sample the greedy tokens; a seeded generator repeats a sampled run."""
     _, path = hf_model(tmp_path, 4)
@@ -187,13 +211,13 @@ def test_generation_defaults(tmp_path):
     defaults for the rest (no file: all defaults); values of the wrong kind name the file."""
     d = str(tmp_path)
     assert generation_defaults(d) == dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0,
-                                          repetition_penalty=1.0, min_new_tokens=0)
+                                          repetition_penalty=1.0, min_new_tokens=0, num_return_sequences=1)
     path = os.path.join(d, "generation_config.json")
     qwen3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
              "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": None, "transformers_version": "4.51.0"}
     json.dump(qwen3, open(path, "w"))
     assert generation_defaults(d) == dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, min_p=0.0,
-                                          repetition_penalty=1.0, min_new_tokens=0)
+                                          repetition_penalty=1.0, min_new_tokens=0, num_return_sequences=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing it does not implement
         generation_defaults(d)
@@ -231,6 +255,7 @@ def test_generate_cli_decodes_as_generation_config(tmp_path, capsys):
     out = os.path.join(tmp_path, "bytes")
     Qwen3MoeForCausalLM.from_pretrained(path).save_pretrained(out, tokenizer=ByteTokenizer())
     engine = load(out, device="cpu", max_seq_len=16, max_batch=1)
+    engine_of_3 = load(out, device="cpu", max_seq_len=16, max_batch=3)  # the CLI's engine is sized by the rows
     tok = AutoTokenizer.from_pretrained(out)
     prompt = torch.tensor([[104, 105]])  # "hi"
 
@@ -254,12 +279,22 @@ def test_generate_cli_decodes_as_generation_config(tmp_path, capsys):
     printed = capsys.readouterr()
     want = text(do_sample=True, temperature=0.6, top_p=0.9, generator=torch.Generator().manual_seed(4))
     assert printed.out == want and "decoding: sampling, temperature 0.6, top_p 0.9\n" in printed.err
+    # three samples of the prompt: three lines, what the engine gives the prompt repeated
+    main(argv + ["--top-k", "0", "--top-p", "0.9", "--seed", "4", "--num-return-sequences", "3"])
+    printed = capsys.readouterr()
+    rows = engine_of_3.generate(prompt, 6, eos_token_id=256, pad_token_id=256, do_sample=True, temperature=0.6,
+                                top_p=0.9, num_return_sequences=3, generator=torch.Generator().manual_seed(4))[:, 2:]
+    lines = [tok.decode(r[:next((i + 1 for i, t in enumerate(r.tolist()) if t == 256), len(r))],
+                        skip_special_tokens=True) for r in rows]
+    assert printed.out == "".join(line + "\n" for line in lines) and "num_return_sequences 3" in printed.err
     json.dump({**config, "do_sample": True, "temperature": 0.6, "top_k": 1, "no_repeat_ngram_size": 3},
               open(config_path, "w"))
     main(argv)
     printed = capsys.readouterr()
     assert printed.out == text() and "sets no_repeat_ngram_size 3: not implemented" in printed.err
-    for extra, message in ((["--min-p", "2"], "min_p <= 1"), (["--greedy", "--sample"], "not allowed with")):
+    for extra, message in ((["--min-p", "2"], "min_p <= 1"), (["--greedy", "--sample"], "not allowed with"),
+                           (["--num-return-sequences", "2", "--stream"], "--stream prints one row's text"),
+                           (["--greedy", "--num-return-sequences", "2"], "needs sampling")):
         with pytest.raises(SystemExit) as e:
             main(argv + extra)
         assert e.value.code == 2 and message in capsys.readouterr().err

@@ -96,4 +96,4 @@ def test_generation_defaults_from_config_json_without_generation_config(tmp_path
     json.dump({**json.load(open(config_json)), **set_there}, open(config_json, "w"))
     hf = AutoModelForCausalLM.from_pretrained(path)
     assert {k: getattr(hf.generation_config, k) for k in set_there} == set_there  # what generate runs with
-    assert generation_defaults(path) == dict(set_there, top_p=1.0, min_p=0.0, min_new_tokens=0)
+    assert generation_defaults(path) == dict(set_there, top_p=1.0, min_p=0.0, min_new_tokens=0, num_return_sequences=1)

@@ -2,6 +2,7 @@
 
     python -m turbomoe.generate MODEL_DIR --prompt "def fib(n):" [--max-new-tokens 64] [--greedy | --sample]
         [--temperature T] [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--min-new-tokens N]
+        [--num-return-sequences N]
         [--chat [--system TEXT] [--chat-kwargs JSON]] [--dtype bf16|fp16|fp32] [--device cuda|cpu] [--seed 0]
         [--tune] [--tiles FILE] [--stream]
 
@@ -46,7 +47,8 @@ def describe(decoding: dict) -> str:
     """The decoding settings in use, those that act."""
     on = {"repetition_penalty": decoding["repetition_penalty"] != 1, "min_new_tokens": decoding["min_new_tokens"] > 0}
     if decoding["do_sample"]:
-        on.update(temperature=True, top_k=decoding["top_k"] > 0, top_p=decoding["top_p"] < 1, min_p=decoding["min_p"] > 0)
+        on.update(temperature=True, top_k=decoding["top_k"] > 0, top_p=decoding["top_p"] < 1, min_p=decoding["min_p"] > 0,
+                  num_return_sequences=decoding["num_return_sequences"] > 1)
     words = ["sampling" if decoding["do_sample"] else "greedy"]
     return ", ".join(words + [f"{k} {decoding[k]}" for k, v in on.items() if v])
 
@@ -89,7 +91,7 @@ def main(argv=None):
     how.add_argument("--sample", dest="sample", action="store_true", default=None, help="sample")
     for flag, kind, default in (("--temperature", float, 1.0), ("--top-k", int, "50; 0: off"), ("--top-p", float, 1.0),
                                 ("--min-p", float, "0: off"), ("--repetition-penalty", float, "1: off"),
-                                ("--min-new-tokens", int, "0: off")):
+                                ("--min-new-tokens", int, "0: off"), ("--num-return-sequences", int, "1")):
         p.add_argument(flag, type=kind, default=None, help=f"default: generation_config.json's, else {default}")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the checkpoint's")
     p.add_argument("--device", default=None, help="default: cuda where available")
@@ -151,7 +153,8 @@ def main(argv=None):
     except ValueError as e:
         p.error(str(e))
     given = dict(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens)
+                 min_p=args.min_p, repetition_penalty=args.repetition_penalty, min_new_tokens=args.min_new_tokens,
+                 num_return_sequences=args.num_return_sequences)
     given = {k: v for k, v in given.items() if v is not None}
     # the directory's decoding settings under the flags given, checked together (as generate's arguments go
     # over the file's): a bad value of the file's that a flag replaces, or that --greedy leaves unused, stops nothing
@@ -178,7 +181,11 @@ def main(argv=None):
     empty = [i for i, row in enumerate(rows) if not row]
     if empty:
         p.error(f"--prompt number {empty[0] + 1} makes no tokens with {args.model_dir}'s tokenizer")
-    B, T = len(rows), max(map(len, rows))
+    # B: the rows generated (each prompt num_return_sequences times), what the engine and a step are sized by
+    B, T = len(rows) * decoding["num_return_sequences"], max(map(len, rows))
+    if args.stream and B > 1:
+        p.error(f"--stream prints one row's text as it is made; num_return_sequences is "
+                f"{decoding['num_return_sequences']}")
     fill = tok.pad_token_id if tok.pad_token_id is not None else 0
     batch = {"input_ids": torch.tensor([[fill] * (T - len(row)) + row for row in rows]),
              "attention_mask": torch.tensor([[0] * (T - len(row)) + [1] * len(row) for row in rows])}

@@ -352,13 +352,15 @@ class Engine:
                  top_p: float = 1.0, eos_token_id=None, attention_mask: Optional[torch.Tensor] = None,
                  pad_token_id: Optional[int] = None, generator: Optional[torch.Generator] = None,
                  streamer=None, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 min_new_tokens: int = 0) -> torch.Tensor:
+                 min_new_tokens: int = 0, num_return_sequences: int = 1) -> torch.Tensor:
         """[B, T + n] tokens: the prompt, then up to max_new_tokens per row; a row that produced
         eos_token_id (an int or a list) gets pad_token_id (default: the first eos) after it, and
         generation stops when every row has. Greedy unless do_sample (temperature, top_k, top_p, min_p:
         transformers' warpers, 0 / 1 / 0 off), after repetition_penalty (1: off) over each row's prompt
-        and output; no EOS before min_new_tokens new tokens (turbomoe.inference.sampling; its generation_defaults(model_dir) gives a model
-        directory's own settings: no value here comes from generation_config.json). input_ids: any
+        and output; no EOS before min_new_tokens new tokens; sampled, num_return_sequences rows a prompt
+        ([B x num_return_sequences, T + n], a prompt's rows together). turbomoe.inference.sampling; its
+        generation_defaults(model_dir) gives a model directory's own settings: no value here comes from
+        generation_config.json. input_ids: any
         integer dtype; without attention_mask, an explicit pad_token_id that is no EOS marks the padding
         where input_ids hold it (transformers' rule), else every token is real. streamer: transformers'
         streamer protocol (TextStreamer, TextIteratorStreamer): put(the prompt [B, T]), then put(each
@@ -367,7 +369,7 @@ class Engine:
         if streamer is not None and not all(callable(getattr(streamer, f, None)) for f in ("put", "end")):
             raise TypeError(f"streamer must have put(tokens) and end() (transformers' TextStreamer, say), got "
                             f"{type(streamer).__name__}")
-        sampling = (do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens)
+        sampling = (do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens, num_return_sequences)
         if streamer is None:
             return self._checked_generate(input_ids, max_new_tokens, sampling, eos_token_id, attention_mask,
                                           pad_token_id, generator)
@@ -385,6 +387,12 @@ class Engine:
 
     def _checked_generate(self, input_ids, max_new_tokens, sampling, eos_token_id, attention_mask, pad_token_id,
                           generator, streamer=None):
+        sampling = Sampling.checked(*sampling)
+        n = sampling.num_return_sequences
+        if n > 1 and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:  # else _check says what is wrong
+            input_ids = input_ids.repeat_interleave(n, 0)  # as transformers: a prompt's samples side by side
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                attention_mask = attention_mask.repeat_interleave(n, 0)
         input_ids = self._check(input_ids, attention_mask, max_new_tokens)
         eos = _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
         pad = _token_ids(pad_token_id, "pad_token_id") if pad_token_id is not None else eos[:1] or [0]
@@ -393,7 +401,6 @@ class Engine:
             given = (f"got {pad_token_id!r}" if pad_token_id is not None else
                      f"the default is eos_token_id's first id, {pad[0]}: pass pad_token_id")
             raise ValueError(f"pad_token_id must be one id below vocab_size {V}, {given}")
-        sampling = Sampling.checked(*sampling)
         do_sample = sampling.do_sample
         if do_sample and generator is not None and not isinstance(generator, torch.Generator):  # a seed, say
             raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")

@@ -28,13 +28,12 @@ import torch
 
 # transformers' GenerationConfig._get_default_generation_params() for these (min_p: None, off)
 TRANSFORMERS_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                             min_new_tokens=0)
+                             min_new_tokens=0, num_return_sequences=1)
 # The other settings by which transformers' generate changes a decoder's tokens, not implemented here,
 # each with the values that leave it off, by when it acts: its warpers only when sampling, contrastive
 # search only when not, the rest always
 NOT_IMPLEMENTED = {
-    "sampling": {"typical_p": (1.0, ), "epsilon_cutoff": (0.0, ), "eta_cutoff": (0.0, ), "top_h": (),
-                 "num_return_sequences": (1, )},
+    "sampling": {"typical_p": (1.0, ), "epsilon_cutoff": (0.0, ), "eta_cutoff": (0.0, ), "top_h": ()},
     "greedy": {"penalty_alpha": (0.0, )},
     "always": {"num_beams": (1, ), "no_repeat_ngram_size": (0, ), "min_length": (0, ), "bad_words_ids": (),
                "suppress_tokens": (), "begin_suppress_tokens": (), "forced_bos_token_id": (),
@@ -73,9 +72,11 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0  # EOS ids barred before this many new tokens (the engine applies it: it knows the step)
+    num_return_sequences: int = 1  # samples a prompt (the engine repeats each prompt's row)
 
     @classmethod
-    def checked(cls, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens=0) -> "Sampling":
+    def checked(cls, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens=0,
+                num_return_sequences=1) -> "Sampling":
         """ValueError naming the argument, before anything runs. The warpers' arguments are checked only
         when sampling (greedy decoding ignores them, as transformers' does); the others always."""
         # None, as in transformers' generate: the default (here: off)
@@ -89,7 +90,13 @@ class Sampling:
         min_new = _count(min_new_tokens)
         if min_new is None:
             raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
+        n = _count(1 if num_return_sequences is None else num_return_sequences)
+        if not n:
+            raise ValueError(f"num_return_sequences must be an int >= 1, got {num_return_sequences!r}")
         if not do_sample:
+            if n > 1:  # as transformers' generate: greedy rows of one prompt would all be the same
+                raise ValueError(f"num_return_sequences {n} needs sampling (do_sample=True): greedy decoding gives "
+                                 f"one sequence a prompt")
             return cls(repetition_penalty=penalty, min_new_tokens=min_new)
         t, p, m = _number(temperature), _number(top_p), _number(min_p)
         if t is None or t <= 0:
@@ -101,7 +108,7 @@ class Sampling:
         k = _count(0 if top_k is None else top_k)
         if k is None:
             raise ValueError(f"sampling needs an int top_k >= 0 (0: off), got {top_k!r}")
-        return cls(True, t, k, p, m, penalty, min_new)
+        return cls(True, t, k, p, m, penalty, min_new, n)
 
     def history(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor, new_tokens: int) -> Optional["History"]:
         """The ids the penalty looks at (None without one)."""
