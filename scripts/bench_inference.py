@@ -538,14 +538,29 @@ QWEN3_30B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, mo
 
 def random_on_gpu(make):
     """make() built on the meta device, cast to bf16 and given GPU memory, then normal(0, 0.02) weights
-    (norms 1): a 61 GB model in seconds, never in host memory."""
+    (norms 1): a 61 GB model in seconds, never in host memory. Modules holding buffers (transformers'
+    rotary embedding: inv_freq, computed at construction) are made again on the GPU: to_empty leaves
+    buffers uninitialised."""
     with torch.device("meta"):
         model = make()
     model = model.to(torch.bfloat16).to_empty(device="cuda")
+    for name, module in list(model.named_modules()):
+        if next(module.buffers(recurse=False), None) is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, type(module)(config=module.config).to("cuda"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
     return model.eval()
+
+
+def qwen3_30b_engine(**engine_kw):
+    """turbomoe's Engine on a random model of Qwen3-30B-A3B's config (random_on_gpu)."""
+    from turbomoe.inference import Engine
+    from turbomoe.models import Qwen3MoeForCausalLM
+    from turbomoe.models.config import ModelConfig
+    fields = {f: QWEN3_30B[f] for f in QWEN3_30B if f in ModelConfig.__dataclass_fields__}
+    return Engine(random_on_gpu(lambda: Qwen3MoeForCausalLM(ModelConfig.from_dict(fields))), **engine_kw)
 
 
 def decode_floor_ms(cfg: dict, B: int, context: int, copy_gbs: float) -> float:
@@ -568,10 +583,6 @@ def bench_generate_30b(args, log, copy_gbs, prompt_len=128, new_tokens=64):
 
     from transformers import Qwen3MoeConfig
     from transformers import Qwen3MoeForCausalLM as HF
-
-    from turbomoe.inference import Engine
-    from turbomoe.models import Qwen3MoeForCausalLM
-    from turbomoe.models.config import ModelConfig
     batches = [1, 8] if args.quick else [1, 8, 64]
     torch.manual_seed(0)
     prompts = {B: torch.randint(0, QWEN3_30B["vocab_size"], (B, prompt_len), device="cuda") for B in batches}
@@ -598,9 +609,7 @@ def bench_generate_30b(args, log, copy_gbs, prompt_len=128, new_tokens=64):
     gc.collect()
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    fields = {f: QWEN3_30B[f] for f in QWEN3_30B if f in ModelConfig.__dataclass_fields__}
-    engine = Engine(random_on_gpu(lambda: Qwen3MoeForCausalLM(ModelConfig.from_dict(fields))),
-                    max_batch=max(batches), max_seq_len=prompt_len + new_tokens)
+    engine = qwen3_30b_engine(max_batch=max(batches), max_seq_len=prompt_len + new_tokens)
     engine.reserve(max(batches), prompt_len + new_tokens)
     log(f"  generate-30b: turbomoe's engine made in {time.perf_counter() - t0:.1f} s, "
         f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB")

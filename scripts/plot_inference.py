@@ -79,7 +79,7 @@ def main(src: str, dst: str):
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels([r["settings"].replace(" (", "\n(").replace(", penalty", ",\npenalty") for r in rows], fontsize=6)
         ax.set_yscale("log")
-        ax.set_ylabel("us a step, CUDA-graph replay (log)")
+        ax.set_ylabel(f"us a step, {' / '.join(sorted({r['timing'] for r in rows}))} timing (log)")
         ax.set_title(f"a step's token choice, batch {B}, 151,936-token vocabulary")
         ax.legend(fontsize=7)
     fig.suptitle(f"{res['device']}, torch {res['torch']}; shuffle and layers {res['utc']} UTC "

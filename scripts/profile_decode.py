@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_inference import GEN_MODEL, QWEN3_30B, fastest_wall, random_on_gpu  # noqa: E402
+from bench_inference import GEN_MODEL, fastest_wall, qwen3_30b_engine  # noqa: E402
 from timing import cuda_time_ms, require_gpu  # noqa: E402
 
 PROMPT, NEW_TOKENS = 32, 64
@@ -81,12 +81,8 @@ def main():
         if args.model == "gen":
             return load(path, device="cuda", dtype=torch.bfloat16, max_batch=max(args.batches),
                         max_seq_len=PROMPT + NEW_TOKENS, compile=compiled)
-        from turbomoe.inference import Engine
-        from turbomoe.models import Qwen3MoeForCausalLM as Ours
-        from turbomoe.models.config import ModelConfig
-        fields = {f: QWEN3_30B[f] for f in QWEN3_30B if f in ModelConfig.__dataclass_fields__}
-        return Engine(random_on_gpu(lambda: Ours(ModelConfig.from_dict(fields))), max_batch=max(args.batches),
-                      max_seq_len=PROMPT + NEW_TOKENS, compile=compiled)
+        torch.manual_seed(0)  # each mode the same weights: the tokens compared below come from one model
+        return qwen3_30b_engine(max_batch=max(args.batches), max_seq_len=PROMPT + NEW_TOKENS, compile=compiled)
 
     say(f"{torch.cuda.get_device_name()} torch {torch.__version__} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     tokens = {}

@@ -165,8 +165,10 @@ def test_generate_num_return_sequences(tmp_path):
         engine.generate(ids, 2, num_return_sequences=2)
     with pytest.raises(ValueError, match="num_return_sequences must be an int >= 1, got 0"):
         engine.generate(ids, 2, do_sample=True, num_return_sequences=0)
-    with pytest.raises(ValueError, match="max_batch"):
+    with pytest.raises(ValueError, match=r"max_batch=...\)\): 2 prompts x num_return_sequences 4"):
         engine.generate(ids, 2, do_sample=True, num_return_sequences=4)
+    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids \(2, "):  # the prompts'
+        engine.generate(ids, 2, attention_mask=mask[:, 1:], do_sample=True, num_return_sequences=2)
 
 
 def test_generate_sampling_settings(tmp_path):
@@ -196,6 +198,8 @@ def test_generate_sampling_errors(tmp_path):
         with pytest.raises(ValueError, match=message):
             engine.generate(ids, 2, do_sample=True, **kw)
     assert engine.generate(ids, 2, top_k=-1, temperature=0).shape == (1, 5)
+    with pytest.raises(ValueError, match="do_sample must be True or False, got 'False'"):  # a true string
+        engine.generate(ids, 2, do_sample="False")
     with pytest.raises(ValueError, match="repetition_penalty"):
         engine.generate(ids, 2, repetition_penalty=-1.0)
     assert engine.generate(ids, 2, do_sample=True, top_k=torch.tensor(3), temperature=torch.tensor(0.5)).shape == (1, 5)
@@ -355,3 +359,6 @@ def test_cli_eos_ids_where_transformers_finds_them(tmp_path):
     assert eos_ids(d, tok) == [7, 9]
     with pytest.raises(FileNotFoundError, match="none is not a directory"):
         eos_ids(str(tmp_path / "none"), tok)
+    json.dump({"eos_token_id": "7"}, open(os.path.join(d, "generation_config.json"), "w"))
+    with pytest.raises(ValueError, match="generation_config.json's eos_token_id must be a token id"):
+        eos_ids(d, tok)  # the CLI turns it into a usage error before the model loads

@@ -37,9 +37,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def eos_ids(model_dir: str, tok) -> list:
     """The EOS ids to stop at: generation_config.json's (a model may list several, as Qwen3's chat models
     do; without the file, config.json's, as transformers' generate) and then the tokenizer's, each once."""
+    from .inference.engine import _token_ids
     from .inference.sampling import generation_file
-    eos = generation_file(model_dir)[1].get("eos_token_id")
-    ids = (eos if isinstance(eos, list) else [eos]) + [tok.eos_token_id]
+    path, stored = generation_file(model_dir)
+    try:  # checked here, before the model loads, not by the first generate
+        ids = _token_ids(stored.get("eos_token_id"), f"{path}'s eos_token_id") + [tok.eos_token_id]
+    except ValueError as e:
+        raise ValueError(str(e)) from None
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -169,7 +173,10 @@ def main(argv=None):
                  for k, v in decoding.items() if k != "do_sample")
         p.error(f"{e}: {', '.join(shown)}")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
-    eos = eos_ids(args.model_dir, tok)
+    try:
+        eos = eos_ids(args.model_dir, tok)
+    except ValueError as e:
+        p.error(str(e))
     if tok.pad_token_id is None and eos:
         tok.pad_token_id = eos[0]
     # Left-padded here, not by the tokenizer, which refuses to pad (even one prompt) without a pad token;

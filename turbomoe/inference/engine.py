@@ -389,11 +389,15 @@ class Engine:
                           generator, streamer=None):
         sampling = Sampling.checked(*sampling)
         n = sampling.num_return_sequences
-        if n > 1 and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:  # else _check says what is wrong
-            input_ids = input_ids.repeat_interleave(n, 0)  # as transformers: a prompt's samples side by side
-            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        input_ids = self._check(input_ids, attention_mask, max_new_tokens)  # the prompts as given
+        if n > 1:  # as transformers: a prompt's samples side by side
+            try:
+                self._check_batch(input_ids.shape[0] * n)
+            except ValueError as e:
+                raise ValueError(f"{e}: {input_ids.shape[0]} prompts x num_return_sequences {n}") from None
+            input_ids = input_ids.repeat_interleave(n, 0)
+            if attention_mask is not None:
                 attention_mask = attention_mask.repeat_interleave(n, 0)
-        input_ids = self._check(input_ids, attention_mask, max_new_tokens)
         eos = _token_ids(eos_token_id, "eos_token_id")  # checked before anything is allocated
         pad = _token_ids(pad_token_id, "pad_token_id") if pad_token_id is not None else eos[:1] or [0]
         V = self.config.vocab_size

@@ -84,6 +84,8 @@ class Sampling:
                                      0.0 if min_p is None else min_p)
         repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
         min_new_tokens = 0 if min_new_tokens is None else min_new_tokens
+        if not isinstance(do_sample, (bool, type(None))):  # "False" would be true
+            raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
         penalty = _number(repetition_penalty)
         if penalty is None or penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {repetition_penalty!r}")
@@ -187,8 +189,8 @@ def generation_file(model_dir: str) -> tuple:
 
 
 def file_settings(model_dir: str) -> tuple:
-    """(the file, the settings of do_sample ... min_new_tokens it sets, all it holds), from
-    generation_file. Unchecked but for do_sample."""
+    """(the file, the TRANSFORMERS_DEFAULTS settings it sets, all it holds), from generation_file. Unchecked
+    but for do_sample (named with the file here)."""
     path, stored = generation_file(model_dir)
     out = {name: stored[name] for name in TRANSFORMERS_DEFAULTS if stored.get(name) is not None}
     if not isinstance(out.get("do_sample", False), bool):
@@ -203,8 +205,8 @@ def not_implemented(stored: dict, do_sample: bool) -> dict:
 
 
 def generation_defaults(model_dir: str) -> dict:
-    """do_sample, temperature, top_k, top_p, min_p and repetition_penalty as transformers' generate runs
-    the model of model_dir: file_settings' values, transformers' defaults for those it does not set (or
+    """The TRANSFORMERS_DEFAULTS settings (do_sample, temperature, top_k, top_p, min_p, repetition_penalty,
+    min_new_tokens, num_return_sequences) as transformers' generate runs the model of model_dir: file_settings' values, transformers' defaults for those it does not set (or
     without the file). A value of the wrong kind is a ValueError naming the file and field; settings the
     file turns on that turbomoe does not implement, a warning naming them."""
     path, settings, stored = file_settings(model_dir)
