@@ -351,14 +351,15 @@ def test_cli_eos_ids_where_transformers_finds_them(tmp_path):
     from types import SimpleNamespace
 
     from turbomoe.generate import eos_ids
+    from turbomoe.inference.sampling import generation_file
     tok = SimpleNamespace(eos_token_id=9)
     d = str(tmp_path)
     json.dump({"eos_token_id": [5, 9], "model_type": "qwen3_moe"}, open(os.path.join(d, "config.json"), "w"))
-    assert eos_ids(d, tok) == [5, 9]
+    assert eos_ids(*generation_file(d), tok) == [5, 9]
     json.dump({"eos_token_id": 7}, open(os.path.join(d, "generation_config.json"), "w"))
-    assert eos_ids(d, tok) == [7, 9]
+    assert eos_ids(*generation_file(d), tok) == [7, 9]
     with pytest.raises(FileNotFoundError, match="none is not a directory"):
-        eos_ids(str(tmp_path / "none"), tok)
+        eos_ids(*generation_file(str(tmp_path / "none")), tok)
     json.dump({"eos_token_id": "7"}, open(os.path.join(d, "generation_config.json"), "w"))
     with pytest.raises(ValueError, match="generation_config.json's eos_token_id must be a token id"):
-        eos_ids(d, tok)  # the CLI turns it into a usage error before the model loads
+        eos_ids(*generation_file(d), tok)  # the CLI turns it into a usage error before the model loads

@@ -34,16 +34,13 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def eos_ids(model_dir: str, tok) -> list:
-    """The EOS ids to stop at: generation_config.json's (a model may list several, as Qwen3's chat models
-    do; without the file, config.json's, as transformers' generate) and then the tokenizer's, each once."""
+def eos_ids(path: str, stored: dict, tok) -> list:
+    """The EOS ids to stop at: those of stored, the directory's settings file as read at path
+    (sampling.generation_file: generation_config.json, else config.json, as transformers' generate; a model
+    may list several, as Qwen3's chat models do), then the tokenizer's, each once. Checked here, before the
+    model loads, not by the first generate."""
     from .inference.engine import _token_ids
-    from .inference.sampling import generation_file
-    path, stored = generation_file(model_dir)
-    try:  # checked here, before the model loads, not by the first generate
-        ids = _token_ids(stored.get("eos_token_id"), f"{path}'s eos_token_id") + [tok.eos_token_id]
-    except ValueError as e:
-        raise ValueError(str(e)) from None
+    ids = _token_ids(stored.get("eos_token_id"), f"{path}'s eos_token_id") + [tok.eos_token_id]
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 
@@ -174,7 +171,7 @@ def main(argv=None):
         p.error(f"{e}: {', '.join(shown)}")
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     try:
-        eos = eos_ids(args.model_dir, tok)
+        eos = eos_ids(path, held, tok)  # the file file_settings read
     except ValueError as e:
         p.error(str(e))
     if tok.pad_token_id is None and eos:

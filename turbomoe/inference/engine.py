@@ -409,8 +409,8 @@ class Engine:
         if do_sample and generator is not None and not isinstance(generator, torch.Generator):  # a seed, say
             raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         gen_device = torch.device(generator.device) if do_sample and generator is not None else None  # greedy: unused
-        if do_sample and gen_device is not None and (gen_device.type != self.device.type or
-                                                     gen_device.index not in (None, self.device.index)):
+        if gen_device is not None and (gen_device.type != self.device.type or
+                                       gen_device.index not in (None, self.device.index)):
             # torch.multinomial refuses another kind's, after the prefill has run (torch.Generator("cuda"),
             # with no index, serves any GPU)
             raise ValueError(f"generator is on {generator.device}; sampling runs on the engine's device {self.device}: "

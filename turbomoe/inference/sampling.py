@@ -4,10 +4,10 @@ The repetition penalty (greedy or sampling), then, when sampling, temperature ->
 min-p -> one draw: the formulas and order of transformers' RepetitionPenaltyLogitsProcessor (the prompt's
 left padding ignored), TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper
 (tests/test_sampling.py checks them against those classes); min_new_tokens bars the EOS ids before
-that many new tokens, as MinNewTokensLengthLogitsProcessor (Engine.generate applies it). With top_k, top-p, min-p and the draw run
-over the k most likely tokens (torch.topk) instead of the whole vocabulary (151,936 tokens a row for
-Qwen3, sorted each step for top-p): the same distribution, except that where several tokens tie at
-the k-th logit, k of them stay where transformers keeps them all.
+that many new tokens, as MinNewTokensLengthLogitsProcessor (Engine.generate applies it). With top_k,
+top-p, min-p and the draw run over the k most likely tokens (torch.topk) instead of the whole vocabulary
+(151,936 tokens a row for Qwen3, sorted each step for top-p): the same distribution, except that where
+several tokens tie at the k-th logit, k of them stay where transformers keeps them all.
 
 generation_defaults(model_dir) reads a directory's generation_config.json (without one, its
 config.json) as transformers' generate would run it (its unset values taking transformers' global
@@ -206,9 +206,10 @@ def not_implemented(stored: dict, do_sample: bool) -> dict:
 
 def generation_defaults(model_dir: str) -> dict:
     """The TRANSFORMERS_DEFAULTS settings (do_sample, temperature, top_k, top_p, min_p, repetition_penalty,
-    min_new_tokens, num_return_sequences) as transformers' generate runs the model of model_dir: file_settings' values, transformers' defaults for those it does not set (or
-    without the file). A value of the wrong kind is a ValueError naming the file and field; settings the
-    file turns on that turbomoe does not implement, a warning naming them."""
+    min_new_tokens, num_return_sequences) as transformers' generate runs the model of model_dir:
+    file_settings' values, transformers' defaults for those it does not set (or without the file). A value
+    of the wrong kind is a ValueError naming the file and field; settings the file turns on that turbomoe
+    does not implement, a warning naming them."""
     path, settings, stored = file_settings(model_dir)
     out = {**TRANSFORMERS_DEFAULTS, **settings}
     ignored = not_implemented(stored, out["do_sample"])
