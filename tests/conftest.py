@@ -170,3 +170,13 @@ def remove_deepspeed_shm_buffers():
                 os.remove(path)
         except OSError:  # gone already, or not ours to remove
             pass
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: on a loaded machine torch's spinning threads, not the work, set the time
+    (test_engine.py: 115 s on two busy cores, 13 s on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -15,14 +15,7 @@ transformers = pytest.importorskip("transformers")
 from turbomoe.inference import load  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: on a loaded machine torch's spinning threads, not the work, set the time (115 s for
-    this file on two busy cores, 13 s on one thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest.one_thread
 
 
 def hf_model(tmp_path, seed, **over):

@@ -14,12 +14,7 @@ from test_engine import Recorder, hf_model, left_padded  # noqa: E402
 from turbomoe.inference import load  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest.one_thread
 
 
 def test_a_bad_argument_ends_the_streamer(tmp_path):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.bias_act import ACTS
+from . import kernel_backward
 from ..reference import compute_dtype
 
 
@@ -74,8 +75,11 @@ class BiasAct(torch.autograd.Function):
         return _act(_biased(y_RN, b_GN, groups_R, rows_per_group), act).to(y_RN.dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
     def backward(ctx, dout_RN):
+        return kernel_backward(ctx.kernels, BiasAct._backward)(ctx, dout_RN)
+
+    @staticmethod
+    def _backward(ctx, dout_RN):
         from ..kernels.bias_act import bias_act_backward
         y_RN, b_GN, groups_R = ctx.saved_tensors
         dout_RN = dout_RN.contiguous()

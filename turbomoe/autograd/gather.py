@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from . import once_differentiable
+
 from ..reference import as_contiguous, compute_dtype
 
 
@@ -23,7 +25,7 @@ class GatherTokens(torch.autograd.Function):
         return out_SM
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
+    @once_differentiable  # kernels: create_graph gives the gradient; differentiating it raises
     def backward(ctx, grad_out_SM):
         y_RM, slots_SK, scores_SK, kept_counts_E = ctx.saved_tensors
         # grad_y[slot] = w * grad_out (one writer per row, empty rows zero); grad_score from

@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from . import once_differentiable
+
 from ..reference import GatingOutput
 
 
@@ -20,7 +22,7 @@ class TopKGating(torch.autograd.Function):
         return ids, scores, counts, aux, z
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
+    @once_differentiable  # kernels: create_graph gives the gradient; differentiating it raises
     def backward(ctx, _g_ids, g_scores, _g_counts, g_aux, g_z):
         logits_SE, ids, lse, ce_E = ctx.saved_tensors
         sigmoid, renormalize, impl = ctx.config

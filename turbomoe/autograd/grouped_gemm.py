@@ -31,6 +31,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import csrc
+from . import kernel_backward
 from ..reference import as_contiguous
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
@@ -283,9 +284,7 @@ class GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_RN):
         ctx.create_graph = torch.is_grad_enabled()
-        if ctx.backend in ("cutlass", "triton"):  # kernels without autograd: a double backward is an error
-            return torch.autograd.function.once_differentiable(GroupedMM._backward)(ctx, dy_RN)
-        return GroupedMM._backward(ctx, dy_RN)
+        return kernel_backward(ctx.backend in ("cutlass", "triton"), GroupedMM._backward)(ctx, dy_RN)
 
     @staticmethod
     def _backward(ctx, dy_RN):

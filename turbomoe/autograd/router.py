@@ -14,6 +14,7 @@ import contextlib
 import torch
 
 from .. import reference
+from . import kernel_backward
 
 
 def split_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -70,8 +71,11 @@ class Fp32Logits(torch.autograd.Function):
         return torch.mm(x_SM.float(), w_EM.float().t())
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
-    def backward(ctx, g_SE):
+    def backward(ctx, g_SE):  # the split's kernels (or their PyTorch form: bf16 terms) once; torch.mm twice
+        return kernel_backward(ctx.split, Fp32Logits._backward)(ctx, g_SE)
+
+    @staticmethod
+    def _backward(ctx, g_SE):
         x_SM, w_EM, w_terms = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
         g_SE = g_SE.float()

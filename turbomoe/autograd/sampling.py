@@ -1,6 +1,8 @@
 """autograd.Function for second_expert (top-2 second-expert sampling), hand-written backward."""
 import torch
 
+from . import once_differentiable
+
 from ..reference import as_contiguous
 
 
@@ -17,7 +19,7 @@ class SecondExpert(torch.autograd.Function):
         return ids_S2, scores_S2, counts
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
+    @once_differentiable  # kernels: create_graph gives the gradient; differentiating it raises
     def backward(ctx, _g_ids, g_scores_S2, _g_counts):
         logits_SE, ids_S2, first_scores_S1 = ctx.saved_tensors
         # p2 = p1 * exp(l2 - l1): d l2 = g2 * p2, d l1 = -g2 * p2, d p1 = g1 + g2 * exp(l2 - l1).

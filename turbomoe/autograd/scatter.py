@@ -3,6 +3,8 @@ from typing import Optional
 
 import torch
 
+from . import once_differentiable
+
 from ..reference import as_contiguous
 
 
@@ -20,7 +22,7 @@ class ScatterTokens(torch.autograd.Function):
         return buf_RM
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
+    @once_differentiable  # kernels: create_graph gives the gradient; differentiating it raises
     def backward(ctx, grad_buf_RM):
         (slots_SK, ) = ctx.saved_tensors
         # Each token sums the gradients of its k rows in fp32: a pull, so no float atomics.

@@ -8,6 +8,8 @@ tensors use plain PyTorch (the reference).
 from typing import Optional
 
 import torch
+
+from . import once_differentiable
 import torch.nn.functional as F
 
 from ..reference import compute_dtype
@@ -30,7 +32,7 @@ class SwiGLU(torch.autograd.Function):
         return swiglu_forward(h_R2F, scale_R)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # kernels: create_graph gets an error, not a wrong sum
+    @once_differentiable  # kernels: create_graph gives the gradient; differentiating it raises
     def backward(ctx, da_RF):
         from ..kernels.swiglu import swiglu_backward
         h_R2F, scale_R = ctx.saved_tensors

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..models.hf_checkpoint import read_config
 from ..models.hf_names import to_hf_state_dict
 from ..models.qwen3_moe import ExpertsMoved, Qwen3MoeForCausalLM, rotary_cos_sin
 from ..kernels.launch import on_device
@@ -553,8 +554,7 @@ def check_model_dir(model_dir: str) -> dict:
     config = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory: no config.json")
-    with open(config) as f:
-        raw = json.load(f)
+    raw = read_config(model_dir)  # a file that is not a JSON object: an error that names it
     if raw.get("model_type") != "qwen3_moe":
         raise ValueError(f"{config}: model_type is {raw.get('model_type')!r}; turbomoe.inference serves 'qwen3_moe' "
                          f"models")

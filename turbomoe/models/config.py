@@ -76,6 +76,10 @@ class ModelConfig:
             raise ValueError(f"model.mlp_only_layers {bad} are outside [0, {self.num_hidden_layers})")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"model.moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        from ..ops import MAX_K
+        if self.moe_impl == "turbomoe" and self.num_experts_per_tok > MAX_K:
+            raise ValueError(f"model.num_experts_per_tok ({self.num_experts_per_tok}) exceeds {MAX_K}, the most experts "
+                             f"turbomoe's MoE layers route a token")
         if not self.moe_layers():
             raise ValueError("the model has no MoE layer; check decoder_sparse_step and mlp_only_layers")
 

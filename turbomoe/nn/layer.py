@@ -74,7 +74,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
-        if x.dim() < 2 or x.shape[-1] != self.hidden_size:
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:  # [M] is one token, as nn.Linear takes it
             raise ValueError(f"x must be [..., {self.hidden_size}], got {tuple(x.shape)}")
         dtype = autocast_dtype(x)
         if x.dtype != self.experts.w1.dtype and dtype is None:
@@ -137,5 +137,7 @@ class MoELayer(nn.Module):
             missing_keys.remove(prefix + "_extra_state")
 
     def set_extra_state(self, state):
+        if not isinstance(state, dict) or "seed" not in state:
+            raise TypeError(f"MoELayer's extra state must be {{'seed': int}}, got {state!r}")
         ops.check_seed(state["seed"])
         self.seed = state["seed"]
