@@ -9,8 +9,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_engine import hf_model, left_padded, one_thread, random_prompts  # noqa: E402,F401 (one_thread: autouse here too)
+from test_engine import hf_model, left_padded, random_prompts  # noqa: E402
 from turbomoe.inference import load  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest.one_thread
 
 
 def byte_model(tmp_path, seed=5):

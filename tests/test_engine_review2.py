@@ -8,9 +8,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_engine import hf_model, one_thread, random_prompts  # noqa: E402,F401 (one_thread: autouse here too)
+from test_engine import hf_model, random_prompts  # noqa: E402
 from test_engine_review import byte_model  # noqa: E402
 from turbomoe.inference import load  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest.one_thread
 
 
 def test_cache_made_under_inference_mode_serves_later_calls(tmp_path):

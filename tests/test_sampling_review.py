@@ -11,8 +11,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_engine import hf_model, one_thread  # noqa: E402,F401 (one_thread: autouse, one torch thread)
+from test_engine import hf_model  # noqa: E402
 from turbomoe.inference import generation_defaults, load  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest.one_thread
 
 
 @pytest.fixture(scope="module")
