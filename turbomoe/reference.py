@@ -365,6 +365,18 @@ def routed_slots(slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.where((slots >= 0) & (slots < num_rows), slots, -1)
 
 
+def zero_width_dscores(scores_SK: Optional[torch.Tensor], slots_SK: torch.Tensor, num_rows: int,
+                       renormalize: bool, dtype: torch.dtype) -> torch.Tensor:
+    """gather's score gradient where the rows have no columns (no products): 0, except with renormalize
+    on the kept routes of a token whose kept scores sum to NaN or Inf: NaN, as the formula's
+    0 * (p / sum) terms give (the kernels' early exit, so that they agree with gather_tokens here)."""
+    if not renormalize:
+        return torch.zeros(slots_SK.shape, dtype=dtype, device=slots_SK.device)
+    kept = routed_slots(slots_SK, num_rows) >= 0
+    p = torch.where(kept, scores_SK.to(dtype), 0.0)
+    return torch.where(kept, 0.0 * p.sum(dim=1, keepdim=True), 0.0)
+
+
 def scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Expert buffer [num_rows, M]: row slots[s, j] holds x[s]; rows no route reaches are zero.
     Its gradient sums each token's k rows in fp32 and rounds once (fp64 for fp64)."""
