@@ -227,7 +227,8 @@ def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, 
     check_int("num_experts", num_experts, 1)
     check_int("k", k, 1)
     check_number("capacity_factor", capacity_factor, 0, strict=True)
-    check_int("min_capacity", min_capacity, 0, _INT32_MAX // num_experts)  # assign_slots' bound
+    # assign_slots' bound, on min_capacity and on the formula
+    check_int("min_capacity", min_capacity, 0, _INT32_MAX // num_experts)
     if num_tokens / num_experts * capacity_factor * k > _INT32_MAX // num_experts:
         raise ValueError(f"capacity of {num_tokens} tokens x capacity_factor {capacity_factor} x k {k} over "
                          f"{num_experts} experts exceeds int32 slots")

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.bias_act import ACTS
-from . import kernel_backward
 from ..reference import compute_dtype
+from . import kernel_backward
 
 
 def _groups(R: int, G: int, groups_R: Optional[torch.Tensor], rows_per_group: Optional[int], device) -> torch.Tensor:
@@ -76,7 +76,7 @@ class BiasAct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_RN):
-        return kernel_backward(ctx.kernels, BiasAct._backward)(ctx, dout_RN)
+        return kernel_backward(ctx.kernels, BiasAct._backward, ctx, dout_RN)
 
     @staticmethod
     def _backward(ctx, dout_RN):

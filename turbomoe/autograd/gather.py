@@ -3,9 +3,8 @@ from typing import Optional
 
 import torch
 
-from . import once_differentiable
-
 from ..reference import as_contiguous, compute_dtype
+from . import once_differentiable
 
 
 class GatherTokens(torch.autograd.Function):

@@ -3,9 +3,8 @@ from typing import Optional
 
 import torch
 
-from . import once_differentiable
-
 from ..reference import GatingOutput
+from . import once_differentiable
 
 
 class TopKGating(torch.autograd.Function):

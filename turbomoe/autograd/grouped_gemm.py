@@ -31,8 +31,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import csrc
-from . import kernel_backward
 from ..reference import as_contiguous
+from . import kernel_backward
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 # Gradient-accumulation fusion into an fp32 buffer: the cutlass backend adds inside its own weight-
@@ -284,7 +284,7 @@ class GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_RN):
         ctx.create_graph = torch.is_grad_enabled()
-        return kernel_backward(ctx.backend in ("cutlass", "triton"), GroupedMM._backward)(ctx, dy_RN)
+        return kernel_backward(ctx.backend in ("cutlass", "triton"), GroupedMM._backward, ctx, dy_RN)
 
     @staticmethod
     def _backward(ctx, dy_RN):

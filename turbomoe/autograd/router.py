@@ -72,7 +72,7 @@ class Fp32Logits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_SE):  # the split's kernels (or their PyTorch form: bf16 terms) once; torch.mm twice
-        return kernel_backward(ctx.split, Fp32Logits._backward)(ctx, g_SE)
+        return kernel_backward(ctx.split, Fp32Logits._backward, ctx, g_SE)
 
     @staticmethod
     def _backward(ctx, g_SE):

@@ -1,9 +1,8 @@
 """autograd.Function for second_expert (top-2 second-expert sampling), hand-written backward."""
 import torch
 
-from . import once_differentiable
-
 from ..reference import as_contiguous
+from . import once_differentiable
 
 
 class SecondExpert(torch.autograd.Function):

@@ -3,9 +3,8 @@ from typing import Optional
 
 import torch
 
-from . import once_differentiable
-
 from ..reference import as_contiguous
+from . import once_differentiable
 
 
 class ScatterTokens(torch.autograd.Function):

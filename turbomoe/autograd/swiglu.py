@@ -8,11 +8,10 @@ tensors use plain PyTorch (the reference).
 from typing import Optional
 
 import torch
-
-from . import once_differentiable
 import torch.nn.functional as F
 
 from ..reference import compute_dtype
+from . import once_differentiable
 
 
 def swiglu_reference(h_R2F: torch.Tensor, scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
