@@ -547,3 +547,31 @@ def test_cpu_recompute_keeps_autograds_inplace_check(modify, activation):
         (x if modify == "x" else getattr(layer.experts, modify)).mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.square().sum().backward()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(activation="gelu", bias=True), dict(bias=True, shared_ffn_hidden_size=8),
+                                dict(router_dtype=torch.float32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
+def test_reference_layer_differentiates_twice(kw, dtype, device):
+    """backend='reference' and gmm_backend='reference': the whole layer is plain PyTorch on CUDA too
+    (SwiGLU, the biases and an fp32 router's logits not on kernels), so a gradient of a create_graph
+    gradient has every term: the same as a float64 copy's, and nonzero in every parameter that has
+    second-order terms. On the GPU the SwiGLU kernel had made it raise (2026-12-06)."""
+    torch.manual_seed(3)  # made on the CPU and moved: the same numbers on both devices
+    layer = MoELayer(16, 12, 4, 2, capacity_factor=2.0, renormalize=True, backend="reference",
+                     gmm_backend="reference", **kw).to(device=device, dtype=dtype)
+    x = torch.randn(9, 16).to(device=device, dtype=dtype).requires_grad_()
+    twin = copy.deepcopy(layer).double()
+    x64 = x.detach().double().requires_grad_()
+    grads = []
+    for lay, xx in ((layer, x), (twin, x64)):
+        out, loss = lay(xx)
+        (g, ) = torch.autograd.grad(out.float().square().sum() + loss, xx, create_graph=True)
+        g.float().square().sum().backward()
+        grads.append([xx.grad] + [p.grad for p in lay.parameters() if p.requires_grad])
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for got, want in zip(*grads):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    assert (layer.experts.w1.grad != 0).any() and (layer.router.weight.grad != 0).any()

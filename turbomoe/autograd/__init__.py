@@ -17,8 +17,8 @@ class _NotTwice(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         raise RuntimeError("turbomoe's kernels cannot differentiate twice (a gradient of a create_graph=True "
-                           "gradient through them): use backend='reference' (and gmm_backend='reference' or "
-                           "'torch') for higher derivatives")
+                           "gradient through them): use backend='reference' and gmm_backend='reference' for higher "
+                           "derivatives")
 
 
 def _once(backward, ctx, grads):

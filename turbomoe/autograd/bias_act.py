@@ -133,9 +133,10 @@ def check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act):
 
 
 def bias_act(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optional[torch.Tensor] = None,
-             rows_per_group: Optional[int] = None, act: str = "none") -> torch.Tensor:
+             rows_per_group: Optional[int] = None, act: str = "none", kernels: bool = True) -> torch.Tensor:
     """act(y + b[group of row]) [R, N]; differentiable in y and b (see the module doc). Under
-    torch.autocast b is cast to y's dtype, as F.linear casts its bias there."""
+    torch.autocast b is cast to y's dtype, as F.linear casts its bias there. kernels=False: plain
+    PyTorch on CUDA too (differentiable twice: the reference experts)."""
     if b_GN.dtype != y_RN.dtype and torch.is_autocast_enabled(y_RN.device.type):
         b_GN = b_GN.to(y_RN.dtype)
     check_bias_act_args(y_RN, b_GN, groups_R, rows_per_group, act)
@@ -146,6 +147,6 @@ def bias_act(y_RN: torch.Tensor, b_GN: torch.Tensor, groups_R: Optional[torch.Te
         # index_select's would be atomic adds.
         return bias_act_reference(y_RN, b_GN, groups_R, rows_per_group, act)
     # fp64 (gradcheck) in PyTorch: the kernels compute in fp32
-    kernels = y_RN.is_cuda and y_RN.dtype != torch.float64
+    kernels = kernels and y_RN.is_cuda and y_RN.dtype != torch.float64
     return BiasAct.apply(y_RN.contiguous(), b_GN.contiguous(), None if groups_R is None else groups_R.contiguous(),
                          rows_per_group, act, kernels)

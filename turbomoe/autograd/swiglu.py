@@ -39,15 +39,16 @@ class SwiGLU(torch.autograd.Function):
         return dh, None if ds is None else ds.to(scale_R.dtype)
 
 
-def swiglu(h_R2F: torch.Tensor, scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """s * silu(h[:, :F]) * h[:, F:] (s: scale [R], or 1); Triton on CUDA, PyTorch on the CPU."""
+def swiglu(h_R2F: torch.Tensor, scale_R: Optional[torch.Tensor] = None, kernels: bool = True) -> torch.Tensor:
+    """s * silu(h[:, :F]) * h[:, F:] (s: scale [R], or 1); Triton on CUDA, PyTorch on the CPU or with
+    kernels=False (differentiable twice: the reference experts)."""
     if h_R2F.dim() != 2 or h_R2F.shape[1] % 2:
         raise ValueError(f"swiglu needs h of shape [R, 2F], got {tuple(h_R2F.shape)}")
     if scale_R is not None and (scale_R.shape != h_R2F.shape[:1] or not scale_R.is_floating_point()
                                 or scale_R.device != h_R2F.device):
         raise ValueError(f"swiglu's scale must be a float [{h_R2F.shape[0]}] on {h_R2F.device}, got "
                          f"{scale_R.dtype} {tuple(scale_R.shape)} on {scale_R.device}")
-    if h_R2F.is_cuda and h_R2F.stride(1) == 1:
+    if kernels and h_R2F.is_cuda and h_R2F.stride(1) == 1:
         if scale_R is not None:
             scale_R = scale_R.contiguous()
         if torch.compiler.is_compiling():  # a custom op: traced without a graph break (turbomoe.custom_ops)

@@ -93,14 +93,14 @@ class GroupedExperts(nn.Module):
             if self.activation == "gelu":  # added in GELU's own pass
                 bias1 = (b1, groups_R)
             else:
-                h = bias_act(h, b1, groups_R)
+                h = bias_act(h, b1, groups_R, kernels=self._kernels)
         a = self._act(h, row_scale_R, bias1)
         if remake is not None:
             # h is kept by the activation's own backward; b1 (GELU's bias) is read again
             remake.add(a, lambda: self._act(h, row_scale_R, bias1), (h, ) if bias1 is None else (h, bias1[0]))
         y = grouped_mm(a, w2, counts_E, self.gmm_backend, offs_E, grad_into_w=fused)
         if groups_R is not None:
-            y = bias_act(y, b2, groups_R)
+            y = bias_act(y, b2, groups_R, kernels=self._kernels)
         return y
 
     def _hooked(self) -> bool:
@@ -110,6 +110,12 @@ class GroupedExperts(nn.Module):
                     or nn_module._global_forward_hooks)
 
     @property
+    def _kernels(self) -> bool:
+        """The activation's and biases' kernels, unless the GEMMs are the reference's (then the whole
+        experts block is plain PyTorch, differentiable twice)."""
+        return self.gmm_backend != "reference"
+
+    @property
     def scales_rows(self) -> bool:
         """Whether forward takes a row scale."""
         return self.activation == "swiglu" and self.b2 is None
@@ -117,8 +123,8 @@ class GroupedExperts(nn.Module):
     def _act(self, h: torch.Tensor, row_scale_R: Optional[torch.Tensor] = None, bias1=None) -> torch.Tensor:
         """bias1: (b1, groups_R), GELU's bias, added in the same pass."""
         if bias1 is not None:
-            return bias_act(h, *bias1, act="gelu")
-        return swiglu(h, row_scale_R) if self.activation == "swiglu" else F.gelu(h)
+            return bias_act(h, *bias1, act="gelu", kernels=self._kernels)
+        return swiglu(h, row_scale_R, self._kernels) if self.activation == "swiglu" else F.gelu(h)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
