@@ -43,4 +43,7 @@ def main(src: str, dst: str):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3:  # --help too
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     main(*sys.argv[1:3])
