@@ -553,14 +553,20 @@ def test_cpu_recompute_keeps_autograds_inplace_check(modify, activation):
                                 dict(router_dtype=torch.float32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])])
-def test_reference_layer_differentiates_twice(kw, dtype, device):
-    """backend='reference' and gmm_backend='reference': the whole layer is plain PyTorch on CUDA too
-    (SwiGLU, the biases and an fp32 router's logits not on kernels), so a gradient of a create_graph
-    gradient has every term: the same as a float64 copy's, and nonzero in every parameter that has
-    second-order terms. On the GPU the SwiGLU kernel had made it raise (2026-12-06)."""
+@pytest.mark.parametrize("via", ["arguments", "environment"])
+def test_reference_layer_differentiates_twice(kw, dtype, device, via, monkeypatch):
+    """backend='reference' and gmm_backend='reference' (or TURBOMOE_BACKEND and TURBOMOE_GMM_BACKEND):
+    the whole layer is plain PyTorch on CUDA too (SwiGLU, the biases and an fp32 router's logits not on
+    kernels), so a gradient of a create_graph gradient has every term: the same as a float64 copy's,
+    and nonzero in every parameter that has second-order terms. On the GPU the SwiGLU kernel had made
+    it raise (2026-12-06)."""
+    if via == "environment":
+        monkeypatch.setenv("TURBOMOE_BACKEND", "reference")
+        monkeypatch.setenv("TURBOMOE_GMM_BACKEND", "reference")
+    else:
+        kw = dict(kw, backend="reference", gmm_backend="reference")
     torch.manual_seed(3)  # made on the CPU and moved: the same numbers on both devices
-    layer = MoELayer(16, 12, 4, 2, capacity_factor=2.0, renormalize=True, backend="reference",
-                     gmm_backend="reference", **kw).to(device=device, dtype=dtype)
+    layer = MoELayer(16, 12, 4, 2, capacity_factor=2.0, renormalize=True, **kw).to(device=device, dtype=dtype)
     x = torch.randn(9, 16).to(device=device, dtype=dtype).requires_grad_()
     twin = copy.deepcopy(layer).double()
     x64 = x.detach().double().requires_grad_()

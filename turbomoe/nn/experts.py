@@ -1,4 +1,5 @@
 """GroupedExperts: E expert MLPs with stacked weights, run as grouped GEMMs over expert-contiguous rows."""
+import os
 from typing import Optional
 
 import torch
@@ -111,9 +112,10 @@ class GroupedExperts(nn.Module):
 
     @property
     def _kernels(self) -> bool:
-        """The activation's and biases' kernels, unless the GEMMs are the reference's (then the whole
-        experts block is plain PyTorch, differentiable twice)."""
-        return self.gmm_backend != "reference"
+        """The activation's and biases' kernels, unless the GEMMs are forced to the reference's
+        (gmm_backend or TURBOMOE_GMM_BACKEND: then the whole experts block is plain PyTorch,
+        differentiable twice)."""
+        return (self.gmm_backend or os.environ.get("TURBOMOE_GMM_BACKEND")) != "reference"
 
     @property
     def scales_rows(self) -> bool:
