@@ -161,3 +161,35 @@ def test_reference_env_runs_the_pytorch_activation_and_biases(kw, monkeypatch):
     torch.manual_seed(0)
     MoELayer(16, 12, 4, 2, **kw)(torch.randn(5, 16))
     assert flags and not any(kernels for _, kernels in flags), flags
+
+
+# --- 3. SparseMoE(backend="reference") on CUDA: auto mode took the Triton paths ------------------------------------
+
+def _sparse_moe(device, dtype, **kw):
+    from turbomoe.inference import SparseMoE
+    gen = torch.Generator().manual_seed(5)
+    E, M, F = 6, 16, 8
+    w = [torch.randn(*shape, generator=gen, dtype=F64) * 0.3 for shape in ((E, M), (E, M, 2 * F), (E, F, M))]
+    return SparseMoE(*(t.to(device, dtype) for t in w), k=2, renormalize=True, **kw)
+
+
+@pytest.mark.parametrize("via", ["argument", "environment"])
+def test_sparse_moe_forced_reference_takes_the_reference_mode_on_cuda(via, monkeypatch):
+    """auto mode with the reference backend forced picks the reference mode on a tensor that reports
+    CUDA (the real choose_mode, a fake device flag), not few_rows / grouped (Triton)."""
+    if via == "environment":
+        monkeypatch.setenv("TURBOMOE_BACKEND", "reference")
+    moe = _sparse_moe("cpu", F64, **({} if via == "environment" else dict(backend="reference")))
+    for T in (1, 3, 40):
+        assert moe.choose_mode(torch.zeros(T, 16, dtype=F64).as_subclass(_FakeCuda)) == "reference"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_gpu_sparse_moe_forced_reference_matches_the_cpu(T):
+    """SparseMoE(backend="reference") on CUDA runs the plain-PyTorch path: the CPU's numbers in fp64."""
+    x = torch.randn(T, 16, generator=torch.Generator().manual_seed(T), dtype=F64)
+    want = _sparse_moe("cpu", F64, backend="reference")(x)
+    got = _sparse_moe("cuda", F64, backend="reference")(x.cuda())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)

@@ -156,7 +156,7 @@ class SparseMoE(nn.Module):
         if self.mode != "auto":
             return self.mode
         T = x_TM.shape[0]
-        if not x_TM.is_cuda and ops.choose_backend(x_TM, self.backend) == "reference":
+        if ops.choose_backend(x_TM, self.backend) == "reference":  # the CPU's, or forced (argument, TURBOMOE_BACKEND)
             return "reference"
         if T <= self.dense_max and T * self.k >= self.num_experts:
             return "dense"
