@@ -23,8 +23,11 @@ CPU test of the path choice itself. Both gaps were fixed on the day (the GPU tes
    fp32 router logits by its backend attribute (turbomoe/nn/router.py: `self.backend == "reference"`),
    so with the environment variables instead of the arguments the SwiGLU / bias kernels and the split
    router (bf16 tokens, router_dtype fp32) still run on CUDA and a double backward raises there, while
-   on the CPU (no kernels) it works.
-
+   on the CPU (no kernels) it works. Its GPU test is test_nn_layer.py's
+   test_reference_layer_differentiates_twice[...-environment].
+3. SparseMoE(backend="reference") (or TURBOMOE_BACKEND=reference) in auto mode picked the reference
+   mode on CPU tensors only: on CUDA its few_rows / grouped modes ran the Triton kernels (the grouped
+   mode's row kernels came from ops._impl("reference"), which is the Triton module).
 """
 import copy
 
