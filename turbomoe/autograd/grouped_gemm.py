@@ -219,7 +219,7 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
         if backend == "triton" or (x_RK.is_cuda and few_rows and backend != "reference"):
             from ..kernels.grouped_gemm import grouped_mm_wgrad as triton_wgrad
             return triton_wgrad(x_RK, dy_RN, counts_G, out)
-        if backend == "reference":  # (CPU tensors' other backend is triton) fp64 on CUDA too
+        if backend == "reference":  # its own loop on every device (fp64 on CUDA: no Triton kernel for it)
             return out.add_(_reference_wgrad(x_RK.to(out.dtype), dy_RN.to(out.dtype), counts_G))
         return out.add_(mm_wgrad(x_RK, dy_RN, counts_G, backend, offs_G))
     if backend in ("torch", "cutlass"):
