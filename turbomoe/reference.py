@@ -369,7 +369,7 @@ def zero_width_dscores(scores_SK: Optional[torch.Tensor], slots_SK: torch.Tensor
                        renormalize: bool, dtype: torch.dtype) -> torch.Tensor:
     """gather's score gradient where the rows have no columns (no products): 0, except with renormalize
     on the kept routes of a token whose kept scores sum to NaN or Inf: NaN, as the formula's
-    0 * (p / sum) terms give (the kernels' early exit, so that they agree with gather_tokens here)."""
+    0 * (p / sum) terms give (autograd.gather's backward: the kernels have nothing to launch there)."""
     if not renormalize:
         return torch.zeros(slots_SK.shape, dtype=dtype, device=slots_SK.device)
     kept = routed_slots(slots_SK, num_rows) >= 0

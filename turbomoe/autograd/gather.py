@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from ..reference import as_contiguous, compute_dtype
+from ..reference import as_contiguous, compute_dtype, zero_width_dscores
 from . import once_differentiable
 
 
@@ -34,9 +34,14 @@ class GatherTokens(torch.autograd.Function):
         if scores_SK is None:
             ctx.impl.push_rows(grad_out_SM, slots_SK, grad_y_RM, kept_counts_E, ctx.capacity)
             return grad_y_RM, None, None, None, None, None, None
-        grad_scores_SK = torch.empty_like(scores_SK, dtype=compute_dtype(y_RM.dtype))
-        ctx.impl.push_rows(grad_out_SM, slots_SK, grad_y_RM, kept_counts_E, ctx.capacity,
-                           scores_SK=scores_SK, y_RM=y_RM, dscores_SK=grad_scores_SK, renormalize=ctx.renormalize)
+        acc = compute_dtype(y_RM.dtype)
+        if grad_out_SM.shape[1] == 0 or grad_out_SM.shape[0] + ctx.num_rows == 0:  # no products, no rows to write
+            # (the backends' launches exit early; the renormalised sum still makes NaN where it is NaN)
+            grad_scores_SK = zero_width_dscores(scores_SK, slots_SK, ctx.num_rows, ctx.renormalize, acc)
+        else:
+            grad_scores_SK = torch.empty_like(scores_SK, dtype=acc)
+            ctx.impl.push_rows(grad_out_SM, slots_SK, grad_y_RM, kept_counts_E, ctx.capacity, scores_SK=scores_SK,
+                               y_RM=y_RM, dscores_SK=grad_scores_SK, renormalize=ctx.renormalize)
         return grad_y_RM, None, as_contiguous(grad_scores_SK, scores_SK.dtype), None, None, None, None
 
 

@@ -177,10 +177,6 @@ def push_rows(src_SM, slots_SK, out_RM, kept_counts_E=None, capacity=None, score
               dscores_SK=None, renormalize=False):
     """out[slots[s, j]] = (w[s, j] *) src[s], rows no route reaches zeroed; with y given,
     dscores[s, j] = dL/dscores[s, j] from <src[s], y[slots[s, j]]> in fp32 (see turbomoe/kernels/rows.py)."""
-    if dscores_SK is not None and (src_SM.shape[1] == 0 or src_SM.shape[0] + out_RM.shape[0] == 0):  # no products
-        dscores_SK.copy_(reference.zero_width_dscores(scores_SK, slots_SK, out_RM.shape[0], renormalize,
-                                                      dscores_SK.dtype))
-        return
     acc = compute_dtype(src_SM.dtype)
     extension().push_rows(src_SM, slots_SK, out_RM, as_contiguous(kept_counts_E, torch.int32), capacity or 0,
                           as_contiguous(scores_SK, acc), None if y_RM is None else y_RM.contiguous(), dscores_SK,

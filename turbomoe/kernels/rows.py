@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import zero_width_dscores
 from .launch import acc_dtype, next_pow2, tl_dtype
 
 
@@ -205,7 +204,7 @@ def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor
     block_t, block_m, warps = row_tile(M, src_SM.element_size())
     if M == 0 or S + R == 0:
         if dscores_SK is not None:
-            dscores_SK.copy_(zero_width_dscores(scores_SK, slots_SK, R, renormalize, dscores_SK.dtype))
+            dscores_SK.zero_()
         return
     layout = kept_counts_E is not None
     row_routes = invert_slots(slots_SK, R) if not layout else slots_SK
