@@ -31,10 +31,15 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_K = 8
 
 
+def forced_backend(backend: Optional[str] = None) -> Optional[str]:
+    """The backend a caller forces: the argument, else TURBOMOE_BACKEND; None: chosen per call."""
+    return backend or os.environ.get("TURBOMOE_BACKEND")
+
+
 def choose_backend(t: torch.Tensor, backend: Optional[str] = None, num_experts: int = 0) -> str:
     """CUDA C++ on CUDA tensors where it applies, else Triton; the reference on CPU tensors; unless
     forced. num_experts: E of the op (the cuda backend serves E <= csrc.MAX_EXPERTS)."""
-    forced = backend or os.environ.get("TURBOMOE_BACKEND")
+    forced = forced_backend(backend)
     if forced is None:
         if not t.is_cuda:
             return "reference"

@@ -107,8 +107,13 @@ def check_gmm_backend(backend: Optional[str]):
         raise ValueError(f"unknown grouped GEMM backend {backend!r}: gmm_backend must be one of {GMM_BACKENDS}")
 
 
+def forced_gmm_backend(backend: Optional[str] = None) -> Optional[str]:
+    """The grouped GEMM backend a caller forces: the argument, else TURBOMOE_GMM_BACKEND; None: chosen per call."""
+    return backend or os.environ.get("TURBOMOE_GMM_BACKEND")
+
+
 def choose_gmm_backend(x: torch.Tensor, w: torch.Tensor, backend: Optional[str] = None) -> str:
-    backend = backend or os.environ.get("TURBOMOE_GMM_BACKEND")
+    backend = forced_gmm_backend(backend)
     if backend is None:
         if not _triton_gmm_takes(x):
             return "reference"

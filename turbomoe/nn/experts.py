@@ -1,5 +1,4 @@
 """GroupedExperts: E expert MLPs with stacked weights, run as grouped GEMMs over expert-contiguous rows."""
-import os
 from typing import Optional
 
 import torch
@@ -9,7 +8,7 @@ from torch.nn.modules import module as nn_module
 
 from .. import ops
 from ..autograd.bias_act import bias_act
-from ..autograd.grouped_gemm import check_gmm_backend, grouped_mm, row_groups, row_offsets
+from ..autograd.grouped_gemm import check_gmm_backend, forced_gmm_backend, grouped_mm, row_groups, row_offsets
 from ..autograd.swiglu import swiglu
 from .recompute import Remake
 
@@ -115,7 +114,7 @@ class GroupedExperts(nn.Module):
         """The activation's and biases' kernels, unless the GEMMs are forced to the reference's
         (gmm_backend or TURBOMOE_GMM_BACKEND: then the whole experts block is plain PyTorch,
         differentiable twice)."""
-        return (self.gmm_backend or os.environ.get("TURBOMOE_GMM_BACKEND")) != "reference"
+        return forced_gmm_backend(self.gmm_backend) != "reference"
 
     @property
     def scales_rows(self) -> bool:

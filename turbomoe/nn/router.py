@@ -1,5 +1,4 @@
 """TopKRouter: hidden states [S, M] -> the gating tables (ids, scores, counts) and the router loss."""
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -69,7 +68,7 @@ class TopKRouter(nn.Module):
         if not isinstance(x_SM, torch.Tensor) or x_SM.dim() != 2 or x_SM.shape[1] != self.hidden_size:
             raise ValueError(f"x must be [S, {self.hidden_size}], got {tuple(getattr(x_SM, 'shape', ()))}")
         dtype = self.router_dtype or x_SM.dtype
-        if dtype == torch.float32 and (self.backend or os.environ.get("TURBOMOE_BACKEND")) == "reference":
+        if dtype == torch.float32 and ops.forced_backend(self.backend) == "reference":
             # plain ops: differentiable twice
             with torch.autocast(x_SM.device.type, enabled=False):  # fp32 logits under autocast too
                 logits_SE = F.linear(x_SM.float(), self.weight.float())
