@@ -227,15 +227,21 @@ def check_tile_table(table) -> TileTable:
         if tokens < 1 or str(tokens) != str(T).strip():
             raise ValueError(f"few_rows_tiles' keys must be token counts >= 1, got {T!r}")
         for t in (t for t in (up, down) if t is not None):  # None: the rule's tiling
-            pow2 = all(isinstance(v, int) and v >= lo and v & (v - 1) == 0
-                       for v, lo in ((t.block_m, 1), (t.block_n, 16), (t.block_k, 16), (t.num_warps, 1)))
-            if not pow2 or not (isinstance(t.split, int) and t.split >= 1 and isinstance(t.num_stages, int)
-                                and t.num_stages >= 1):
+            # Bounds: TMA's box (256), Triton's warps (32); they keep a CUDA-core tile's products
+            # (block_m < 16: block_m x block_k x block_n) under Triton's 2**20 elements a tensor.
+            pow2 = all(_is_int(v) and lo <= v <= hi and v & (v - 1) == 0
+                       for v, lo, hi in ((t.block_m, 1, 128), (t.block_n, 16, 256), (t.block_k, 16, 256),
+                                         (t.num_warps, 1, 32)))
+            if not pow2 or not (_is_int(t.split) and t.split >= 1 and _is_int(t.num_stages) and t.num_stages >= 1):
                 raise ValueError(f"few_rows_tiles[{T!r}]: invalid tiling {t}")
             if t.swap and t.block_m < 16:
                 raise ValueError(f"few_rows_tiles[{T!r}]: swapped MMA operands need block_m >= 16, got {t}")
         out[tokens] = (up, down)
     return out
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is no block size
 
 
 def tile_key(gpu: str, num_experts: int, k: int, hidden: int, expert_hidden: int, dtype: torch.dtype) -> dict:

@@ -153,7 +153,9 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
         second = [e.w2 for e in experts]
     else:
         h = _grouped_linear(x, [e[0] for e in experts], groups, dtype)
-        act: Callable = experts[0][1]
+        # Its forward, not its call: fast_path_applies found no hooks of its own, global module hooks
+        # skip the grouped Linears already, and a remade activation would run them again in backward.
+        act: Callable = experts[0][1].forward
         second = [e[2] for e in experts]
     if remake is not None:  # the rows, remade in backward, need not outlive the first GEMM
         remake.release(x)

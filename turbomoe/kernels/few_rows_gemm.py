@@ -290,7 +290,7 @@ def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, routes_per_token, t
     max_groups = min(G, R)  # groups that can have rows: program axis 2
     tiles = _fit_smem(tiles or few_rows_tiles(max_rows, R, G, N, K, x.device, max_split, glu_out), w_GKN, glu_out)
     k_per_split = triton.cdiv(triton.cdiv(K, tiles.split), tiles.block_k) * tiles.block_k
-    split = max(1, triton.cdiv(K, k_per_split))
+    split = max(1, triton.cdiv(K, k_per_split)) if K else 1  # K = 0: zeros below
     glu_out = glu_out and split == 1
     out_n = N // 2 if glu_out else N
     out = (torch.empty(R, out_n, device=x.device, dtype=w_GKN.dtype) if glu_out
@@ -318,11 +318,13 @@ def _launch(x, row_routes, scale, w_GKN, counts_G, max_rows, routes_per_token, t
     return out
 
 
-def _check_weights(w_GKN: torch.Tensor, counts_G: torch.Tensor):
+def _check_weights(w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
+    """The counts as the kernel reads them (at unit stride)."""
     if w_GKN.stride(-1) != 1:
         raise ValueError("the weights' last dimension must be contiguous")
     if counts_G.shape != (w_GKN.shape[0], ) or counts_G.dtype != torch.int32:
         raise ValueError(f"counts must be int32 [{w_GKN.shape[0]}], got {counts_G.dtype} {tuple(counts_G.shape)}")
+    return as_contiguous(counts_G, torch.int32)
 
 
 def few_rows_up(x_TK: torch.Tensor, row_routes_R: torch.Tensor, routes_per_token: int, w_GKN: torch.Tensor,
@@ -332,7 +334,7 @@ def few_rows_up(x_TK: torch.Tensor, row_routes_R: torch.Tensor, routes_per_token
     first, rounded to x's dtype: Llama 4's prescale) @ w[g], w's columns [gate | up] (2F). Returns its
     SwiGLU a [R, F] in w's dtype, or where K is split the fp32 (fp64 for fp64 w) partial sums h [S, R,
     2F] (few_rows_down takes either). max_rows bounds every count (at decode: the token count)."""
-    _check_weights(w_GKN, counts_G)
+    counts_G = _check_weights(w_GKN, counts_G)
     if x_TK.dim() != 2 or x_TK.shape[1] != w_GKN.shape[1] or x_TK.stride(1) != 1:
         raise ValueError(f"x must be [T, {w_GKN.shape[1]}] with contiguous rows, got {tuple(x_TK.shape)}")
     if w_GKN.shape[2] % 2:
@@ -347,7 +349,7 @@ def few_rows_down(h: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
     """y [S', R, N] fp32 (fp64 for fp64 w) partial sums: row r of group g is a[r] @ w[g], where a is
     few_rows_up's output: the SwiGLU rows [R, K] in w's dtype, or partial sums h [S, R, 2K] in y's
     dtype (columns [gate | up]) whose sum's SwiGLU, in that dtype rounded to w's, is a."""
-    _check_weights(w_GKN, counts_G)
+    counts_G = _check_weights(w_GKN, counts_G)
     K, acc = w_GKN.shape[1], acc_dtype(w_GKN.dtype)
     if not ((h.dim() == 3 and h.shape[2] == 2 * K and h.dtype == acc)
             or (h.dim() == 2 and h.shape[1] == K and h.dtype == w_GKN.dtype)):

@@ -6,7 +6,7 @@ from torch import nn
 
 from .. import ops
 from .experts import GroupedExperts, autocast_dtype
-from .recompute import remaking
+from .recompute import remaking, replaying
 from .router import TopKRouter
 
 
@@ -22,7 +22,8 @@ class MoELayer(nn.Module):
     min_capacity), chosen by drop_policy ("position", "rts", "probs"); dropped routes add nothing.
     shared_ffn_hidden_size > 0 adds an always-on shared expert of that width.
     After each forward, `expert_load` [E] int32 (detached, on the device) holds the routes each
-    expert computed: log it, or feed it to `router.update_expert_bias` (expert_bias=True).
+    expert computed (an activation checkpoint's replay in backward leaves it as it is): log it, or
+    feed it to `router.update_expert_bias` (expert_bias=True) once the backward is done.
     backend picks the gating ops' backend (see turbomoe.ops), gmm_backend the grouped GEMM's
     (see turbomoe.autograd.grouped_gemm); None picks the fastest that applies.
     With SwiGLU experts and no bias, the scores multiply each expert row's activation before the
@@ -108,6 +109,8 @@ class MoELayer(nn.Module):
         # for it); and assigning a new tensor is a side effect that dynamo refuses inside
         # torch.utils.checkpoint in a compiled region. A buffer made under inference_mode cannot be
         # written outside it: then a normal tensor replaces it once (eager: dynamo cannot trace the test).
+        if replaying():  # the forward's counts stay: a later micro-batch's forward may have written them
+            return out_SM.view(x.shape), aux_loss
         if (not torch.compiler.is_compiling() and self.expert_load.is_inference()
                 and not torch.is_inference_mode_enabled()):
             self.expert_load = torch.empty_like(s.kept_counts)

@@ -109,6 +109,14 @@ class Remake:
             self.stored.clear()
 
 
+def replaying() -> bool:
+    """Whether this forward is activation checkpointing's replay: torch's two kinds (so DeepSpeed's and
+    Megatron's too) rerun the forward inside the backward pass, where nothing else runs a forward.
+    What a forward writes besides its output (the layer's expert_load) is then left as the forward
+    wrote it. Eager only: a compiled region does not rerun Python."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def remake_for(enabled: bool) -> Optional[Remake]:
     """A Remake for this forward where recompute applies: asked for, autograd on, eager, and no other
     saved-tensor hooks active (an outer policy such as activation checkpointing decides then)."""

@@ -8,6 +8,7 @@ from torch import nn
 from .. import ops
 from ..autograd.router import fp32_logits
 from ..reference import GatingOutput
+from .recompute import replaying
 
 
 class TopKRouter(nn.Module):
@@ -76,6 +77,8 @@ class TopKRouter(nn.Module):
             logits_SE = fp32_logits(x_SM, self.weight)
         else:
             logits_SE = F.linear(x_SM.to(dtype), self.weight.to(dtype))
+        if self.expert_bias is not None and not torch.compiler.is_compiling():
+            self._check_bias_unchanged()
         g = ops.topk_gating(logits_SE, self.k, self.score_func, self.renormalize, self.expert_bias,
                             backend=self.backend)
         loss = self.aux_loss_coef * g.aux_loss
@@ -83,10 +86,22 @@ class TopKRouter(nn.Module):
             loss = loss + self.z_loss_coef * g.z_loss
         return g, loss
 
+    def _check_bias_unchanged(self):
+        """An activation checkpoint's replay routes with the bias as it is at backward: changed since the
+        forward, it would pick other experts and give the gradients of another step, silently."""
+        version = self.expert_bias._version
+        if not replaying():
+            self._bias_version = version
+        elif version != getattr(self, "_bias_version", version):
+            raise RuntimeError("expert_bias changed between this router's forward and its backward, which "
+                               "recomputes the forward (activation checkpointing): call update_expert_bias "
+                               "after the backward")
+
     @torch.no_grad()
     def update_expert_bias(self, load_E: torch.Tensor, rate: float = 1e-3):
         """bias_e += rate * sign(mean load - load_e): under-loaded experts get picked more (DeepSeek-V3).
-        On the device, no host sync."""
+        On the device, no host sync. Call it after the backward: an activation checkpoint's replay of
+        the forward must route as the forward did."""
         if self.expert_bias is None:
             raise RuntimeError("this router was built with expert_bias=False")
         # A load of another shape would broadcast: [1] or a scalar left the bias as it was, silently.
