@@ -32,11 +32,11 @@ def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
     marker = os.path.join(ckpt_dir, tag, COMPLETE)
     if dist.get_rank() == 0 and os.path.exists(marker):
         # Overwriting a tag of a run resumed from an earlier one: incomplete until done, so `latest`
-        # first goes back to the newest complete tag before it (a crash now must not leave it naming this
-        # one, nor a later one of the run that this one left).
-        others = [n for s, n in complete_tags(ckpt_dir) if s < step]
+        # first goes back to the newest complete tag of this run's line before it (a crash now must not
+        # leave it naming this one, nor one of the run that this one left).
+        others = line_tags(ckpt_dir, step - 1, meta.get("start_step", 0), meta.get("launch"))
         if others:
-            _atomic_write(os.path.join(ckpt_dir, "latest"), others[-1])
+            _atomic_write(os.path.join(ckpt_dir, "latest"), others[-1][1])
         else:
             os.remove(os.path.join(ckpt_dir, "latest"))
         os.remove(marker)
@@ -54,15 +54,21 @@ def save(engine, ckpt_dir: str, step: int, keep: int, meta: dict):
     dist.barrier()
 
 
-def prune(ckpt_dir: str, keep: int, current: int, start: int = 0, launch=None):
-    """Keep the newest `keep` complete tags up to step `current` (the one just saved) of this run's line:
-    those up to `start` (the step this launch resumed from) and those this launch wrote (their marker's
-    `launch`); delete the other tags before current, complete or not. A run that went further before this
-    one resumed from an earlier checkpoint left tags after start: before current they are not counted
-    (they would push out this run's own), after it they stay until this run overwrites them."""
+def line_tags(ckpt_dir: str, upto: int, start: int = 0, launch=None):
+    """[(step, name)] of this run's line of complete tags up to step `upto`: those up to `start` (the step
+    this launch resumed from) and those this launch wrote (their marker's `launch`); all where launch is
+    None. A run that went further before this one resumed from an earlier checkpoint left tags after
+    start: they are not of the line."""
     def of_this_run(s, name):
         return launch is None or s <= start or read_meta(ckpt_dir, name).get("launch") == launch
-    kept = [(s, n) for s, n in complete_tags(ckpt_dir) if s <= current and of_this_run(s, n)][-keep:]
+    return [(s, n) for s, n in complete_tags(ckpt_dir) if s <= upto and of_this_run(s, n)]
+
+
+def prune(ckpt_dir: str, keep: int, current: int, start: int = 0, launch=None):
+    """Keep the newest `keep` complete tags of this run's line (line_tags) up to step `current` (the one
+    just saved); delete the other tags before current, complete or not. Another run's tags after
+    start and after current stay until this run overwrites them."""
+    kept = line_tags(ckpt_dir, current, start, launch)[-keep:]
     for s, name in tags(ckpt_dir):
         if s < current and (s, name) not in kept:
             shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
@@ -74,8 +80,16 @@ def holds_tags(ckpt_dir: str) -> bool:
 
 
 def read_meta(ckpt_dir: str, tag: str) -> dict:
-    with open(os.path.join(ckpt_dir, tag, COMPLETE)) as f:
-        return json.load(f)
+    """The tag's completion marker; ValueError naming it where it is not the JSON object a save writes."""
+    path = os.path.join(ckpt_dir, tag, COMPLETE)
+    with open(path) as f:
+        try:
+            meta = json.load(f)
+        except ValueError as e:  # json's errors, and bytes that are not UTF-8
+            raise ValueError(f"{path}: not a checkpoint's completion marker ({e}): cut short or damaged") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise ValueError(f"{path}: not a checkpoint's completion marker (no step in it)")
+    return meta
 
 
 def resolve(path: str):

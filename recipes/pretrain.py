@@ -72,10 +72,13 @@ def prepare(args):
         raise ConfigError(str(e)) from e
     resume = meta = None
     if args.resume is None:
-        for held, what in ((os.path.join(cfg.checkpoint.dir, "latest"), "a checkpoint"),
-                           (os.path.join(cfg.log.dir, LOG_FILE), "another run's log")):
-            if os.path.isfile(held):
-                raise ConfigError(f"{os.path.dirname(held)} already holds {what}; continue that run with --resume, "
+        # Tags without `latest` count too: a first save killed between its marker and `latest` leaves them,
+        # and this run's saves would replace and prune them.
+        ckpt_held = os.path.isfile(os.path.join(cfg.checkpoint.dir, "latest")) or checkpointing.holds_tags(cfg.checkpoint.dir)
+        for held, where, what in ((ckpt_held, cfg.checkpoint.dir, "a checkpoint"),
+                                  (os.path.isfile(os.path.join(cfg.log.dir, LOG_FILE)), cfg.log.dir, "another run's log")):
+            if held:
+                raise ConfigError(f"{where} already holds {what}; continue that run with --resume, "
                                   f"or start afresh elsewhere (--set log.dir=... or checkpoint.dir=...) or after "
                                   f"removing it")
     if args.resume is not None:
@@ -88,12 +91,15 @@ def prepare(args):
             raise ConfigError(f"--resume {os.path.join(*resume)} would continue into checkpoint.dir "
                               f"{cfg.checkpoint.dir}, which holds another run's checkpoints; set checkpoint.dir to "
                               f"the resumed one or to an empty directory")
-        meta = checkpointing.read_meta(*resume)
+        try:
+            meta = checkpointing.read_meta(*resume)
+        except ValueError as e:
+            raise ConfigError(f"--resume: {e}") from None
         last = args.stop_at_step or cfg.train.steps
         if last <= meta["step"]:
             raise ConfigError(f"--resume {os.path.join(*resume)} is at step {meta['step']}: nothing to run up to "
                               f"step {last} (--stop-at-step or train.steps)")
-        check_log_continues(cfg.log.dir, os.path.join(*resume))
+        check_log_continues(cfg.log.dir, os.path.join(*resume), meta)
     tokenizer = None
     if cfg.data.source != "megatron":  # resolved before the resume's checks: a run records the one it read with
         spec = cfg.data.tokenizer
@@ -212,13 +218,15 @@ def check_resumable(cfg, meta: dict, path: str):
         raise ConfigError(f"--resume {path}: {e}") from e
 
 
-def check_log_continues(log_dir: str, path: str):
+def check_log_continues(log_dir: str, path: str, meta: dict):
     """A resumed run appends to the log in log.dir: only where that log's run is the one resumed, its last
-    checkpoint (or, before any, the one that run resumed from) being path."""
+    checkpoint (or, before any, the one that run resumed from) being path, or a later one that the log's
+    last launch wrote (meta: its marker) and did not log, stopped between the save and the log's line."""
     log_path = os.path.join(log_dir, LOG_FILE)
     if not os.path.isfile(log_path):
         return
-    last = None
+    last = launch = None
+    last_step = -1
     with open(log_path) as f:
         for line in f:
             try:
@@ -226,9 +234,11 @@ def check_log_continues(log_dir: str, path: str):
             except json.JSONDecodeError:  # a line cut short by a crash
                 continue
             if record.get("type") == "start":
-                last = record["resumed_from"]
+                last, launch, last_step = record["resumed_from"], record.get("launch"), record.get("step", -1)
             elif record.get("type") == "checkpoint":
-                last = record["path"]
+                last, last_step = record["path"], record.get("step", -1)
+    if launch is not None and meta.get("launch") == launch and meta["step"] > last_step:
+        return
     if last is None or os.path.realpath(last) != os.path.realpath(path):
         raise ConfigError(f"--resume {path} would append to the log in log.dir {log_dir}, which belongs to the run "
                           f"whose last checkpoint is {last or 'none (it saved none)'}; resume that checkpoint, or set "
@@ -684,7 +694,8 @@ def train(cfg, args, resume, samples):
         if engine.lr_scheduler is not None:
             set_schedule(engine.lr_scheduler, engine.lr_scheduler.last_epoch)
     last_step = args.stop_at_step or t.steps
-    log = RunLog(cfg, start_step, rank == 0, None if resume is None else os.path.join(*resume))
+    launch = uuid.uuid4().hex  # rank 0's marks the tags this launch writes (checkpointing.prune) and its log
+    log = RunLog(cfg, start_step, rank == 0, None if resume is None else os.path.join(*resume), launch)
     log.message(f"{cfg.name}: {cfg.model.num_parameters() / 1e6:.1f}M parameters "
                 f"({cfg.model.num_parameters(active=True) / 1e6:.1f}M active), moe_impl={model.moe_impl}, "
                 f"{world} ranks, ep_size={cfg.moe.ep_size}, zero={t.zero_stage}, {'bf16' if bf16 else 'fp32'}")
@@ -694,7 +705,6 @@ def train(cfg, args, resume, samples):
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     peak = peak_flops(t.peak_tflops, on_gpu)
     check_vocab = vocab_size_of(cfg.data.source) is None
-    launch = uuid.uuid4().hex  # rank 0's marks the tags this launch writes (checkpointing.prune)
     # export checks that the tokenizer it writes beside the model is still the one the corpus was read with
     tokenizer_sha = None if cfg.data.tokenizer in (None, "bytes") else tokenizer_digest(cfg.data.tokenizer)
     if check_vocab:

@@ -38,14 +38,15 @@ def wandb_key_configured() -> bool:
 
 
 class RunLog:
-    def __init__(self, cfg, start_step: int, enabled: bool, resumed_from: Optional[str]):
+    def __init__(self, cfg, start_step: int, enabled: bool, resumed_from: Optional[str], launch: Optional[str] = None):
         self.enabled = enabled
         self.bar = self.wandb = self.jsonl = None
         if not enabled:
             return
         os.makedirs(cfg.log.dir, exist_ok=True)
         self.jsonl = open(os.path.join(cfg.log.dir, LOG_FILE), "a")
-        self.write({"type": "start", "step": start_step, "resumed_from": resumed_from, "time": time.time()})
+        self.write({"type": "start", "step": start_step, "resumed_from": resumed_from, "launch": launch,
+                    "time": time.time()})
         if cfg.log.wandb:
             import wandb
             # wandb.init's mode wins over WANDB_MODE: the user's environment comes before the key's default.

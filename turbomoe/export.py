@@ -28,7 +28,7 @@ import torch
 
 from .checkpoint_tags import COMPLETE, find_tag  # noqa: F401 (COMPLETE: the marker this module reads)
 from .models import ModelConfig, MoEArgs, Qwen3MoeForCausalLM
-from .models.hf_checkpoint import save_dir
+from .models.hf_checkpoint import check_force, save_dir
 from .models.hf_names import to_hf_name
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -240,6 +240,7 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
     """Consolidate RUN's checkpoint into the Hugging Face directory OUT; returns the tag exported."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_force(force)
     tag_dir = resolve_tag(run, step)
     if _within(tag_dir, out):
         raise ExportError(f"OUT {out} holds the checkpoint {tag_dir}: writing there would replace it; "

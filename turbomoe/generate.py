@@ -110,6 +110,8 @@ def main(argv=None):
         p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if any(not prompt for prompt in args.prompt):
         p.error("--prompt must not be empty")
+    if not -(1 << 63) <= args.seed < 1 << 64:  # torch.Generator.manual_seed's range
+        p.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     if args.system is not None and not args.chat:
         p.error("--system needs --chat")
     if args.chat_kwargs is not None and not args.chat:

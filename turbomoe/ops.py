@@ -15,6 +15,7 @@ The data flow of an MoE layer:
 """
 import math
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -24,11 +25,12 @@ from .autograd.gather import gather_tokens as _gather_fn
 from .autograd.gating import topk_gating as _gating_fn
 from .autograd.sampling import second_expert as _second_expert_fn
 from .autograd.scatter import scatter_tokens as _scatter_fn
-from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots  # noqa: F401 (re-exported)
+from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots, debug_checks  # noqa: F401 (re-exported)
 
 BACKENDS = ("cuda", "triton", "reference")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_K = 8
+_FLOAT_MAX = sys.float_info.max
 
 
 def forced_backend(backend: Optional[str] = None) -> Optional[str]:
@@ -82,6 +84,12 @@ def _check_float(name: str, t: torch.Tensor, ndim: int):
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
 
 
+def check_dtype(name: str, dtype):
+    """A module's parameter dtype: None (torch's default) or a float dtype the kernels take."""
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be None or torch.float16, bfloat16, float32 or float64, got {dtype!r}")
+
+
 def _check_index(name: str, t: torch.Tensor, shape=None):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -103,6 +111,8 @@ def check_number(name: str, value, low: float, strict: bool = False):
     """value is a finite real number (int or float, not a bool) >= low (> low if strict)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if isinstance(value, int) and abs(value) > _FLOAT_MAX:  # past fp64: math.isfinite would overflow
+        raise ValueError(f"{name} must be a finite number, got an int of {value.bit_length()} bits")
     if not math.isfinite(value) or value < low or (strict and value == low):
         raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}, got {value}")
 
@@ -122,12 +132,6 @@ def rts_draw() -> torch.Tensor:
     each training step that recomputation replays (activation checkpointing saves and restores that
     generator) and torch.compile traces (a tensor, not an int); on the host, so no device sync."""
     return torch.randint(0, 1 << 62, (1, ))
-
-
-def debug_checks(t: torch.Tensor) -> bool:
-    """Whether checks that read tensor values run: always for CPU tensors (no device to wait for),
-    on a GPU only in debug mode (TURBOMOE_DEBUG=1), since reading a value there is a host sync."""
-    return t.device.type == "cpu" or os.environ.get("TURBOMOE_DEBUG") == "1"
 
 
 def _check_same_device(**tensors):
@@ -204,9 +208,12 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
     S, E = logits_SE.shape
     if E < 2:
         raise ValueError("a second expert needs at least two experts")
-    if tuple(first.expert_ids.shape) != (S, 1) or tuple(first.scores.shape) != (S, 1):
-        raise ValueError(f"first must be the top-1 gating of these logits, [S, 1] = [{S}, 1]; got expert_ids "
-                         f"{tuple(first.expert_ids.shape)}")
+    if not isinstance(first, GatingOutput):
+        raise TypeError(f"first must be the GatingOutput of topk_gating(logits, 1), got {type(first).__name__}")
+    if (tuple(first.expert_ids.shape) != (S, 1) or tuple(first.scores.shape) != (S, 1)
+            or tuple(first.counts.shape) != (E, )):
+        raise ValueError(f"first must be the top-1 gating of these logits, [S, 1] = [{S}, 1] with counts [E] = "
+                         f"[{E}]; got expert_ids {tuple(first.expert_ids.shape)}, counts {tuple(first.counts.shape)}")
     if rand_SE is None:
         rand_SE = torch.rand(S, E, device=logits_SE.device)
     elif rand_SE.dtype != torch.float32 or tuple(rand_SE.shape) != (S, E):
@@ -228,17 +235,23 @@ def capacity(num_tokens: int, num_experts: int, k: int, capacity_factor: float, 
     fp64 (reference.capacity: S may be symbolic under torch.compile), or with fp32 in DeepSpeed's own
     rounding (reference.deepspeed_capacity: the drop-in's, which keeps the tokens stock keeps; S is
     then made a concrete int)."""
-    check_int("num_tokens", num_tokens, 0)
-    check_int("num_experts", num_experts, 1)
-    check_int("k", k, 1)
+    check_int("num_tokens", num_tokens, 0, (1 << 63) - 1)  # bounds: the products below stay floats
+    check_int("num_experts", num_experts, 1, _INT32_MAX)
+    check_int("k", k, 1, _INT32_MAX)
     check_number("capacity_factor", capacity_factor, 0, strict=True)
-    # assign_slots' bound, on min_capacity and on the formula
-    check_int("min_capacity", min_capacity, 0, _INT32_MAX // num_experts)
-    if num_tokens / num_experts * capacity_factor * k > _INT32_MAX // num_experts:
+    check_bool("fp32", fp32)
+    # assign_slots' bound, on min_capacity and on the formula (as rounded)
+    bound = _INT32_MAX // num_experts
+    check_int("min_capacity", min_capacity, 0, bound)
+    if num_tokens / num_experts * capacity_factor * k > bound:
         raise ValueError(f"capacity of {num_tokens} tokens x capacity_factor {capacity_factor} x k {k} over "
                          f"{num_experts} experts exceeds int32 slots")
     if fp32:
-        return reference.deepspeed_capacity(int(num_tokens), num_experts, k, capacity_factor, min_capacity)
+        C = reference.deepspeed_capacity(int(num_tokens), num_experts, k, capacity_factor, min_capacity)
+        if C > bound:  # fp32's rounding can step over the bound the fp64 product kept
+            raise ValueError(f"capacity of {num_tokens} tokens x capacity_factor {capacity_factor} x k {k} over "
+                             f"{num_experts} experts in fp32 rounds to {C}, past int32 slots")
+        return C
     return reference.capacity(num_tokens, num_experts, k, capacity_factor, min_capacity)
 
 
@@ -306,10 +319,11 @@ def _check_distinct_rows(table: torch.Tensor, num_rows: int):
                          "(or -1), as assign_slots makes them")
 
 
-def _unpack_slots(slots, num_rows, S: Optional[int], like: torch.Tensor, rows_name: str = "num_rows"):
+def _unpack_slots(slots, num_rows, S: Optional[int], like: torch.Tensor, rows_name: str = "num_rows",
+                  like_name: str = "x"):
     """A Slots from assign_slots, or a bare [S, k] slots tensor with num_rows -> (tensor, rows,
     kept counts or None, capacity or None). S None: any token count (nothing else gives it).
-    rows_name: what num_rows is to the caller (gather passes y's rows), for the error."""
+    rows_name: what num_rows is to the caller (gather passes y's rows), like_name what like is, for the errors."""
     if isinstance(slots, Slots):
         if num_rows is not None and num_rows != slots.num_rows:
             raise ValueError(f"{rows_name} {num_rows} disagrees with the Slots' num_rows {slots.num_rows}")
@@ -325,7 +339,7 @@ def _unpack_slots(slots, num_rows, S: Optional[int], like: torch.Tensor, rows_na
     if table.shape[1] > MAX_K:
         raise ValueError(f"slots may have at most {MAX_K} columns (k), got {table.shape[1]}")
     check_int("num_rows", num_rows, 0, _INT32_MAX)
-    _check_same_device(tokens=like, slots=table)
+    _check_same_device(**{like_name: like, "slots": table})
     return table, num_rows, kept, cap
 
 
@@ -378,10 +392,10 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: Optional[torch.Tensor], 
     if scores_SK is None:
         if renormalize:
             raise ValueError("gather_tokens: renormalize needs scores")
-        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], None, y_RM, _Y_ROWS)
+        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], None, y_RM, _Y_ROWS, "y")
     else:
         _check_float("scores", scores_SK, 2)
-        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM, _Y_ROWS)
+        table, _, kept, cap = _unpack_slots(slots, y_RM.shape[0], scores_SK.shape[0], y_RM, _Y_ROWS, "y")
         if table.shape != scores_SK.shape:
             raise ValueError(f"slots {tuple(table.shape)} and scores {tuple(scores_SK.shape)} differ")
         _check_same_device(y=y_RM, scores=scores_SK)  # slots were checked against y
@@ -397,6 +411,8 @@ def gather_tokens(y_RM: torch.Tensor, slots, scores_SK: Optional[torch.Tensor], 
 def buffer_counts(slots: Slots) -> torch.Tensor:
     """[E] int32: the expert buffer's rows per expert, the grouped GEMMs' counts: the kept counts, or
     with a capacity C for every expert (a block of C rows whose tail is zero and never gathered)."""
+    if not isinstance(slots, Slots):
+        raise TypeError(f"buffer_counts needs the Slots from assign_slots, got {type(slots).__name__}")
     if slots.capacity is None:
         return slots.kept_counts
     # Compiled not as full_like: inductor rewrites a cumsum of a full (the grouped GEMM's offsets) and

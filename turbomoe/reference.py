@@ -11,6 +11,7 @@ The four tables (S tokens, E experts, k choices per token):
   slots      [S, k] int32  row of each route in the expert buffer; -1 when dropped
 """
 import math
+import os
 import struct
 from typing import NamedTuple, Optional
 
@@ -33,6 +34,13 @@ class Slots(NamedTuple):
     kept_counts: torch.Tensor  # [E] int32, routes kept per expert
     num_rows: int  # rows of the expert buffer: E * C, or S * k when dropless
     capacity: Optional[int]  # C, or None when dropless
+
+
+def debug_checks(t: torch.Tensor) -> bool:
+    """Whether the ops' checks that read tensor values run: always for CPU tensors (no device to wait
+    for), on a GPU only in debug mode (TURBOMOE_DEBUG=1), since reading a value there is a host sync;
+    never while compiling (a value read would break the graph)."""
+    return (t.device.type == "cpu" or os.environ.get("TURBOMOE_DEBUG") == "1") and not torch.compiler.is_compiling()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -6,7 +6,8 @@ x_RK [R, K]: rows sorted by group; group g owns rows offset_g .. offset_g + coun
 offset_g = sum(counts[:g]). w_GKN [G, K, N]. counts_G [G] int32 on x's device. Rows past
 sum(counts) are unspecified in y and get no gradient (callers never read them). Counts that sum past
 R cannot be checked without a host sync: every backend truncates the last groups at row R (offsets
-computed here are clamped to R; offs_G passed in must be valid). No host sync on
+computed here are clamped to R; offs_G passed in must be valid). Counts must be >= 0: checked where
+that costs no host sync (CPU tensors, TURBOMOE_DEBUG=1: reference.debug_checks). No host sync on
 CUDA: the launches do not depend on counts' values, so the call is CUDA-graph capturable.
 
 Backends (one autograd.Function, hand-written backward: dx = dy @ w[g]^T, dw[g] = x_g^T @ dy_g):
@@ -31,7 +32,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import csrc
-from ..reference import as_contiguous
+from ..reference import as_contiguous, debug_checks
 from . import kernel_backward
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
@@ -342,6 +343,10 @@ def check_grouped_mm_args(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: tor
         raise ValueError(f"x has K = {x_RK.shape[1]} columns but w expects K = {w_GKN.shape[1]}")
     if not (x_RK.device == w_GKN.device == counts_G.device):
         raise ValueError(f"x, w, counts are on different devices: {x_RK.device}, {w_GKN.device}, {counts_G.device}")
+    # The kernels' precondition (counts past the rows truncate; a negative one moved the next groups'
+    # rows before the output: the Triton kernel wrote out of bounds)
+    if debug_checks(counts_G) and counts_G.numel() and int(counts_G.min()) < 0:
+        raise ValueError(f"counts must be >= 0, got {counts_G.tolist()[:16]}{' ...' if counts_G.numel() > 16 else ''}")
 
 
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import ops
 from ..models.hf_checkpoint import read_config
 from ..models.hf_names import to_hf_state_dict
 from ..models.qwen3_moe import ExpertsMoved, Qwen3MoeForCausalLM, rotary_cos_sin
@@ -115,6 +116,8 @@ class Engine:
                             f"{type(model).__module__}.{type(model).__qualname__}: turbomoe.inference.load(model_dir) "
                             f"reads a Hugging Face directory into an Engine")
         _check_keywords(moe_kw)
+        for name, value in (("cuda_graphs", cuda_graphs), ("keep_model", keep_model), ("tune", tune)):
+            ops.check_bool(name, value)
         model.check_whole()
         cfg = model.config
         self.config = cfg

@@ -97,6 +97,11 @@ class SparseMoE(nn.Module):
                  few_rows_per_expert: int = FEW_ROWS_PER_EXPERT, dense_max: int = 0,
                  few_rows_tiles: Optional[dict] = None):
         super().__init__()
+        for name, t, ndim in (("router", router_EM, 2), ("w1", w1_EMN, 3), ("w2", w2_EFM, 3)):
+            if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+                raise ValueError(f"{name} must be a {ndim}-D tensor, got {tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+        ops.check_bool("renormalize", renormalize)
+        ops.check_bool("prescale", prescale)
         E, M, N2 = w1_EMN.shape
         if router_EM.shape != (E, M) or w2_EFM.shape != (E, N2 // 2, M) or N2 % 2:
             raise ValueError(f"router [E, M], w1 [E, M, 2F], w2 [E, F, M] expected, got {tuple(router_EM.shape)}, "

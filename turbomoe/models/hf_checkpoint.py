@@ -484,10 +484,17 @@ def _remove_dead_writers(parent: str, stem: str):
             pass
 
 
+def check_force(force):
+    """force replaces a directory: only a bool says so (the string "no" is truthy)."""
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be a bool, got {type(force).__name__} {force!r}")
+
+
 @contextlib.contextmanager
 def atomic_dir(out_dir: str, force: bool):
     """Yields a temporary directory beside out_dir that becomes out_dir when the block succeeds."""
     out_dir = os.path.abspath(out_dir)
+    check_force(force)
     if os.path.exists(out_dir) and not force:
         raise FileExistsError(f"{out_dir} already exists; pass force=True (--force) to replace it")
     if os.path.isdir(out_dir) and not os.path.islink(out_dir):

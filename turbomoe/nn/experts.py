@@ -49,6 +49,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         ops.check_bool("fused_grad_accumulation", fused_grad_accumulation)
         ops.check_bool("bias", bias)
+        ops.check_dtype("dtype", dtype)
         self.fused_grad_accumulation = fused_grad_accumulation
         for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                             ("ffn_hidden_size", ffn_hidden_size)):

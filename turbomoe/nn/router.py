@@ -31,6 +31,7 @@ class TopKRouter(nn.Module):
         ops.check_int("num_experts", num_experts, 1)
         ops.check_bool("renormalize", renormalize)
         ops.check_bool("expert_bias", expert_bias)
+        ops.check_dtype("dtype", dtype)
         # Checked here: a bad one (the string "float32") failed at the first forward, as a device string.
         if router_dtype is not None and not (isinstance(router_dtype, torch.dtype) and router_dtype.is_floating_point):
             raise TypeError(f"router_dtype must be None or a floating-point torch.dtype, got {router_dtype!r}")
@@ -68,6 +69,8 @@ class TopKRouter(nn.Module):
         """x [S, M] -> (GatingOutput: expert_ids [S, k], scores [S, k] fp32, counts [E], ...; loss)."""
         if not isinstance(x_SM, torch.Tensor) or x_SM.dim() != 2 or x_SM.shape[1] != self.hidden_size:
             raise ValueError(f"x must be [S, {self.hidden_size}], got {tuple(getattr(x_SM, 'shape', ()))}")
+        if not x_SM.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x_SM.dtype}")
         dtype = self.router_dtype or x_SM.dtype
         if dtype == torch.float32 and ops.forced_backend(self.backend) == "reference":
             # plain ops: differentiable twice
