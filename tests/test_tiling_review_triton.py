@@ -301,3 +301,13 @@ def test_tile_file_tiling_that_cannot_run(fields, tmp_path):
     want = SparseMoE(*args, mode="reference", backend="reference")(x)
     got = SparseMoE(*args, mode="few_rows", few_rows_tiles=table)(x)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("counts", [8, "8", None])
+def test_tune_names_token_counts_that_are_no_sequence(counts):
+    """moe.tune(8) failed with "'int' object is not iterable"; a string iterated as its characters."""
+    gen = torch.Generator().manual_seed(9)
+    moe = SparseMoE(torch.randn(4, 8, generator=gen), torch.randn(4, 8, 12, generator=gen),
+                    torch.randn(4, 6, 8, generator=gen), 2)
+    with pytest.raises(TypeError, match="token counts must be a sequence"):
+        moe.tune(counts)
