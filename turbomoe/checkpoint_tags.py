@@ -17,7 +17,8 @@ def tag_of(step: int) -> str:
 
 def find_tag(path: str, step: Optional[int] = None) -> Tuple[str, str]:
     """(checkpoint dir, tag) of a complete checkpoint. path: a global_stepN directory, a checkpoint
-    directory (its `latest`, or global_step<step>) or a run directory holding checkpoints/.
+    directory (its `latest`, or global_step<step>; without `latest`, which a first save stopped between
+    its marker and `latest` leaves, its newest complete tag) or a run directory holding checkpoints/.
     Raises FileNotFoundError saying what is missing."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
@@ -36,9 +37,12 @@ def find_tag(path: str, step: Optional[int] = None) -> Tuple[str, str]:
         elif os.path.isfile(latest):
             with open(latest) as f:
                 tag = f.read().strip()
+        elif os.path.isdir(ckpt_dir) and complete_tags(ckpt_dir):
+            tag = complete_tags(ckpt_dir)[-1][1]
         else:
-            raise FileNotFoundError(f"{path}: no checkpoint there (no 'latest' file in it or in its checkpoints/ "
-                                    f"directory, and not a global_stepN directory)")
+            raise FileNotFoundError(f"{path}: no checkpoint there (no 'latest' file and no complete "
+                                    f"global_stepN in it or in its checkpoints/ directory, and not a global_stepN "
+                                    f"directory)")
     if not os.path.isdir(os.path.join(ckpt_dir, tag)):  # e.g. a step that rotation removed, or never saved
         raise FileNotFoundError(f"{os.path.join(ckpt_dir, tag)}: no such checkpoint; complete ones in {ckpt_dir}: "
                                 f"{', '.join(n for _, n in complete_tags(ckpt_dir)) or 'none'}")

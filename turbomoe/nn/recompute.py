@@ -111,9 +111,12 @@ class Remake:
 
 def replaying() -> bool:
     """Whether this forward is activation checkpointing's replay: torch's two kinds (so DeepSpeed's and
-    Megatron's too) rerun the forward inside the backward pass, where nothing else runs a forward.
-    What a forward writes besides its output (the layer's expert_load) is then left as the forward
-    wrote it. Eager only: a compiled region does not rerun Python."""
+    Megatron's too) rerun the forward inside the backward pass. What a forward writes besides its
+    output (the layer's expert_load) is then left as the forward wrote it. Known limits (README "Edge
+    inputs and errors"): a forward that a gradient hook runs is taken for a replay too (a reentrant
+    checkpoint nested in a replay runs its forward under no_grad, as such a hook would, so grad mode
+    cannot tell them apart); a compiled layer inside an eager checkpoint reruns its graph, expert_load's
+    write included."""
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 

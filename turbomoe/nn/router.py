@@ -91,7 +91,8 @@ class TopKRouter(nn.Module):
 
     def _check_bias_unchanged(self):
         """An activation checkpoint's replay routes with the bias as it is at backward: changed since the
-        forward, it would pick other experts and give the gradients of another step, silently."""
+        forward, it would pick other experts and give the gradients of another step, silently. Compared
+        with the last forward's: an update between two micro-batches' forwards goes unseen."""
         version = self.expert_bias._version
         if not replaying():
             self._bias_version = version
