@@ -159,12 +159,15 @@ def test_fused_accumulation_with_recompute_and_rts_under_checkpoints(mode):
 def test_rts_under_deepspeeds_activation_checkpointing(kind):
     """README: DeepSpeed's recomputation saves and restores torch's CPU generator, from which
     MoELayer's RTS draws: deepspeed.checkpointing's checkpoint and non_reentrant_checkpoint give the
-    plain step's bits and leave the generator where it does."""
+    plain step's bits and leave the generator where it does. DeepSpeed moves the inputs to the GPU
+    where there is one: the layer lives there too."""
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.activation_checkpointing import checkpointing as dsck
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(3)
-    layer = MoELayer(16, 24, 4, 2, capacity_factor=0.5, drop_policy="rts", shared_ffn_hidden_size=8, dtype=F64)
-    x = torch.randn(26, 16, dtype=F64)
+    layer = MoELayer(16, 24, 4, 2, capacity_factor=0.5, drop_policy="rts", shared_ffn_hidden_size=8, dtype=F64,
+                     device=dev)
+    x = torch.randn(26, 16, dtype=F64).to(dev)
     want = layer_step(layer, x, "eager")
     assert int(want[3].sum()) < 2 * 26  # routes were dropped: the selection matters
     fn = dsck.checkpoint if kind == "reentrant" else dsck.non_reentrant_checkpoint

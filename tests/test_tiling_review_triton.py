@@ -251,7 +251,8 @@ def test_few_rows_strided_counts(tiles):
     x = torch.randn(T, K, generator=gen).to(DEV)
     w1 = (torch.randn(E, K, 2 * F, generator=gen) * K ** -0.5).to(DEV)
     w2 = (torch.randn(E, F, K, generator=gen) * F ** -0.5).to(DEV)
-    strided = torch.stack([r.counts, torch.full_like(r.counts, 5)], 1)[:, 0].to(DEV)
+    counts = r.counts.to(DEV)
+    strided = torch.stack([counts, torch.full_like(counts, 5)], 1)[:, 0]  # made on DEV: .to() would copy it contiguous
     assert torch.equal(strided.cpu(), r.counts) and strided.stride() == (2, )
     n = int(r.counts.sum())
     want_h = few_rows_up(x, r.row_routes.to(DEV), k, w1, r.counts.to(DEV), T, tiles=tiles)
