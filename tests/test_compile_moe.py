@@ -82,6 +82,22 @@ def test_moe_layer_new_batch_sizes_compile_once_more(capacity_factor=1.25):
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters["stats"])
 
 
+def test_moe_layer_with_a_capacity_compiles_dynamic():
+    """torch.compile(dynamic=True) traces the layer's capacity_factor as a symbol, which the capacity's
+    finiteness check (math.isfinite) refused: the layer with a capacity did not compile with
+    fullgraph=True (found by tests/test_fixes_review.py's reviewer). One graph for every token count."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(2)
+    layer = moe_layer("reference", 1.25, D)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for S in (7, 13, 29):
+        x = torch.randn(S, 12, dtype=D)
+        torch.testing.assert_close(compiled(x)[0], layer(x)[0], rtol=1e-12, atol=1e-12)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+
+
 def test_random_token_selection_in_training_compiles():
     """RTS draws a fresh seed each training step from torch's CPU generator; compiled, the draw is a
     tensor mixed into the seed inside the assign_slots op (no host int), and drops the same routes."""

@@ -113,7 +113,9 @@ def check_number(name: str, value, low: float, strict: bool = False):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if isinstance(value, int) and abs(value) > _FLOAT_MAX:  # past fp64: math.isfinite would overflow
         raise ValueError(f"{name} must be a finite number, got an int of {value.bit_length()} bits")
-    if not math.isfinite(value) or value < low or (strict and value == low):
+    # finite as value - value == 0 (NaN and inf give NaN): torch.compile(dynamic=True) traces a module's
+    # float attribute as a symbol, which math.isfinite does not take
+    if not value - value == 0 or value < low or (strict and value == low):
         raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low}, got {value}")
 
 
