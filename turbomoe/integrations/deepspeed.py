@@ -235,7 +235,10 @@ class MoE(StockMoE):
         k = k_int
         ops.check_bool("recompute", recompute)
         if fused_grad_accumulation is None:
-            fused_grad_accumulation = os.environ.get("TURBOMOE_FUSED_GRAD_ACCUMULATION", "0") == "1"
+            flag = os.environ.get("TURBOMOE_FUSED_GRAD_ACCUMULATION", "0")
+            if flag not in ("0", "1"):
+                raise ValueError(f"TURBOMOE_FUSED_GRAD_ACCUMULATION must be 0 or 1, got {flag!r}")
+            fused_grad_accumulation = flag == "1"
         ops.check_bool("fused_grad_accumulation", fused_grad_accumulation)
         if norm_topk_prob is not None:
             ops.check_bool("norm_topk_prob", norm_topk_prob)

@@ -12,19 +12,24 @@ import importlib.util
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_shadowed_sitecustomize() -> None:
-    """Putting this folder on PYTHONPATH hides any other sitecustomize; run the next one found."""
-    rest = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+    """Putting this folder on PYTHONPATH hides any other sitecustomize; run the next one found (this
+    folder skipped under every name: a link to it would run this file again, and again)."""
+    rest = [p for p in sys.path if os.path.realpath(p or ".") != _HERE]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is not None and spec.loader is not None:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 _run_shadowed_sitecustomize()
-if os.environ.get("TURBOMOE_PATCH_DEEPSPEED") == "1":
+_FLAG = os.environ.get("TURBOMOE_PATCH_DEEPSPEED", "")
+if _FLAG == "1":
     from turbomoe.integrations.deepspeed import patch
 
     patch()
+elif _FLAG not in ("", "0"):  # said, not ignored: the run would train on stock DeepSpeed unawares
+    print(f"turbomoe: TURBOMOE_PATCH_DEEPSPEED must be 1 or 0, got {_FLAG!r}: DeepSpeed's MoE is not patched",
+          file=sys.stderr)
