@@ -396,3 +396,19 @@ def test_generate_cli_seed_out_of_range_is_a_usage_error(tmp_path, capsys):
         main([path, "--prompt", "ab", "--max-new-tokens", "1", "--device", "cpu", "--seed", str(2**64)])
     assert e.value.code == 2 and "--seed" in capsys.readouterr().err
 
+
+
+def test_more_experts_than_triton_serves(monkeypatch):
+    """Triton's assign_slots holds 16 routes x E (a power of two) in one tile, at most 2**20 elements:
+    above 65,536 experts it failed inside Triton. Chosen automatically, such an op now runs the
+    reference; forced onto Triton, it is refused naming the bound."""
+    from test_cuda_paths_review import _FakeCuda
+    from turbomoe import csrc
+    monkeypatch.delenv("TURBOMOE_BACKEND", raising=False)
+    monkeypatch.setattr(csrc, "available", lambda: False)
+    t = torch.zeros(2, 2).as_subclass(_FakeCuda)
+    assert ops.choose_backend(t, None, ops.TRITON_MAX_EXPERTS) == "triton"
+    assert ops.choose_backend(t, None, ops.TRITON_MAX_EXPERTS + 1) == "reference"
+    with pytest.raises(ValueError, match="at most 65536 experts"):
+        ops.assign_slots(torch.zeros(3, 1, dtype=torch.int32), torch.rand(3, 1), ops.TRITON_MAX_EXPERTS + 1,
+                         backend="triton")

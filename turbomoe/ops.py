@@ -30,6 +30,9 @@ from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots, debug_ch
 BACKENDS = ("cuda", "triton", "reference")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_K = 8
+# The Triton gating ops' bound: assign_slots' one-hot tile (16 routes x E, a power of two) within
+# Triton's 2**20 elements a tensor. Above it the reference runs (plain PyTorch, any device).
+TRITON_MAX_EXPERTS = 1 << 16
 _FLOAT_MAX = sys.float_info.max
 
 
@@ -39,14 +42,20 @@ def forced_backend(backend: Optional[str] = None) -> Optional[str]:
 
 
 def choose_backend(t: torch.Tensor, backend: Optional[str] = None, num_experts: int = 0) -> str:
-    """CUDA C++ on CUDA tensors where it applies, else Triton; the reference on CPU tensors; unless
-    forced. num_experts: E of the op (the cuda backend serves E <= csrc.MAX_EXPERTS)."""
+    """CUDA C++ on CUDA tensors where it applies, else Triton, else the reference; the reference on CPU
+    tensors; unless forced. num_experts: E of the op (the cuda backend serves E <= csrc.MAX_EXPERTS,
+    Triton E <= TRITON_MAX_EXPERTS)."""
     forced = forced_backend(backend)
     if forced is None:
         if not t.is_cuda:
             return "reference"
-        return "cuda" if num_experts <= csrc.MAX_EXPERTS and csrc.available() else "triton"
+        if num_experts <= csrc.MAX_EXPERTS and csrc.available():
+            return "cuda"
+        return "triton" if num_experts <= TRITON_MAX_EXPERTS else "reference"
     check_backend(forced)
+    if forced == "triton" and num_experts > TRITON_MAX_EXPERTS:
+        raise ValueError(f"the triton backend serves at most {TRITON_MAX_EXPERTS} experts, got {num_experts}; "
+                         "use the reference backend")
     if forced == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                            "turbomoe is imported to run its kernels on the CPU")
