@@ -74,17 +74,18 @@ def prepare(args):
     if args.resume is None:
         # Tags without `latest` count too: a first save killed between its marker and `latest` leaves them,
         # and this run's saves would replace and prune them.
-        ckpt = cfg.checkpoint.dir
-        complete = os.path.isfile(os.path.join(ckpt, "latest")) or (os.path.isdir(ckpt) and checkpointing.complete_tags(ckpt))
-        go_on = "continue that run with --resume, or "
-        for held, where, what in ((complete, ckpt, f"a checkpoint; {go_on}"),
-                                  (not complete and checkpointing.holds_tags(ckpt), ckpt,
-                                   "only unfinished checkpoint tags (saves that did not finish); "),
-                                  (os.path.isfile(os.path.join(cfg.log.dir, LOG_FILE)), cfg.log.dir,
-                                   f"another run's log; {go_on}")):
-            if held:
-                raise ConfigError(f"{where} already holds {what}start afresh elsewhere (--set log.dir=... or "
-                                  f"checkpoint.dir=...) or after removing it")
+        ckpt, go_on = cfg.checkpoint.dir, "continue that run with --resume, or "
+        if os.path.isfile(os.path.join(ckpt, "latest")) or (os.path.isdir(ckpt) and checkpointing.complete_tags(ckpt)):
+            held = ckpt, f"a checkpoint; {go_on}"
+        elif checkpointing.holds_tags(ckpt):
+            held = ckpt, "only unfinished checkpoint tags (saves that did not finish); "
+        elif os.path.isfile(os.path.join(cfg.log.dir, LOG_FILE)):
+            held = cfg.log.dir, f"another run's log; {go_on}"
+        else:
+            held = None
+        if held:
+            raise ConfigError(f"{held[0]} already holds {held[1]}start afresh elsewhere (--set log.dir=... or "
+                              f"checkpoint.dir=...) or after removing it")
     if args.resume is not None:
         try:
             resume = checkpointing.resolve(args.resume or cfg.checkpoint.dir)

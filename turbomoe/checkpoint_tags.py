@@ -37,8 +37,8 @@ def find_tag(path: str, step: Optional[int] = None) -> Tuple[str, str]:
         elif os.path.isfile(latest):
             with open(latest) as f:
                 tag = f.read().strip()
-        elif os.path.isdir(ckpt_dir) and complete_tags(ckpt_dir):
-            tag = complete_tags(ckpt_dir)[-1][1]
+        elif os.path.isdir(ckpt_dir) and (complete := complete_tags(ckpt_dir)):
+            tag = complete[-1][1]
         else:
             raise FileNotFoundError(f"{path}: no checkpoint there (no 'latest' file and no complete "
                                     f"global_stepN in it or in its checkpoints/ directory, and not a global_stepN "
