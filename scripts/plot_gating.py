@@ -5,12 +5,8 @@ issued behind a model's other GPU work.
     python scripts/plot_gating.py notes/bench_gating.json docs/bench_gating.png
 """
 import json
-import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plotting import cli, plt, save
 
 
 def main(src: str, dst: str):
@@ -30,12 +26,8 @@ def main(src: str, dst: str):
     ax.set_ylabel("ms, forward + backward (lower is better)")
     ax.set_title(f"MoE gating path (softmax/top-k, capacity, scatter, gather), bf16, {res['device']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
+    save(fig, dst)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:  # --help too
-        print(__doc__)
-        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
-    main(*sys.argv[1:3])
+    cli(main, __doc__)

@@ -6,12 +6,8 @@ transformers and the floor.
     python scripts/plot_inference.py notes/bench_inference.json docs/bench_inference.png
 """
 import json
-import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plotting import cli, plt, save
 
 
 def lines(ax, rows, x, series, xlabel, ylabel, title):
@@ -85,12 +81,8 @@ def main(src: str, dst: str):
         ax.legend(fontsize=7)
     fig.suptitle(f"{res['device']}, torch {res['torch']}; shuffle and layers {res['utc']} UTC "
                  f"(runs: the JSON's sources)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
+    save(fig, dst)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:  # --help too
-        print(__doc__)
-        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
-    main(*sys.argv[1:3])
+    cli(main, __doc__)

@@ -5,12 +5,8 @@ and its throughput.
 """
 import json
 import os
-import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plotting import cli, plt, save
 
 NAMES = {"turbomoe": "turbomoe", "deepspeed": "DeepSpeed MoE (stock)"}
 
@@ -38,12 +34,8 @@ def main(src: str, dst: str):
     speed_ax.set_ylabel("tokens/s (higher is better)")
     speed_ax.set_ylim(0, max(tokens) * 1.2)
     speed_ax.set_title(f"{res['steps']} steps, {device}, {res['time']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(dst, dpi=110)
+    save(fig, dst)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:  # --help too
-        print(__doc__)
-        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
-    main(*sys.argv[1:3])
+    cli(main, __doc__)
