@@ -224,7 +224,8 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
     if (tuple(first.expert_ids.shape) != (S, 1) or tuple(first.scores.shape) != (S, 1)
             or tuple(first.counts.shape) != (E, )):
         raise ValueError(f"first must be the top-1 gating of these logits, [S, 1] = [{S}, 1] with counts [E] = "
-                         f"[{E}]; got expert_ids {tuple(first.expert_ids.shape)}, counts {tuple(first.counts.shape)}")
+                         f"[{E}]; got expert_ids {tuple(first.expert_ids.shape)}, scores {tuple(first.scores.shape)}, "
+                         f"counts {tuple(first.counts.shape)}")
     if rand_SE is None:
         rand_SE = torch.rand(S, E, device=logits_SE.device)
     elif rand_SE.dtype != torch.float32 or tuple(rand_SE.shape) != (S, E):

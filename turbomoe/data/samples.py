@@ -14,7 +14,8 @@ class Samples:
     def __init__(self, stream, seq_len: int, valid_fraction: float, seed: int):
         if not isinstance(seq_len, numbers.Integral) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"data.seq_len must be a positive int, got {seq_len!r}")
-        if not 0 < valid_fraction < 1:
+        if (not isinstance(valid_fraction, numbers.Real) or isinstance(valid_fraction, bool)
+                or not 0 < valid_fraction < 1):
             raise ValueError(f"data.valid_fraction must be in (0, 1), got {valid_fraction}")
         self.stream, self.seq_len, self.seed = stream, seq_len, seed
         n = (len(stream) - 1) // seq_len

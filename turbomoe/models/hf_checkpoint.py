@@ -55,6 +55,7 @@ _INERT = {"architectures", "model_type", "transformers_version", "dtype", "torch
 _HANDLED = {"num_experts", "num_local_experts", "head_dim", "hidden_act", "attention_dropout", "rope_parameters",
             "rope_theta", "rope_scaling", "use_sliding_window", "sliding_window", "quantization_config"}
 FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+WEIGHT_DTYPES = {"F16", "BF16", "F32", "F64", FP8}  # safetensors' names of the dtypes a weight is read from
 SCALE = "_scale_inv"  # X.weight's scales: X.weight_scale_inv (weight = stored e4m3 x scale, block by block)
 # Qwen3MoeConfig's defaults (transformers 5.x): a field config.json leaves out has this value in
 # transformers, so it has it here too.
@@ -383,6 +384,10 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
             expected = [cfg.num_experts, *([2 * expected[0]] if rows is not None else [expected[0]]), *expected[1:]]
         if shape != expected:
             raise CheckpointError(f"{reader.file_of(key)}: {key} has shape {shape}, but {CONFIG} implies {expected}")
+        if reader.stored_dtype(key) not in WEIGHT_DTYPES:  # before any copy: a failed read leaves the model whole
+            raise CheckpointError(f"{reader.file_of(key)}: cannot read {key}: stored as {reader.stored_dtype(key)}; "
+                                  f"weights are read from {', '.join(sorted(WEIGHT_DTYPES - {FP8}))} and {FP8} "
+                                  f"(with its scales)")
         plan.append((p, key, row, rows, _fp8_scale(reader, key, row, shape, blocks)))
     # judged by the scaled tensor as stored, not by this plan: other ranks' experts' scales are no strays
     stray = [k for k in scaled if k[:-len(SCALE)] not in reader.weight_map or
