@@ -248,7 +248,7 @@ def export(run: str, out: str, step: Optional[int] = None, dtype: str = "bf16", 
     if _within(out, os.path.dirname(tag_dir)):  # another tag of the run (its `latest`, say) could be replaced
         raise ExportError(f"OUT {out} lies in the run's checkpoint directory {os.path.dirname(tag_dir)}; "
                           "choose another OUT")
-    if os.path.exists(out) and not force:
+    if os.path.lexists(out) and not force:  # a dangling link too
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
     ckpt = RunCheckpoint(tag_dir)
     masters = ckpt.fp32_masters() if dtype == "fp32" else None

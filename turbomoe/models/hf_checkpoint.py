@@ -500,7 +500,7 @@ def atomic_dir(out_dir: str, force: bool):
     """Yields a temporary directory beside out_dir that becomes out_dir when the block succeeds."""
     out_dir = os.path.abspath(out_dir)
     check_force(force)
-    if os.path.exists(out_dir) and not force:
+    if os.path.lexists(out_dir) and not force:  # a dangling link too
         raise FileExistsError(f"{out_dir} already exists; pass force=True (--force) to replace it")
     if os.path.isdir(out_dir) and not os.path.islink(out_dir):
         # a save writes files only: a folder there (a clone's .git, say) is someone's, and would go with the rest
