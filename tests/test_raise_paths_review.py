@@ -22,24 +22,16 @@ import torch
 
 from turbomoe import ops
 
+import tiny_qwen3
+from tiny_qwen3 import gen, hf_dir  # noqa: F401 (hf_dir: a fixture)
+
 # ----------------------------------------------------------------------------- shared small things
 
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=16)
+TINY = {**tiny_qwen3.TINY, "max_position_embeddings": 16}
 
 
 def tiny_model(seed=0, **over):
-    pytest.importorskip("deepspeed")  # the model's MoE layers are DeepSpeed-compatible modules
-    from turbomoe.models import ModelConfig, Qwen3MoeForCausalLM
-    model = Qwen3MoeForCausalLM(ModelConfig(**{**TINY, **over}))
-    model.init_weights(seed)
-    return model.eval()
+    return tiny_qwen3.tiny_model(seed, **{"max_position_embeddings": 16, **over})
 
 
 def snapshot(module):
@@ -49,14 +41,6 @@ def snapshot(module):
 def unchanged(module, before) -> bool:
     after = snapshot(module)
     return after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny model's Hugging Face directory (model.safetensors, config.json, generation_config.json)."""
-    path = str(tmp_path_factory.mktemp("hf") / "model")
-    tiny_model(3).save_pretrained(path)
-    return path
 
 
 def hf_variant(hf_dir, tmp_path, config=None, files=None) -> str:
@@ -82,7 +66,7 @@ def test_forced_backends_on_cpu_tensors(monkeypatch):
     """ops.py:60 (triton without CUDA or the interpreter) and :64 (cuda on CPU tensors)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TURBOMOE_BACKEND", raising=False)
-    logits = torch.randn(5, 4, generator=_gen(1))
+    logits = torch.randn(5, 4, generator=gen(1))
     with pytest.raises(RuntimeError, match="the triton backend needs CUDA tensors, or TRITON_INTERPRET=1"):
         ops.topk_gating(logits, 2, backend="triton")
     with pytest.raises(RuntimeError, match="the cuda backend needs CUDA tensors"):
@@ -95,7 +79,7 @@ def test_forced_backends_on_cpu_tensors(monkeypatch):
 def test_index_tables_must_be_tensors():
     """ops.py:104: a list of ids is a TypeError naming expert_ids, not an AttributeError."""
     with pytest.raises(TypeError, match="expert_ids must be a torch.Tensor, got list"):
-        ops.assign_slots([[0, 1]], torch.rand(1, 2, generator=_gen(2)), 4)
+        ops.assign_slots([[0, 1]], torch.rand(1, 2, generator=gen(2)), 4)
 
 
 def test_check_index_shape_branch():
@@ -113,7 +97,7 @@ def test_routing_needs_an_expert_column():
 
 def test_sample_second_expert_argument_errors():
     """ops.py:218, :221, :231."""
-    g = _gen(3)
+    g = gen(3)
     logits = torch.randn(6, 4, generator=g)
     first = ops.topk_gating(logits, 1)
     with pytest.raises(TypeError, match="logits must be float32 or float64 .*got torch.bfloat16"):
@@ -128,7 +112,7 @@ def test_sample_second_expert_argument_errors():
 
 
 def test_sample_second_expert_names_the_scores_shape():
-    logits = torch.randn(6, 4, generator=_gen(4))
+    logits = torch.randn(6, 4, generator=gen(4))
     first = ops.topk_gating(logits, 1)
     bad = first._replace(scores=first.scores.reshape(-1))  # [6], not [6, 1]
     with pytest.raises(ValueError, match=r"scores \(6,\)"):
@@ -146,7 +130,7 @@ def test_capacity_past_int32_slots():
 
 def test_assign_slots_needs_2d_ids():
     """ops.py:286."""
-    g = _gen(5)
+    g = gen(5)
     ids, scores = torch.randint(0, 4, (5, ), generator=g), torch.rand(5, generator=g)
     with pytest.raises(ValueError, match=r"expert_ids must be 2-D \[S, k\], got shape \(5,\)"):
         ops.assign_slots(ids, scores, 4)
@@ -154,7 +138,7 @@ def test_assign_slots_needs_2d_ids():
 
 def test_bare_slots_with_more_than_max_k_columns():
     """ops.py:351."""
-    x = torch.randn(5, 3, generator=_gen(6))
+    x = torch.randn(5, 3, generator=gen(6))
     slots = torch.full((5, ops.MAX_K + 1), -1, dtype=torch.int32)
     with pytest.raises(ValueError, match=f"slots may have at most {ops.MAX_K} columns \\(k\\), got {ops.MAX_K + 1}"):
         ops.scatter_tokens(x, slots, 10)
@@ -166,7 +150,7 @@ def test_bare_slots_with_more_than_max_k_columns():
 def test_bias_act_device_mismatch():
     """autograd/bias_act.py:132 (a second device: the meta device stands in for a GPU)."""
     from turbomoe.autograd.bias_act import bias_act
-    g = _gen(7)
+    g = gen(7)
     y, b = torch.randn(6, 3, generator=g), torch.randn(2, 3, generator=g)
     with pytest.raises(ValueError, match="b is on meta, y on cpu"):
         bias_act(y, b.to("meta"), rows_per_group=3)
@@ -179,7 +163,7 @@ def test_grouped_mm_argument_errors(monkeypatch):
     :345 (devices)."""
     from turbomoe.autograd.grouped_gemm import grouped_mm
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    g = _gen(8)
+    g = gen(8)
     x, w = torch.randn(5, 4, generator=g), torch.randn(2, 4, 3, generator=g)
     counts = torch.tensor([3, 2], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="the triton grouped GEMM backend needs CUDA tensors"):
@@ -194,7 +178,7 @@ def test_grouped_mm_main_grad_under_compile():
     """autograd/grouped_gemm.py:386: gradient-accumulation fusion is refused while dynamo traces (the
     raise is traced, not run: fullgraph reports it; without fullgraph the call runs eager, and fused)."""
     from turbomoe.autograd.grouped_gemm import grouped_mm
-    g = _gen(9)
+    g = gen(9)
     x = torch.randn(5, 4, generator=g, requires_grad=True)
     w = torch.randn(2, 4, 3, generator=g, requires_grad=True)
     counts = torch.tensor([3, 2], dtype=torch.int32)
@@ -222,7 +206,7 @@ def test_grouped_mm_main_grad_under_compile():
 def test_few_rows_launchers_check_their_arguments():
     """kernels/few_rows_gemm.py:324, :326, :339, :341, :356."""
     from turbomoe.kernels.few_rows_gemm import few_rows_down, few_rows_up
-    g = _gen(10)
+    g = gen(10)
     w1 = torch.randn(2, 4, 6, generator=g)
     counts = torch.tensor([1, 1], dtype=torch.int32)
     x, routes = torch.randn(2, 4, generator=g), torch.arange(2)
@@ -245,7 +229,7 @@ def test_few_rows_launchers_check_their_arguments():
 def test_wgrad_out_checked():
     """kernels/grouped_gemm.py:174: a wrong `out` is refused and left as it was."""
     from turbomoe.kernels.grouped_gemm import grouped_mm_wgrad
-    g = _gen(11)
+    g = gen(11)
     x, dy = torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
     counts = torch.tensor([3, 2], dtype=torch.int32)
     out = torch.ones(2, 3, 4)
@@ -260,7 +244,7 @@ def test_wgrad_out_checked():
 def test_router_parts_launcher_checks():
     """kernels/router.py:68, :70."""
     from turbomoe.kernels.router import router_logit_parts
-    g = _gen(12)
+    g = gen(12)
     with pytest.raises(ValueError, match=r"x \[T, M\] and w \[E, M\] expected, got \(3, 4\) and \(2, 5\)"):
         router_logit_parts(torch.randn(3, 4, generator=g).bfloat16(), torch.randn(2, 5, generator=g).bfloat16())
     with pytest.raises(ValueError, match="x and w must be bf16 or fp16 on one device, got torch.float32 on cpu"):
@@ -270,7 +254,7 @@ def test_router_parts_launcher_checks():
 def test_row_launchers_renormalize_needs_its_inputs():
     """kernels/rows.py:200, :230: refused before out is touched."""
     from turbomoe.kernels.rows import pull_rows, push_rows
-    src = torch.randn(2, 4, generator=_gen(13))
+    src = torch.randn(2, 4, generator=gen(13))
     slots = torch.tensor([[0], [1]], dtype=torch.int32)
     out = torch.full((2, 4), 7.0)
     with pytest.raises(ValueError, match="push_rows: renormalize needs y \\(gather's backward\\)"):
@@ -288,7 +272,7 @@ def test_nn_errors():
     from turbomoe.nn import GroupedExperts, TopKRouter
     with pytest.raises(ValueError, match=r"score_func must be one of \('softmax', 'sigmoid'\), got 'relu'"):
         TopKRouter(4, 4, 2, score_func="relu")
-    g = _gen(14)
+    g = gen(14)
     x, counts = torch.randn(3, 4, generator=g), torch.tensor([2, 1], dtype=torch.int32)
     experts = GroupedExperts(2, 4, 6)
     with pytest.raises(TypeError, match="x is torch.float64 but the expert weights are torch.float32"):
@@ -312,7 +296,7 @@ def test_model_config_positive_ints():
 def test_model_forward_too_long():
     """models/qwen3_moe.py:301."""
     model = tiny_model()
-    ids = torch.randint(0, 64, (1, 17), generator=_gen(15))
+    ids = torch.randint(0, 64, (1, 17), generator=gen(15))
     with pytest.raises(ValueError, match="sequence length 17 exceeds max_position_embeddings 16"):
         model(ids)
 
@@ -463,14 +447,14 @@ def test_generate_token_id_errors_allocate_nothing(kw, message):
     """inference/engine.py:543, :551: refused before the KV cache is made."""
     from turbomoe.inference import Engine
     engine = Engine(tiny_model(7), max_batch=2)
-    ids = torch.randint(0, 64, (1, 3), generator=_gen(16))
+    ids = torch.randint(0, 64, (1, 3), generator=gen(16))
     with pytest.raises(ValueError, match=message):
         engine.generate(ids, 2, **kw)
     assert engine.cache is None
 
 
 def _moe_weights(E, M=16, F_=8, seed=17):
-    g = _gen(seed)
+    g = gen(seed)
     return torch.randn(E, M, generator=g), torch.randn(E, M, 2 * F_, generator=g), torch.randn(E, F_, M, generator=g)
 
 
@@ -478,7 +462,7 @@ def test_sparse_moe_construction_errors():
     """inference/moe.py:118 (k plus the shared expert past MAX_K), :143 (a missing weight)."""
     from turbomoe.inference import SparseMoE
     router, w1, w2 = _moe_weights(8)
-    g = _gen(18)
+    g = gen(18)
     with pytest.raises(ValueError, match=f"k \\(8\\) plus the shared expert must be at most {ops.MAX_K} routes"):
         SparseMoE(router, w1, w2, 8, shared_w1_MN=torch.randn(16, 16, generator=g),
                   shared_w2_FM=torch.randn(8, 16, generator=g))
@@ -748,7 +732,7 @@ def test_transformers_experts_with_a_post_expert_norm():
     class NormedExperts:  # stands for a transformers experts module that norms each expert's output
         has_post_expert_norm = True
         num_experts = 4
-    g = _gen(19)
+    g = gen(19)
     with pytest.raises(NotImplementedError, match="NormedExperts normalises each expert's output"):
         turbomoe_experts_forward(NormedExperts(), torch.randn(3, 4, generator=g), torch.zeros(3, 2, dtype=torch.long),
                                  torch.rand(3, 2, generator=g))
@@ -762,7 +746,7 @@ def test_deepspeed_grouped_mlp_row_scale_needs_swiglu():
     from turbomoe.integrations.deepspeed_experts import grouped_mlp
     experts = nn.ModuleList(nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 4)) for _ in range(2))
     with pytest.raises(ValueError, match="a row scale needs bias-free SwiGLU experts"):
-        grouped_mlp("mlp", experts, torch.randn(3, 4, generator=_gen(20)), None, row_scale_R=torch.ones(3))
+        grouped_mlp("mlp", experts, torch.randn(3, 4, generator=gen(20)), None, row_scale_R=torch.ones(3))
 
 
 @pytest.fixture
@@ -775,7 +759,7 @@ def megatron():
 def test_megatron_routing_function_errors(megatron):
     """integrations/megatron_router.py:73, :86."""
     from turbomoe.integrations.megatron_router import drop_slots, topk_routing
-    g = _gen(21)
+    g = gen(21)
     with pytest.raises(ValueError, match="moe_router_score_function must be 'softmax' or 'sigmoid', got 'relu'"):
         topk_routing(torch.randn(4, 6, generator=g), 2, "relu")
     with pytest.raises(ValueError, match=r"drop policy must be one of \('probs', 'position', 'rts'\), got 'first'"):
@@ -813,7 +797,7 @@ def test_megatron_router_policy_and_parallel_mlp_group(megatron):
             fc1.bias = torch.nn.Parameter(fc1.bias.detach()[:3].clone())
             fc2.weight = torch.nn.Parameter(fc2.weight.detach()[:, :3].clone())
         assert parallel_mlp_signature(experts[0])[2][4] == 2
-        x = torch.randn(4, 8, generator=_gen(22))
+        x = torch.randn(4, 8, generator=gen(22))
         with pytest.raises(RuntimeError, match="ParallelMLP expert linears split 2 ways, but their tensor-parallel "
                                                "group is 1"):
             grouped_parallel_mlp(experts, x, RowGroups(torch.tensor([2, 2], dtype=torch.int32), 4))

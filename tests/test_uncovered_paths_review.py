@@ -15,24 +15,9 @@ import types
 import pytest
 import torch
 
+from tiny_qwen3 import TINY, gen, hf_dir, tiny_model  # noqa: F401 (hf_dir: a fixture)
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest.one_thread
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
-            max_position_embeddings=32)
-
-
-def tiny_model(seed=0, **over):
-    pytest.importorskip("deepspeed")  # the model's MoE layers are DeepSpeed-compatible modules
-    from turbomoe.models import ModelConfig, Qwen3MoeForCausalLM
-    model = Qwen3MoeForCausalLM(ModelConfig(**{**TINY, **over}))
-    model.init_weights(seed)
-    return model.eval()
 
 
 def params_of(model):
@@ -44,14 +29,6 @@ def same_params(a, b) -> bool:
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A tiny model's Hugging Face directory, written by turbomoe (4 experts, one MoE layer)."""
-    path = str(tmp_path_factory.mktemp("hf") / "model")
-    tiny_model(3).save_pretrained(path)
-    return path
-
-
 # ----------------------------------------------------------------------------- turbomoe.inference
 
 
@@ -61,10 +38,10 @@ def test_sampling_arguments_as_tensors():
     bool tensor and a complex tensor are refused naming the argument, before the cache is made."""
     from turbomoe.inference import Engine
     engine = Engine(tiny_model(1), max_batch=2)
-    ids = torch.randint(0, 64, (2, 3), generator=_gen(2))
+    ids = torch.randint(0, 64, (2, 3), generator=gen(2))
     kw = dict(do_sample=True, top_k=0)
-    want = engine.generate(ids, 4, generator=_gen(5), temperature=0.7, top_p=0.9, repetition_penalty=1.3, **kw)
-    got = engine.generate(ids, 4, generator=_gen(5), temperature=torch.tensor(0.7), top_p=torch.tensor(0.9),
+    want = engine.generate(ids, 4, generator=gen(5), temperature=0.7, top_p=0.9, repetition_penalty=1.3, **kw)
+    got = engine.generate(ids, 4, generator=gen(5), temperature=torch.tensor(0.7), top_p=torch.tensor(0.9),
                           repetition_penalty=torch.tensor(1.3), **kw)
     assert torch.equal(got, want)
     fresh = Engine(tiny_model(1), max_batch=2)
@@ -73,7 +50,7 @@ def test_sampling_arguments_as_tensors():
                          (dict(min_p=torch.tensor(0.1 + 0j)), "sampling needs 0 <= min_p <= 1"),
                          (dict(repetition_penalty=torch.ones(1, 1)), "repetition_penalty must be a finite number")]:
         with pytest.raises(ValueError, match=message):
-            fresh.generate(ids, 2, generator=_gen(5), **{**kw, **bad})
+            fresh.generate(ids, 2, generator=gen(5), **{**kw, **bad})
     assert fresh.cache is None
 
 
@@ -87,7 +64,7 @@ def test_tune_timer_out_of_resources_is_a_tiling_that_does_not_run():
     from turbomoe.inference import SparseMoE
     from turbomoe.inference.tiling import tune_few_rows
     from turbomoe.kernels.few_rows_gemm import Tiles
-    g = _gen(3)
+    g = gen(3)
     moe = SparseMoE(torch.randn(4, 16, generator=g), torch.randn(4, 16, 16, generator=g),
                     torch.randn(4, 8, 16, generator=g), 2)
     timed = []
@@ -108,7 +85,7 @@ def test_auto_mode_rule_off_the_reference(monkeypatch):
     (moe.py's docstring); else few_rows only for CUDA tensors, so 'grouped' for CPU ones."""
     from turbomoe import ops
     from turbomoe.inference import SparseMoE
-    g = _gen(4)
+    g = gen(4)
     E, M, F_ = 8, 16, 8
     weights = (torch.randn(E, M, generator=g), torch.randn(E, M, 2 * F_, generator=g),
                torch.randn(E, F_, M, generator=g))
@@ -326,7 +303,7 @@ def test_init_weights_zeroes_attention_biases():
     assert len(biases) == 4 and all(not p.any() for p in biases.values())
     without = tiny_model(1)
     without.load_state_dict({k: v for k, v in with_bias.state_dict().items() if not k.endswith(".bias")})
-    ids = torch.randint(0, 64, (2, 7), generator=_gen(9))
+    ids = torch.randint(0, 64, (2, 7), generator=gen(9))
     with torch.no_grad():
         assert torch.equal(with_bias(ids).logits, without(ids).logits)
 
@@ -340,7 +317,7 @@ def test_remake_release_keeps_a_view_of_a_larger_storage():
     its values and the backward, remaking the view, gives autograd's own gradient (oracle: the same
     product without hooks). An owning tensor (the covered branch, for contrast) is freed."""
     from turbomoe.nn.recompute import Remake
-    g = _gen(11)
+    g = gen(11)
     base = torch.randn(6, 4, generator=g)
     w = torch.randn(4, 3, generator=g, requires_grad=True)
     upstream = torch.randn(4, 3, generator=g)
@@ -402,7 +379,7 @@ def exported_equals(out, model) -> bool:
     """transformers reads OUT and gives the model's logits (fp32 export): the independent oracle."""
     from transformers import Qwen3MoeForCausalLM as HFModel
     hf = HFModel.from_pretrained(out, dtype=torch.float32).eval()
-    ids = torch.randint(0, 64, (2, 6), generator=_gen(21))
+    ids = torch.randint(0, 64, (2, 6), generator=gen(21))
     with torch.no_grad():
         want = model(ids).logits
         got = hf(ids).logits
