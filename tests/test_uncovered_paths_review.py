@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from tiny_qwen3 import TINY, gen, hf_dir, tiny_model  # noqa: F401 (hf_dir: a fixture)
+from tiny_qwen3 import TINY, fake_run, gen, hf_dir, tiny_model  # noqa: F401 (hf_dir: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: conftest.one_thread
 
@@ -338,33 +338,6 @@ def test_remake_release_keeps_a_view_of_a_larger_storage():
 # ----------------------------------------------------------------------------- turbomoe.export
 
 
-def fake_run(root, model, partition=None, data=None, zero_stage=None):
-    """global_step4 of a 1-rank, ep_size 1 recipe run of model (the tag's marker holding the run's
-    config), under root/checkpoints/; partition(params) -> rank 0's optimizer_state_dict (None: no
-    optimizer partition file, ZeRO stage 0). Returns the tag directory."""
-    from turbomoe.checkpoint_tags import COMPLETE
-    from turbomoe.export import _EXPERT, MODEL_STATES
-    tag = os.path.join(root, "checkpoints", "global_step4")
-    os.makedirs(tag)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.save({"module": {n: t for n, t in params.items() if not _EXPERT.match(n)}}, os.path.join(tag, MODEL_STATES))
-    for i, layer in enumerate(model.config.moe_layers()):
-        for j in range(model.config.num_experts):
-            prefix = f"model.layers.{layer}.mlp.deepspeed_moe.experts.deepspeed_experts.{j}."
-            torch.save({n: t for n, t in params.items() if n.startswith(prefix)},
-                       os.path.join(tag, f"layer_{i}_expert_{j}_{MODEL_STATES}"))
-    if partition is not None:
-        torch.save({"optimizer_state_dict": partition(params)},
-                   os.path.join(tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    if zero_stage is None:
-        zero_stage = 0 if partition is None else 1
-    config = {"model": model.config.to_dict(), "moe": {"ep_size": 1}, "data": data or {"source": "stdlib"},
-              "train": {"zero_stage": zero_stage}}
-    with open(os.path.join(tag, COMPLETE), "w") as f:
-        json.dump({"step": 4, "world_size": 1, "config": config}, f)
-    return tag
-
-
 def flat_mapping(params):
     """One flat fp32 group of every parameter and DeepSpeed's param_slice_mappings of it."""
     flat = torch.cat([p.float().reshape(-1) for p in params.values()])
@@ -402,7 +375,7 @@ def test_export_fp32_of_a_run_without_zero_masters(tmp_path):
 
     def torch_optimizer(params):  # a plain torch optimizer's state dict: no fp32 partitions of ZeRO 1/2
         return {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]}
-    tag = fake_run(str(tmp_path / "b"), model, partition=torch_optimizer)
+    tag = fake_run(str(tmp_path / "b"), model, partitions=torch_optimizer)
     assert RunCheckpoint(tag).fp32_masters() is None
     export(str(tmp_path / "b"), str(tmp_path / "out_b"), dtype="fp32", progress=False)
     assert exported_equals(str(tmp_path / "out_b"), model)
@@ -436,7 +409,7 @@ def test_zero_states_of_the_elastic_format(tmp_path, saved_step):
         if saved_step is not None:
             state["base_optimizer_state_step"] = saved_step
         return state
-    ckpt = RunCheckpoint(fake_run(str(tmp_path / "run"), model, partition=elastic))
+    ckpt = RunCheckpoint(fake_run(str(tmp_path / "run"), model, partitions=elastic))
     states = ckpt.zero_states(("master", "exp_avg", "exp_avg_sq"))
     params = params_of(model)
     assert set(states["exp_avg"]) == set(params)
