@@ -41,7 +41,7 @@ from turbomoe.data import Samples, corpus_tokenizer, load_stream, vocab_size_of 
 from turbomoe.data.cache import default_dir  # noqa: E402
 from turbomoe.data.tokenizer import tokenizer_digest  # noqa: E402
 from turbomoe.kernels.adamw import adamw_step  # noqa: E402
-from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM, moe_class  # noqa: E402
+from turbomoe.models import MoEArgs, Qwen3MoeForCausalLM  # noqa: E402
 from turbomoe.models.compile import compile_dense_blocks, compile_moe_blocks  # noqa: E402
 from turbomoe.models.cuda_graph import coalesce_adds, graph_training_forward  # noqa: E402
 
@@ -66,10 +66,6 @@ def prepare(args):
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= cfg.train.steps:
         raise ConfigError(f"--stop-at-step must be in [1, train.steps = {cfg.train.steps}], got {args.stop_at_step}")
-    try:
-        moe_class(cfg.model.moe_impl)
-    except ImportError as e:
-        raise ConfigError(str(e)) from e
     resume = meta = None
     if args.resume is None:
         # Tags without `latest` count too: a first save killed between its marker and `latest` leaves them,

@@ -349,7 +349,11 @@ def validate(cfg: RecipeConfig, world_size: Optional[int] = None):
     _require(not moe.recompute or m.moe_impl == "turbomoe",
              f"moe.recompute needs model.moe_impl: turbomoe, got {m.moe_impl!r}")
     k = m.num_experts_per_tok
-    fixed = renormalizes_topk(moe_class(m.moe_impl)[0], k)  # DeepSpeed's own gates have no switch for it
+    try:
+        layer = moe_class(m.moe_impl)[0]
+    except ImportError as e:  # a config error to the user: the message names the setting to change
+        raise ConfigError(str(e)) from e
+    fixed = renormalizes_topk(layer, k)  # DeepSpeed's own gates have no switch for it
     _require(fixed is None or fixed == m.norm_topk_prob,
              f"model.moe_impl {m.moe_impl!r} with num_experts_per_tok {k} always uses norm_topk_prob "
              f"{str(fixed).lower()}; set model.norm_topk_prob: {str(fixed).lower()} or model.moe_impl: turbomoe")
