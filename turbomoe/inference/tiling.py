@@ -199,7 +199,7 @@ def _block_us(moe, x, T: int, pair, timer, rounds: int = 3) -> Tuple[float, floa
 
 
 def check_token_counts(token_counts) -> list:
-    if isinstance(token_counts, (int, str)) or not hasattr(token_counts, "__iter__"):
+    if isinstance(token_counts, str) or not hasattr(token_counts, "__iter__"):
         raise TypeError(f"token counts must be a sequence of positive ints (e.g. [1, 8, 64]), got {token_counts!r}")
     tokens = list(token_counts)
     for T in tokens:

@@ -384,8 +384,9 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
             expected = [cfg.num_experts, *([2 * expected[0]] if rows is not None else [expected[0]]), *expected[1:]]
         if shape != expected:
             raise CheckpointError(f"{reader.file_of(key)}: {key} has shape {shape}, but {CONFIG} implies {expected}")
-        if reader.stored_dtype(key) not in WEIGHT_DTYPES:  # before any copy: a failed read leaves the model whole
-            raise CheckpointError(f"{reader.file_of(key)}: cannot read {key}: stored as {reader.stored_dtype(key)}; "
+        stored = reader.stored_dtype(key)
+        if stored not in WEIGHT_DTYPES:  # before any copy: a failed read leaves the model whole
+            raise CheckpointError(f"{reader.file_of(key)}: cannot read {key}: stored as {stored}; "
                                   f"weights are read from {', '.join(sorted(WEIGHT_DTYPES - {FP8}))} and {FP8} "
                                   f"(with its scales)")
         plan.append((p, key, row, rows, _fp8_scale(reader, key, row, shape, blocks)))
