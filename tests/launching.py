@@ -34,6 +34,16 @@ def launcher_env(cpu: bool, **extra) -> dict:
     return env
 
 
+# What a launcher sets for its ranks: a process started without one must not inherit them (an earlier
+# test's MASTER_PORT may still be in use)
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def one_rank_env(drop=()) -> dict:
+    """launcher_env(cpu=True) for one process started without a launcher: no rank variables, nor drop."""
+    return {k: v for k, v in launcher_env(cpu=True).items() if k not in RANK_VARS and k not in drop}
+
+
 def deepspeed_launch(script, *args, env, nproc=2, launcher_args=(), timeout=300, check=True):
     """`deepspeed --num_gpus nproc [launcher_args] script args` from the repository root; the
     CompletedProcess. check: fail with the output's tail unless it exits 0."""

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from launching import ROOT, deepspeed_launch, launcher_env
+from launching import ROOT, deepspeed_launch, launcher_env, one_rank_env
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
@@ -77,9 +77,7 @@ def launch(script, ranks, *args):
 
 def one_rank(script, *args, env=()):
     """python SCRIPT (SMALL config) ARGS: one rank, no launcher."""
-    base = {k: v for k, v in launcher_env(cpu=True).items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, script, *SMALL, *args], cwd=ROOT, env=dict(base, **dict(env)),
+    return subprocess.run([sys.executable, script, *SMALL, *args], cwd=ROOT, env=dict(one_rank_env(), **dict(env)),
                           capture_output=True, text=True, timeout=300)
 
 

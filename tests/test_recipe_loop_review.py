@@ -9,7 +9,7 @@ import sys
 import types
 
 import pytest
-from launching import ROOT, launcher_env
+from launching import ROOT, one_rank_env
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
@@ -58,8 +58,7 @@ def test_resume_compares_the_precision_trained_in(tmp_path, monkeypatch):
 def test_one_rank_run_records_its_precision_and_resumes_with_it_spelled_out(tmp_path, monkeypatch):
     """End to end: a one-rank CPU run under auto writes fp32 into its checkpoint's marker, and that
     checkpoint, every file there, resumes with train.precision=fp32 (refused before)."""
-    env = {k: v for k, v in launcher_env(cpu=True).items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = one_rank_env()
     common = ["--config", TINY, "--set", "train.steps=2", "--set", "train.warmup_steps=1", "--set", "eval.batches=1",
               "--set", "moe.ep_size=1", "--set", "log.wandb=false"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "pretrain.py"), *common,

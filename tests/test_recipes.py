@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from launching import ROOT, deepspeed_launch, free_port, launcher_env
+from launching import ROOT, deepspeed_launch, free_port, launcher_env, one_rank_env
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
@@ -585,9 +585,7 @@ def test_launcher_run_trains_and_checkpoints(full_run):
 
 def test_runs_without_a_launcher(tmp_path):
     """python recipes/pretrain.py alone is one rank (DeepSpeed had looked for MPI and failed)."""
-    # (MASTER_PORT too: earlier tests of this process may have set it to a port still in use)
-    env = {k: v for k, v in launcher_env(cpu=True).items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = one_rank_env()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "pretrain.py"), "--config", TINY, *SHORT,
                            "--set", "train.steps=2", "--set", "train.warmup_steps=1", "--set", "eval.every=2", "--set", "checkpoint.every=2",
                            "--set", "moe.ep_size=1", "--set", f"log.dir={tmp_path}"],

@@ -11,7 +11,7 @@ import sysconfig
 
 import numpy as np
 import pytest
-from launching import ROOT, launcher_env
+from launching import ROOT, one_rank_env
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
@@ -33,8 +33,7 @@ def common(corpus, log_dir, steps=4):
 
 def run(*args):
     """python recipes/pretrain.py ARGS: one rank, no launcher."""
-    env = {k: v for k, v in launcher_env(cpu=True).items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = one_rank_env()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "pretrain.py"), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

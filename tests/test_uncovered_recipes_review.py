@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launching import ROOT, launcher_env
+from launching import ROOT, one_rank_env
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
@@ -217,9 +217,7 @@ def test_wandb_gets_the_numeric_fields_of_train_and_valid_records(tmp_path, monk
 
 def one_rank(*args, omp=True):
     """python recipes/pretrain.py ARGS: one CPU rank, no launcher; without OMP_NUM_THREADS unless omp."""
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"} | (set() if omp else
-                                                                                              {"OMP_NUM_THREADS"})
-    env = {k: v for k, v in launcher_env(cpu=True).items() if k not in drop}
+    env = one_rank_env(drop=() if omp else ("OMP_NUM_THREADS", ))
     return subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "pretrain.py"), "--config", TINY, *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
