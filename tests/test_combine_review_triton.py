@@ -226,8 +226,6 @@ def test_combine_many_tokens():
     assert torch.equal(bits(got), bits(again))
 
 
-@pytest.mark.xfail(strict=True, reason="the combine skips only slot < 0, the spec (reference.routed_slots) "
-                   "every slot outside [0, R); fixed on branch combine-bound (one compare), not yet run on a GPU")
 def test_combine_slot_past_rows_routes_nowhere():
     """A slot >= R (y's rows) routes nowhere in the spec; here y is a contiguous view whose storage
     continues with NaN rows, so a kernel that reads slot R shows NaN instead of faulting."""

@@ -162,8 +162,8 @@ def _few_rows_mm_kernel(x_ptr, row_routes_ptr, scale_ptr, w_ptr, w_desc, out_ptr
     tl.store(out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_or + cols[None, :], y, mask=mask)
 
 
-@triton.jit(do_not_specialize=["N", "n_splits"])
-def _combine_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, N, n_splits, stride_ys, stride_yr, stride_ot,
+@triton.jit(do_not_specialize=["R", "N", "n_splits"])
+def _combine_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, R, N, n_splits, stride_ys, stride_yr, stride_ot,
                     KK: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
                     PDL: tl.constexpr):
     chain_wait(PDL)
@@ -173,7 +173,7 @@ def _combine_kernel(y_ptr, slots_ptr, scores_ptr, out_ptr, N, n_splits, stride_y
     acc = tl.zeros([BLOCK], ACC)
     for j in tl.static_range(KK):  # a fixed order: deterministic
         slot = tl.load(slots_ptr + t * KK + j)
-        if slot >= 0:
+        if (slot >= 0) & (slot < R):  # outside y's rows: no route (reference.routed_slots)
             y = tl.zeros([BLOCK], ACC)
             for s in range(n_splits):
                 y += tl.load(y_ptr + s * stride_ys + slot.to(tl.int64) * stride_yr + cols, mask=ok, other=0.0)
@@ -359,7 +359,7 @@ def few_rows_down(h: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, 
 
 def combine(y_SRN: torch.Tensor, slots_TK: torch.Tensor, scores_TK: Optional[torch.Tensor], dtype: torch.dtype):
     """out [T, N] (dtype): out[t] = sum_j scores[t, j] * sum_s y[s, slots[t, j]] in fp32 (fp64 for fp64
-    y), routes with slot -1 skipped; scores None: unit weights."""
+    y), routes with a slot outside [0, R) skipped; scores None: unit weights."""
     S, R, N = y_SRN.shape
     T, kk = slots_TK.shape
     y_SRN = as_contiguous(y_SRN, y_SRN.dtype)  # the kernel reads a row's columns at unit stride
@@ -371,7 +371,7 @@ def combine(y_SRN: torch.Tensor, slots_TK: torch.Tensor, scores_TK: Optional[tor
         block //= 2
     _combine_kernel[(T, triton.cdiv(N, block))](y_SRN, slots_TK.contiguous(),
                                                 slots_TK if scores_TK is None else scores_TK.contiguous(), out,
-                                                N, S, y_SRN.stride(0), y_SRN.stride(1), out.stride(0), KK=kk,
+                                                R, N, S, y_SRN.stride(0), y_SRN.stride(1), out.stride(0), KK=kk,
                                                 WEIGHTED=scores_TK is not None, BLOCK=block,
                                                 ACC=tl_dtype(acc_dtype(y_SRN.dtype)),
                                                 **chain_launch(out.device))
