@@ -76,6 +76,18 @@ def test_forced_backends_on_cpu_tensors(monkeypatch):
         ops.topk_gating(logits, 2)
 
 
+def test_cutlass_headers_missing_names_the_wheel(monkeypatch):
+    """csrc/__init__.py:105: without the nvidia-cutlass wheel the grouped GEMM's build stops with the
+    pip command, before any compiler runs."""
+    import importlib.util
+    from turbomoe import csrc
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cutlass_library" else find_spec(name, *a))
+    with pytest.raises(ImportError, match=r"CUTLASS's headers: pip install nvidia-cutlass"):
+        csrc.cutlass_include_dirs()
+
+
 def test_index_tables_must_be_tensors():
     """ops.py:104: a list of ids is a TypeError naming expert_ids, not an AttributeError."""
     with pytest.raises(TypeError, match="expert_ids must be a torch.Tensor, got list"):
@@ -532,6 +544,15 @@ def test_generate_cli_errors(cli_dir, tmp_path, capsys):
         f.write("{not json")
     err = _cli_error([path, "--prompt", "a b", *base], capsys)
     assert "generation_config.json is not JSON" in err
+
+
+def test_generate_cli_device_index_past_the_count(cli_dir, monkeypatch, capsys):
+    """generate.py:136: --device cuda:N on a machine with N or fewer GPUs is an argparse error naming the
+    count, before the model is loaded (here a one-GPU machine, as torch reports it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = _cli_error([cli_dir, "--prompt", "a b", "--device", "cuda:1", "--max-new-tokens", "2"], capsys)
+    assert "--device cuda:1: this machine has 1 CUDA devices" in err
 
 
 # ----------------------------------------------------------------------------- turbomoe.export (+ checkpoint_tags)
