@@ -55,7 +55,6 @@ _INERT = {"architectures", "model_type", "transformers_version", "dtype", "torch
 _HANDLED = {"num_experts", "num_local_experts", "head_dim", "hidden_act", "attention_dropout", "rope_parameters",
             "rope_theta", "rope_scaling", "use_sliding_window", "sliding_window", "quantization_config"}
 FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
-WEIGHT_DTYPES = {"F16", "BF16", "F32", "F64", FP8}  # safetensors' names of the dtypes a weight is read from
 SCALE = "_scale_inv"  # X.weight's scales: X.weight_scale_inv (weight = stored e4m3 x scale, block by block)
 # Qwen3MoeConfig's defaults (transformers 5.x): a field config.json leaves out has this value in
 # transformers, so it has it here too.
@@ -66,6 +65,7 @@ _HF_DEFAULTS = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 
                 "tie_word_embeddings": False, "attention_bias": False, "sliding_window": 4096}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 _STORED = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}  # safetensors' names
+WEIGHT_DTYPES = {*_STORED, FP8}  # safetensors' names of the dtypes a weight is read from
 EMBED = "model.embed_tokens.weight"
 _OUR_EXPERT = re.compile(
     r"^(model\.layers\.\d+\.mlp)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w1|w3|w2)\.weight$")
@@ -387,7 +387,7 @@ def load_weights(model: torch.nn.Module, reader: CheckpointReader, ep_rank: int 
         stored = reader.stored_dtype(key)
         if stored not in WEIGHT_DTYPES:  # before any copy: a failed read leaves the model whole
             raise CheckpointError(f"{reader.file_of(key)}: cannot read {key}: stored as {stored}; "
-                                  f"weights are read from {', '.join(sorted(WEIGHT_DTYPES - {FP8}))} and {FP8} "
+                                  f"weights are read from {', '.join(sorted(_STORED))} and {FP8} "
                                   f"(with its scales)")
         plan.append((p, key, row, rows, _fp8_scale(reader, key, row, shape, blocks)))
     # judged by the scaled tensor as stored, not by this plan: other ranks' experts' scales are no strays
