@@ -7,7 +7,6 @@ and dtypes, errors naming no argument); the others record what was checked and h
 Runs the Triton kernels in-process (natively on a GPU; on the CPU under TRITON_INTERPRET=1, set here
 where no GPU is, before turbomoe's kernels are defined). The grouped GEMM's negative-counts case runs
 in a subprocess: under the interpreter it wrote outside its output and corrupted the heap."""
-import json
 import os
 import subprocess
 import sys
@@ -352,23 +351,13 @@ def test_engine_keep_model_must_be_a_bool():
 
 def _fake_run(root):
     """A complete one-rank checkpoint of a tiny model, as recipes/checkpointing.py lays it out."""
-    from turbomoe.export import COMPLETE, MODEL_STATES
-    cfg, model = _tiny_model()
-    sd = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tag = os.path.join(root, "run", "checkpoints", "global_step1")
-    os.makedirs(tag)
-    with open(os.path.join(root, "run", "checkpoints", "latest"), "w") as f:
+    from tiny_qwen3 import fake_run
+    _, model = _tiny_model()
+    run = os.path.join(root, "run")
+    fake_run(run, model, step=1, data={"source": "megatron"})
+    with open(os.path.join(run, "checkpoints", "latest"), "w") as f:
         f.write("global_step1")
-    mark = ".experts.deepspeed_experts."
-    torch.save({"module": {n: t for n, t in sd.items() if mark not in n}}, os.path.join(tag, MODEL_STATES))
-    for j in range(cfg.num_experts):
-        torch.save({n: t for n, t in sd.items() if f"{mark}{j}." in n},
-                   os.path.join(tag, f"layer_0_expert_{j}_{MODEL_STATES}"))
-    with open(os.path.join(tag, COMPLETE), "w") as f:
-        json.dump({"step": 1, "world_size": 1, "config": {"model": cfg.to_dict(), "moe": {"ep_size": 1},
-                                                          "data": {"source": "megatron"}}}, f)
-    return os.path.join(root, "run")
-
+    return run
 
 def test_export_force_must_be_a_bool(tmp_path):
     from turbomoe.export import export
