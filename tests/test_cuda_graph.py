@@ -345,6 +345,35 @@ def test_bad_uses_raise():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_capture_failure_is_named_and_leaves_the_model_eager():
+    """A step that syncs with the host (an item() in a forward hook) runs in the warm-up but fails the
+    capture: turbomoe's message, and the model is left as it was (not marked captured, its forward its
+    class's, no grad buffers active, no .grad), training as an untouched copy does. Without the hook it
+    then captures, and the replays train as the copy."""
+    from turbomoe.integrations import expert_stack
+    cfg = tiny(num_experts=8, num_hidden_layers=2, max_position_embeddings=64)
+    model = build(cfg).cuda()
+    eager = copy.deepcopy(model)
+    x = batch(2, 16, cfg.vocab_size, seed=5)
+
+    def sync(module, inputs, out):  # reads a device value on the host; returns None, the output unchanged
+        out[0].sum().item()
+
+    hook = model.model.layers[0].register_forward_hook(sync)
+    with pytest.raises(RuntimeError, match="(?s)capturing the model's forward and backward failed: .*syncs with the host"):
+        graph_training_forward(model, x[:, :-1], x[:, 1:])
+    hook.remove()
+    assert not getattr(model, "cuda_graphed", False) and "forward" not in vars(model)
+    assert expert_stack._GRAD_BUFFERS is None
+    assert all(p.grad is None for p in model.parameters())
+    torch.cuda.synchronize()  # the failed capture left the device usable
+    graph_training_forward(model, x[:, :-1], x[:, 1:])
+    assert torch.equal(train(model, 2, 1, True), train(eager, 2, 1, True))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), eager.parameters()))
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("grad_accum,ep", [(1, 1), (2, 1), pytest.param(
     2, 2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert parallelism over NCCL needs 2 GPUs"))])
 def test_recipe_step_with_graphs_matches_eager(tmp_path, grad_accum, ep):

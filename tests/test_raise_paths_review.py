@@ -786,3 +786,24 @@ def test_megatron_router_policy_and_parallel_mlp_group(megatron):
         with pytest.raises(RuntimeError, match="ParallelMLP expert linears split 2 ways, but their tensor-parallel "
                                                "group is 1"):
             grouped_parallel_mlp(experts, x, RowGroups(torch.tensor([2, 2], dtype=torch.int32), 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda backend's checks run on CUDA tensors")
+def test_forced_cuda_backend_bounds(monkeypatch):
+    """ops.py's forced cuda backend: past csrc.MAX_EXPERTS it names the bound and the triton backend;
+    where it could not be built it says so; either way before any launch. The triton backend still
+    serves those experts."""
+    from turbomoe import csrc
+    E = csrc.MAX_EXPERTS + 1
+    logits = torch.randn(5, E, generator=gen(31)).cuda()
+    with pytest.raises(ValueError, match=f"the cuda backend serves at most {csrc.MAX_EXPERTS} experts, got {E}; "
+                                         "use the triton backend"):
+        ops.topk_gating(logits, 2, backend="cuda")
+    triton_out = ops.topk_gating(logits, 2, backend="triton")
+    ref = ops.topk_gating(logits, 2, backend="reference")
+    assert torch.equal(triton_out.expert_ids, ref.expert_ids)
+    monkeypatch.setattr(csrc, "available", lambda: False)
+    with pytest.raises(RuntimeError, match="the cuda backend could not be built here"):
+        ops.topk_gating(logits[:, :8], 2, backend="cuda")
+    assert ops.choose_backend(logits[:, :8], None, 8) == "triton"  # unforced: falls back
