@@ -17,8 +17,11 @@ deepspeed launcher as the recipe does, one rank a GPU (`deepspeed --num_gpus 2 s
 (MFU over all ranks' GPUs).
 """
 import argparse
+import collections
 import contextlib
+import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -45,6 +48,54 @@ def all_ranks_peak(per_gpu_flops, world: int):
     return world * per_gpu_flops if per_gpu_flops else None
 
 
+def _enclosing(spans, times):
+    """For each of times, the names of the spans (ts, end, name; nested) that contain it, innermost first."""
+    spans, out, stack, i = sorted(spans), {}, [], 0
+    for t in sorted(set(times)):
+        while i < len(spans) and spans[i][0] <= t:
+            while stack and stack[-1][1] < spans[i][0]:
+                stack.pop()
+            stack.append(spans[i])
+            i += 1
+        while stack and stack[-1][1] < t:
+            stack.pop()
+        out[t] = [name for s, e, name in reversed(stack) if e >= t]
+    return out
+
+
+def gpu_time_by_line(events, lines=3, site=re.compile(r"turbomoe/|recipes/|deepspeed/")):
+    """A Chrome trace's GPU time (kernels, copies, sets) by where it was launched: the innermost aten op
+    around its launch, the autograd node that ran it (backward), and the innermost `lines` Python frames
+    of this tree or DeepSpeed (the profiler's with_stack). [((op, frames), (us, launches))], most first."""
+    events = [e for e in events if e.get("ph") == "X"]
+    launch = {e["args"]["correlation"]: e for e in events
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    spans = {"cpu_op": collections.defaultdict(list), "python_function": collections.defaultdict(list)}
+    for e in events:
+        if e.get("cat") in spans:
+            spans[e["cat"]][e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    at = collections.defaultdict(list)  # thread -> launch times
+    for e in gpu:
+        r = launch.get(e.get("args", {}).get("correlation"))
+        if r is not None:
+            at[r["tid"]].append(r["ts"])
+    ops = {tid: _enclosing(spans["cpu_op"][tid], ts) for tid, ts in at.items()}
+    frames = {tid: _enclosing(spans["python_function"][tid], ts) for tid, ts in at.items()}
+    total = collections.defaultdict(lambda: [0.0, 0])
+    for e in gpu:
+        r = launch.get(e.get("args", {}).get("correlation"))
+        op, where = "(launch not traced)", ""
+        if r is not None:
+            around = ops[r["tid"]][r["ts"]]
+            node = next((o.split(": ", 1)[1] for o in around if o.startswith("autograd::engine::evaluate_function: ")), None)
+            op = (around[0] if around else "(no aten op)") + (f" @ {node}" if node else "")
+            where = " < ".join([f for f in frames[r["tid"]][r["ts"]] if site.search(f)][:lines])
+        total[(op, where)][0] += e["dur"]
+        total[(op, where)][1] += 1
+    return sorted(((k, tuple(v)) for k, v in total.items()), key=lambda kv: -kv[1][0])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
@@ -57,6 +108,10 @@ def main():
     p.add_argument("--trace", default=None, help="write the profiler's Chrome trace here")
     p.add_argument("--label", default="", help="a name for this run in the printed tables")
     p.add_argument("--host-profile", action="store_true", help="also cProfile the host over --steps queued steps")
+    p.add_argument("--by-line", action="store_true",
+                   help="also the GPU time by the aten op, autograd node and Python lines that launched it (the "
+                        "profiler records Python frames: a slower host); eager steps only (train.cuda_graph=false): "
+                        "a CUDA graph's kernels come from no Python frame")
     p.add_argument("--then-compile", action="store_true",
                    help="then compile the dense blocks in place (train.compile) and measure again")
     a = p.parse_args()
@@ -145,13 +200,15 @@ def main():
 
         # profiler
         from torch.profiler import ProfilerActivity, profile, record_function
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=a.by_line) as prof:
             for _ in range(a.profile_steps):
                 with record_function("train step"):
                     step(record_function)
             torch.cuda.synchronize()
-        if a.trace and rank == 0:
-            prof.export_chrome_trace(a.trace.replace(".json", f"-{label.replace(' ', '_')}.json"))
+        trace = a.trace and a.trace.replace(".json", f"-{label.replace(' ', '_')}.json")
+        if rank == 0 and (trace or a.by_line):
+            trace = trace or os.path.join(tempfile.mkdtemp(prefix="profile_recipe_"), "trace.json")
+            prof.export_chrome_trace(trace)
 
         host_profile = None
         if a.host_profile:  # the host's Python by function while the GPU runs the same steps
@@ -191,6 +248,13 @@ def main():
         say(avg.table(sort_by="self_cuda_time_total", row_limit=a.top, max_name_column_width=60))
         say(f"top {a.top} ops by self CPU time:")
         say(avg.table(sort_by="self_cpu_time_total", row_limit=a.top, max_name_column_width=60))
+        if a.by_line and rank == 0:
+            with open(trace) as f:
+                rows = gpu_time_by_line(json.load(f)["traceEvents"])
+            say(f"top {a.top} launch sites by GPU time (us a step, launches a step, aten op @ autograd node, this "
+                f"tree's and DeepSpeed's innermost Python lines):")
+            for (op, lines), (us, n) in rows[:a.top]:
+                say(f"{us / a.profile_steps:9.1f} {n / a.profile_steps:6.0f}  {op:60s} {lines}")
         if host_profile:
             say(f"host Python over {a.steps} queued steps (cProfile, by own time):\n{host_profile}")
 

@@ -85,6 +85,45 @@ def test_profile_recipe_peak_of_all_ranks():
     assert profile_recipe.all_ranks_peak(None, 2) is None  # an unknown GPU: no MFU, no TypeError
 
 
+def test_profile_recipe_gpu_time_by_line():
+    """Kernels tied to their launch by correlation id (runtime or driver API), the launch to the aten ops
+    and Python lines around it on its thread; an autograd node named; a kernel whose launch the trace
+    lacks kept apart; copies and sets counted."""
+    import profile_recipe
+
+    def x(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+    events = [
+        x("python_function", "recipes/pretrain.py(10): step", 0, 100),
+        x("python_function", "torch/nn/modules/module.py(1): _call_impl", 1, 98),
+        x("python_function", "turbomoe/nn/layer.py(20): forward", 2, 90),
+        x("cpu_op", "aten::copy_", 5, 10),
+        x("cuda_runtime", "cudaLaunchKernel", 6, 2, correlation=1),
+        x("cpu_op", "aten::mm", 20, 10),
+        x("cuda_driver", "cuLaunchKernelEx", 21, 2, correlation=2),
+        x("cuda_runtime", "cudaMemsetAsync", 40, 1, correlation=3),  # no op around it
+        x("cpu_op", "autograd::engine::evaluate_function: MulBackward0", 200, 20, tid=2),
+        x("cpu_op", "aten::mul", 201, 10, tid=2),
+        x("cuda_runtime", "cudaLaunchKernel", 202, 2, tid=2, correlation=4),
+        x("kernel", "copy_kernel", 10, 7.0, tid=7, correlation=1),
+        x("kernel", "copy_kernel", 30, 3.0, tid=7, correlation=1),
+        x("kernel", "nvjet_gemm", 25, 50.0, tid=7, correlation=2),
+        x("gpu_memset", "Memset", 45, 1.0, tid=7, correlation=3),
+        x("kernel", "mul_kernel", 210, 4.0, tid=7, correlation=4),
+        x("kernel", "lost", 300, 2.0, tid=7, correlation=99),
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 0},
+    ]
+    here = "turbomoe/nn/layer.py(20): forward < recipes/pretrain.py(10): step"
+    assert profile_recipe.gpu_time_by_line(events) == [
+        (("aten::mm", here), (50.0, 1)),
+        (("aten::copy_", here), (10.0, 2)),
+        (("aten::mul @ MulBackward0", ""), (4.0, 1)),
+        (("(launch not traced)", ""), (2.0, 1)),
+        (("(no aten op)", here), (1.0, 1)),
+    ]
+    assert profile_recipe.gpu_time_by_line(events, lines=1)[0][0] == ("aten::mm", "turbomoe/nn/layer.py(20): forward")
+
+
 def test_decode_floor_bytes():
     import bench_inference
     q, scout = bench_inference.LAYERS["qwen3-30b-a3b"], bench_inference.LAYERS["scout-tp8"]
