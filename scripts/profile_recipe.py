@@ -88,7 +88,8 @@ def gpu_time_by_line(events, lines=3, site=re.compile(r"turbomoe/|recipes/|deeps
         op, where = "(launch not traced)", ""
         if r is not None:
             around = ops[r["tid"]][r["ts"]]
-            node = next((o.split(": ", 1)[1] for o in around if o.startswith("autograd::engine::evaluate_function: ")), None)
+            node = next((o.split(": ", 1)[1] for o in around
+                         if o.startswith("autograd::engine::evaluate_function: ")), None)
             op = (around[0] if around else "(no aten op)") + (f" @ {node}" if node else "")
             where = " < ".join([f for f in frames[r["tid"]][r["ts"]] if site.search(f)][:lines])
         total[(op, where)][0] += e["dur"]
