@@ -50,7 +50,8 @@ def all_ranks_peak(per_gpu_flops, world: int):
 
 def _enclosing(spans, times):
     """For each of times, the names of the spans (ts, end, name; nested) that contain it, innermost first."""
-    spans, out, stack, i = sorted(spans), {}, [], 0
+    # A parent and its child may start at the same microsecond: the longer (the parent) goes on the stack first.
+    spans, out, stack, i = sorted(spans, key=lambda s: (s[0], -s[1])), {}, [], 0
     for t in sorted(set(times)):
         while i < len(spans) and spans[i][0] <= t:
             while stack and stack[-1][1] < spans[i][0]:

@@ -122,6 +122,9 @@ def test_profile_recipe_gpu_time_by_line():
         (("(no aten op)", here), (1.0, 1)),
     ]
     assert profile_recipe.gpu_time_by_line(events, lines=1)[0][0] == ("aten::mm", "turbomoe/nn/layer.py(20): forward")
+    # a child that starts with its parent is still the inner one
+    assert profile_recipe._enclosing([(0, 10, "inner"), (0, 100, "outer")], [5, 50]) == {5: ["inner", "outer"],
+                                                                                        50: ["outer"]}
 
 
 def test_decode_floor_bytes():

@@ -359,6 +359,7 @@ def _fake_run(root):
         f.write("global_step1")
     return run
 
+
 def test_export_force_must_be_a_bool(tmp_path):
     from turbomoe.export import export
     run = _fake_run(str(tmp_path))
