@@ -387,18 +387,29 @@ def test_rts_uniform(backend):
 @pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
 @pytest.mark.parametrize("S,E", [(0, 4), (1, 2), (7, 3), (128, 8), (1000, 64), (333, 128), (64, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_second_expert_cuda_matches_reference(S, E, dtype):
-    """Same uniforms: the same experts (the noise is rounded as torch rounds it), scores and
-    gradients of logits and first scores; rows with non-finite logits route nowhere; S = 0."""
+@pytest.mark.parametrize("sample", [True, False], ids=["sampled", "by_logits"])
+def test_second_expert_cuda_matches_reference(S, E, dtype, sample):
+    """sample_second_expert with the same uniforms, or second_by_logits: the same experts (the noise is
+    rounded as torch rounds it), scores and gradients of logits and first scores; rows with non-finite
+    logits route nowhere; a saturated router's row (softmax rounds the others to 0) and a row of equal
+    logits (ties to the lower id); S = 0."""
     require_cuda_backend()
     torch.manual_seed(S + E)
     logits = make_logits(S, E, dtype)
     if S > 5:
         logits[5, 1] = float("inf")
+        logits[3] = torch.arange(E, device=DEV, dtype=dtype) * -300.0
+        logits[4] = 0.25
     rand = torch.rand(S, E, device=DEV)
     got_l, ref_l = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    got = ops.sample_second_expert(got_l, ops.topk_gating(got_l, 1, backend="cuda"), rand, backend="cuda")
-    exp = ops.sample_second_expert(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), rand, backend="reference")
+    if sample:
+        got = ops.sample_second_expert(got_l, ops.topk_gating(got_l, 1, backend="cuda"), rand, backend="cuda")
+        exp = ops.sample_second_expert(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), rand, backend="reference")
+    else:
+        got = ops.second_by_logits(got_l, ops.topk_gating(got_l, 1, backend="cuda"), backend="cuda")
+        exp = ops.second_by_logits(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), backend="reference")
+        if S > 5:
+            assert got.expert_ids[3].tolist() == [0, 1] and got.expert_ids[4].tolist() == [0, 1]
     assert torch.equal(got.expert_ids, exp.expert_ids) and torch.equal(got.counts, exp.counts)
     assert rel_err(got.scores, exp.scores) < TOL[dtype]
     g = torch.randn(S, 2, device=DEV, dtype=got.scores.dtype)
@@ -409,14 +420,15 @@ def test_second_expert_cuda_matches_reference(S, E, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
-def test_gradcheck_second_expert_cuda():
+@pytest.mark.parametrize("sample", [True, False], ids=["sampled", "by_logits"])
+def test_gradcheck_second_expert_cuda(sample):
     require_cuda_backend()
     from turbomoe.autograd.sampling import SecondExpert
     torch.manual_seed(0)
     logits = make_logits(6, 5, torch.float64).requires_grad_()
     first = ops.topk_gating(logits.detach(), 1, backend="cuda")
     p1 = first.scores.clone().requires_grad_()
-    rand = torch.rand(6, 5, device=DEV)
+    rand = torch.rand(6, 5, device=DEV) if sample else None
     assert torch.autograd.gradcheck(
         lambda l, p: SecondExpert.apply(l, first.expert_ids, p, first.counts, rand, ops.csrc)[1], (logits, p1),
         eps=1e-7, atol=1e-8)

@@ -184,17 +184,19 @@ def score_of_other_expert(first_scores_S1: torch.Tensor, logits_SE: torch.Tensor
 
 
 def second_expert(logits_SE: torch.Tensor, first_ids_S1: torch.Tensor, first_scores_S1: torch.Tensor,
-                  counts_E: torch.Tensor, rand_SE: torch.Tensor):
-    """Top-2 gating's sampled second expert (DeepSpeed's top2_2nd_expert_sampling): the argmax of
-    logits + Gumbel noise over the experts other than the first choice (ties to the lower id), and
-    its router probability p2 = p1 * exp(l2 - l1), differentiable in logits and p1.
+                  counts_E: torch.Tensor, rand_SE: Optional[torch.Tensor]):
+    """Top-2 gating's second expert as DeepSpeed picks it: the argmax of logits + Gumbel noise
+    (top2_2nd_expert_sampling), or of the logits alone (rand None), over the experts other than the
+    first choice (ties to the lower id), and its router probability p2 = p1 * exp(l2 - l1),
+    differentiable in logits and p1.
 
     logits [S, E] fp32 or fp64; first_ids [S, 1] (-1: no route, then no second either);
-    first_scores [S, 1] = p1; counts [E] of the first choices; rand [S, E] fp32 uniforms.
+    first_scores [S, 1] = p1; counts [E] of the first choices; rand [S, E] fp32 uniforms or None.
     Returns ids [S, 2] int32, scores [S, 2] (p1, p2) and counts [E] int32 with the second choices.
+    With E = 1 the second is the first again (the others are all -inf), as stock's top-2 has it.
     """
     first = first_ids_S1.long()
-    noisy = logits_SE.detach() + gumbel_noise(rand_SE).to(logits_SE.dtype)
+    noisy = logits_SE.detach() if rand_SE is None else logits_SE.detach() + gumbel_noise(rand_SE).to(logits_SE.dtype)
     noisy = noisy.scatter(1, first.clamp_min(0), float("-inf"))
     second = torch.where(first >= 0, noisy.argmax(1, keepdim=True), first)
     p2 = score_of_other_expert(first_scores_S1, logits_SE, first, second)
