@@ -496,6 +496,46 @@ def test_row_scores_matches_its_definition(S, E, k, C, kind, dtype, any_backend)
     assert torch.equal(sc.grad.double(), want_grad)
 
 
+@pytest.mark.parametrize("S, E, k, C, kind", [(37, 5, 2, 6, "random"), (9, 8, 3, None, "random"),
+                                              (3, 8, 2, None, "random"), (0, 4, 2, 3, "random"),
+                                              (41, 6, 4, 2, "hot"), (13, 1, 1, None, "hot"), (50, 3, 2, 1, "hot")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_row_scores_renormalized_matches_the_reference(S, E, k, C, kind, dtype, any_backend):
+    """row_scores(renormalize=True), the weights formed in the push kernel each way, against the
+    reference's renormalize_kept then scatter in fp64, forward and backward: tokens with some routes
+    dropped, with all dropped (weight 0, no gradient), one kept route (weight 1, gradient 0), padding
+    rows 0; a score sum under eps (clamped: the weights no longer depend on each other), zeros and a
+    NaN row (NaN weights, as the reference); fresh data, S < E, S = 0 with padding rows, E = 1."""
+    ids, scores = routing(S, E, k, kind)
+    s = ops.assign_slots(ids, scores, E, capacity=C, backend=any_backend)
+    sc = torch.rand(S, k, device=DEV, dtype=torch.float64)
+    if S > 3:
+        sc[0] = 1e-12  # sum below fp32's and bf16's eps: clamped
+        sc[1, 0] = 0.0
+        sc[2] = float("nan")
+    sc = sc.to(dtype).requires_grad_()
+    w_R = ops.row_scores(s, sc, any_backend, renormalize=True)
+    ref_sc = sc.detach().double().requires_grad_()
+    kept = s.slots >= 0
+    w_SK = ref.renormalize_kept(ref_sc.to(ref.compute_dtype(dtype)), s.slots).double()
+    want = torch.zeros(s.num_rows, device=DEV, dtype=torch.float64).index_put((s.slots[kept].long(), ), w_SK[kept])
+    assert w_R.dtype == dtype and w_R.shape == (s.num_rows, )
+    nan_R = torch.isnan(want)
+    assert torch.equal(torch.isnan(w_R), nan_R)
+    assert rel_err(w_R.double()[~nan_R], want[~nan_R]) < TOL[dtype]
+    g_R = torch.randn(s.num_rows, device=DEV, dtype=torch.float64).to(dtype)
+    w_R.backward(g_R)
+    want.backward(g_R.double())
+    ok_SK = ~torch.isnan(ref_sc.grad)
+    assert torch.equal(torch.isnan(sc.grad), ~ok_SK)
+    assert rel_err(sc.grad.double()[ok_SK], ref_sc.grad[ok_SK]) < TOL[dtype]
+    assert (sc.grad[~kept] == 0).all()  # dropped routes
+    if dtype == torch.float64 and S:
+        s2 = sc.detach()[3:].clone().requires_grad_()  # no NaN row
+        s3 = ops.assign_slots(ids[3:], scores[3:], E, capacity=C, backend=any_backend)
+        assert torch.autograd.gradcheck(lambda t: ops.row_scores(s3, t, any_backend, renormalize=True), (s2, ))
+
+
 def test_row_scores_and_unit_gather_errors():
     ids, scores = routing(5, 4, 2)
     s = ops.assign_slots(ids, scores, 4)
@@ -503,6 +543,8 @@ def test_row_scores_and_unit_gather_errors():
         ops.row_scores(s.slots, scores)
     with pytest.raises(ValueError, match="differ"):
         ops.row_scores(s, scores[:, :1])
+    with pytest.raises(TypeError, match="renormalize must be a bool"):
+        ops.row_scores(s, scores, renormalize=1)
     with pytest.raises(ValueError, match="renormalize needs scores"):
         ops.gather_tokens(torch.randn(s.num_rows, 3, device=DEV), s, None, renormalize=True)
 

@@ -25,6 +25,7 @@ from . import csrc, custom_ops, reference
 from .autograd.gather import gather_tokens as _gather_fn
 from .autograd.gating import topk_gating as _gating_fn
 from .autograd.sampling import second_expert as _second_expert_fn
+from .autograd.scatter import row_scores as _row_scores_fn
 from .autograd.scatter import scatter_tokens as _scatter_fn
 from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots, debug_checks  # noqa: F401 (re-exported)
 
@@ -460,19 +461,33 @@ def buffer_counts(slots: Slots) -> torch.Tensor:
     return torch.full_like(slots.kept_counts, slots.capacity)
 
 
-def row_scores(slots: Slots, scores_SK: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
-    """w [R] of the expert buffer's rows: row slots[s, j] gets scores[s, j]; rows no route fills
-    (capacity's padding) 0. Differentiable (a dropped route's gradient is 0). With them the experts
-    weigh their rows (GroupedExperts' row_scale) and gather_tokens sums with w = 1, so the experts'
-    outputs need not be kept for the scores' gradient.
+def row_scores(slots: Slots, scores_SK: torch.Tensor, backend: Optional[str] = None, *,
+               renormalize: bool = False) -> torch.Tensor:
+    """w [R] of the expert buffer's rows: row slots[s, j] gets scores[s, j], or with renormalize each
+    token's kept scores over their sum (DeepSpeed's top-k combine weights after capacity,
+    reference.renormalize_kept); rows no route fills (capacity's padding) 0. Differentiable (a
+    dropped route's gradient is 0). With them the experts weigh their rows (GroupedExperts'
+    row_scale) and gather_tokens sums with w = 1, so the experts' outputs need not be kept for the
+    scores' gradient.
 
-    It is scatter_tokens of the scores as one-column tokens, a route each (the same table read
-    route-major, the same kept counts): one row push forward and one pull back, where the plain
-    PyTorch scatter took nine launches and three (host time, in steps bound by it)."""
+    The kernels form the weights per token in registers: one row push each way, where the plain
+    PyTorch form (the reference: the renormalisation, then a scatter of the scores read route-major)
+    takes a dozen launches each way (host time, in steps bound by it)."""
     if not isinstance(slots, Slots):
         raise TypeError(f"row_scores needs the Slots from assign_slots, got {type(slots).__name__}")
+    check_bool("renormalize", renormalize)
     _check_float("scores", scores_SK, 2)
     if slots.slots.shape != scores_SK.shape:
         raise ValueError(f"slots {tuple(slots.slots.shape)} and scores {tuple(scores_SK.shape)} differ")
-    routes = Slots(slots.slots.reshape(-1, 1), slots.kept_counts, slots.num_rows, slots.capacity)
-    return scatter_tokens(scores_SK.reshape(-1, 1), routes, backend=backend).view(-1)
+    _check_same_device(slots=slots.slots, scores=scores_SK)
+    backend = choose_backend(scores_SK, backend)
+    if backend == "reference" or torch.compiler.is_compiling():  # compiled: traced, the scatter a custom op
+        # renormalised in the accumulation dtype, as the kernels and gather_tokens do (its eps clamps)
+        w_SK = scores_SK
+        if renormalize:
+            w_SK = reference.renormalize_kept(scores_SK.to(reference.compute_dtype(scores_SK.dtype)), slots.slots)
+            w_SK = w_SK.to(scores_SK.dtype)
+        routes = Slots(slots.slots.reshape(-1, 1), slots.kept_counts, slots.num_rows, slots.capacity)
+        return scatter_tokens(w_SK.reshape(-1, 1), routes, backend=backend).view(-1)
+    return _row_scores_fn(scores_SK, slots.slots, slots.num_rows, slots.kept_counts, slots.capacity, _impl(backend),
+                          renormalize)

@@ -109,8 +109,7 @@ class TurboMOELayer(MOELayer):
             row_scale_R = None
             if local and scales_rows(self.expert_fast_path, self.experts.deepspeed_experts):
                 # Applied inside the experts' activation instead (MoELayer's order): y is not kept.
-                w_SK = reference.renormalize_kept(scores_SK, s.slots) if self.norm_topk_prob else scores_SK
-                row_scale_R = ops.row_scores(s, w_SK)
+                row_scale_R = ops.row_scores(s, scores_SK, renormalize=self.norm_topk_prob)
             if rows_layout:
                 # The rows again from x_SM (the router's GEMM keeps it).
                 with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s), (x_SM, )) as remake:
