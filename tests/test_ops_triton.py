@@ -603,6 +603,15 @@ def test_router_split_kernels_match_reference(S, M, E, w_dtype):
     assert rel_err(gw, gw_want, 1e-30) < (1e-6 if w_dtype == torch.float32 else 1e-2)
     assert split_grads(g, x, w, need_x=False)[0] is None and split_grads(g, x, w, need_w=False)[1] is None
     assert torch.equal(split_grads(g, x, w, need_w=False)[0], gx)  # deterministic
+    # x's other gradient added in the kernel, in fp32 before the one rounding, as the spec adds it
+    add = torch.randn(S, M, device=DEV).bfloat16()
+    gx_add, gw_add = split_grads(g, x, w, gx_add=add)
+    gx_add_want = ref.split_grads(g, x, w, gx_add=add)[0]
+    assert torch.equal(gw_add, gw)
+    if S:
+        assert (gx_add != (gx64 + add.double()).bfloat16()).float().mean() < 0.01
+        assert (gx_add != gx_add_want).float().mean() < 0.01 and rel_err(gx_add, gx_add_want) < 2 ** -8
+        assert torch.equal(split_grads(g, x, w, need_w=False, gx_add=add.t().contiguous().t())[0], gx_add)
 
 
 def test_router_split_kernels_errors():

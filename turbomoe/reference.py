@@ -345,10 +345,11 @@ _G_TERMS, _W_TERMS = [0, 0, 1, 0, 1, 2], [0, 1, 0, 2, 1, 0]
 
 
 def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool = True, need_w: bool = True,
-                terms=bf16_terms):
-    """The gradients of split_logits for an fp32 g [S, E]: (g @ w in bf16, g^T @ x in w's dtype: fp32
-    where w is an fp32 w's terms), None where not needed, from g's bf16 terms (made by `terms`: this
-    function or one with its bits) and w's where fp32, on bf16 products with fp32 sums."""
+                terms=bf16_terms, gx_add: Optional[torch.Tensor] = None):
+    """The gradients of split_logits for an fp32 g [S, E]: (g @ w in bf16, + gx_add [S, M] where given
+    (x's other gradient, added in fp32 before the one rounding), g^T @ x in w's dtype: fp32 where w is
+    an fp32 w's terms), None where not needed, from g's bf16 terms (made by `terms`: this function or
+    one with its bits) and w's where fp32, on bf16 products with fp32 sums."""
     S, E = g_SE.shape
     g_STE = terms(g_SE.float())
     w = _split_weight(w_EM)
@@ -359,7 +360,10 @@ def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need
         else:
             a = torch.cat([g_STE[:, i] for i in _G_TERMS], dim=1)  # [S, 6 E]
             b = torch.cat([w[:, j] for j in _W_TERMS])  # [6 E, M]
-        gx = _mm_exact(a, b, x_SM.dtype)
+        if gx_add is None:
+            gx = _mm_exact(a, b, x_SM.dtype)
+        else:
+            gx = (_mm_exact(a, b, torch.float32) + gx_add.float()).to(x_SM.dtype)
     if need_w:
         gw = _mm_exact(g_STE.reshape(S, BF16_TERMS * E).t(), x_SM, torch.float32)
         gw = gw.view(BF16_TERMS, E, x_SM.shape[1]).sum(0).to(torch.float32 if w_EM.dim() == 3 else w_EM.dtype)

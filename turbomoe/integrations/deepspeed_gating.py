@@ -7,7 +7,7 @@ makes per (token, expert) -- the Gumbel noise of top-2 sampling and of RSample, 
 random token selection -- which keep their [S, E] shape so that the same seed gives the same routes
 (and kept tokens) as stock, and leaves torch's generators where stock leaves them.
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -17,7 +17,7 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops
-from ..autograd.router import fp32_logits
+from ..autograd.router import fp32_logits, fp32_logits_and_x
 from ..reference import count_routes, score_of_other_expert
 
 
@@ -29,12 +29,13 @@ class Routes(NamedTuple):
     priority: Optional[torch.Tensor] = None  # [S, k] an over-full expert keeps its largest; None: scores
 
 
-def router_logits(gate: TopKGate, x_SM: torch.Tensor) -> torch.Tensor:
-    """logits [S, E] in fp32 as stock's (an fp32 GEMM of x and the router weight), with its input
-    jitter in training (noisy_gate_policy='Jitter')."""
+def router_logits(gate: TopKGate, x_SM: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(logits [S, E] in fp32 as stock's (an fp32 GEMM of x and the router weight), with its input
+    jitter in training (noisy_gate_policy='Jitter'); x for the dispatch: where the router read x
+    itself, x passed through its node, which adds the dispatch's gradient into its own kernel)."""
     if gate.noisy_gate_policy == "Jitter" and gate.training:
-        x_SM = multiplicative_jitter(x_SM.float(), device=x_SM.device)
-    return fp32_logits(x_SM, gate.wg.weight)
+        return fp32_logits(multiplicative_jitter(x_SM.float(), device=x_SM.device), gate.wg.weight), x_SM
+    return fp32_logits_and_x(x_SM, gate.wg.weight)
 
 
 def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.Tensor] = None) -> Routes:
