@@ -72,7 +72,8 @@ def test_x_passed_through_gets_both_gradients(device, dtype, w_dtype, E, compile
     the logits' and the other consumer's, added inside the router's backward before its one rounding:
     against fp64, and against the two consumers of x apart (autograd's add of two roundings); the
     weight's gradient unchanged. Logits unused, or the x passed unused, still give the right gradient.
-    Traced by torch.compile too (dynamo, aot_eager)."""
+    Traced by torch.compile too (dynamo, aot_eager): there the split's PyTorch form runs (cuBLAS, other
+    sums than the kernels'), so against eager within rounding, not bit for bit."""
     torch.manual_seed(E)
     S, M = 75, 96
     x = torch.randn(S, M, device=device).to(dtype)
@@ -83,23 +84,30 @@ def test_x_passed_through_gets_both_gradients(device, dtype, w_dtype, E, compile
     logits, x2 = fn(xa, wa)
     assert torch.equal(x2, xa) and (compiled or x2.data_ptr() == xa.data_ptr())
     torch.autograd.backward([logits, x2 * 3], [g, h])
+
+    def same(got, want):
+        if not compiled:
+            return torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+        return True
+
     xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
     torch.autograd.backward([fp32_logits(xb, wb), xb * 3], [g, h])
     want = g.double() @ w.double() + 3 * h.double()
     tol = 1e-6 if dtype == torch.float32 else 2 ** -8
     assert xa.grad.dtype == dtype and rel_err(xa.grad, want) < tol and rel_err(xa.grad, xb.grad) < tol
-    assert torch.equal(wa.grad, wb.grad)
+    assert same(wa.grad, wb.grad)
     for used in ("logits", "x"):
         xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
         logits, x2 = fn(xc, wc)
         (logits * g).sum().backward() if used == "logits" else (x2 * h).sum().backward()
         xd, wd = x.clone().requires_grad_(), w.clone().requires_grad_()
         (fp32_logits(xd, wd) * g).sum().backward() if used == "logits" else (xd * h).sum().backward()
-        assert torch.equal(xc.grad, xd.grad)
+        assert same(xc.grad, xd.grad)
         if wd.grad is None:  # the logits unused: no gradient (compiled, zeros)
             assert wc.grad is None or (compiled and not wc.grad.any())
         else:
-            assert torch.equal(wc.grad, wd.grad)
+            assert same(wc.grad, wd.grad)
     torch._dynamo.reset()
 
 
