@@ -187,13 +187,14 @@ def test_summarize_run_cut_off_rate(tmp_path, capsys):
     assert f"{rate:,.0f} tokens/s" in capsys.readouterr().out
 
 
-def test_bench_deepspeed_identity_experts_runs_the_layer_without_experts():
+def test_bench_deepspeed_identity_experts_runs_the_layer_without_experts(monkeypatch):
     """bench_deepspeed / profile_host's `--identity-experts`: the drop-in layer with its experts swapped
     for the identity runs forward and backward (the layer's check of reassigned experts must not look
     for experts in the identity), gives its routed tokens back as the combine's sum, and gets its experts
     and their fast path back after."""
     from bench_deepspeed import identity_experts
     from turbomoe.integrations import deepspeed as tds
+    monkeypatch.delenv("TURBOMOE_BACKEND", raising=False)  # CPU tensors: the reference backend
     torch.manual_seed(0)
     layer = tds.MoE(16, tds.SwiGLUExpert(16, 24), 4, k=2, drop_tokens=False)
     inner = layer.deepspeed_moe
