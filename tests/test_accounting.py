@@ -185,3 +185,25 @@ def test_summarize_run_cut_off_rate(tmp_path, capsys):
     steady = [r for r in recs][1:]  # the first tenth dropped
     rate = 1000 * len(steady) / sum(r["step_time_s"] for r in steady)
     assert f"{rate:,.0f} tokens/s" in capsys.readouterr().out
+
+
+def test_bench_deepspeed_identity_experts_runs_the_layer_without_experts(monkeypatch):
+    """bench_deepspeed / profile_host's `--identity-experts`: the drop-in layer with its experts swapped
+    for the identity runs forward and backward (the layer's check of reassigned experts must not look
+    for experts in the identity), gives its routed tokens back as the combine's sum, and gets its experts
+    and their fast path back after."""
+    from bench_deepspeed import identity_experts
+    from turbomoe.integrations import deepspeed as tds
+    monkeypatch.delenv("TURBOMOE_BACKEND", raising=False)  # CPU tensors: the reference backend
+    torch.manual_seed(0)
+    layer = tds.MoE(16, tds.SwiGLUExpert(16, 24), 4, k=2, drop_tokens=False)
+    inner = layer.deepspeed_moe
+    experts, fast_path = inner.experts, inner.expert_fast_path
+    x = torch.randn(10, 16, requires_grad=True)
+    with identity_experts(layer):
+        out = layer(x)[0]
+        out.sum().backward()
+    # k = 2 renormalised over kept routes, dropless: each token's weights sum to 1, identity rows give x
+    torch.testing.assert_close(out, x.detach(), rtol=1e-5, atol=1e-5)
+    assert inner.experts is experts and inner.expert_fast_path == fast_path
+    layer(x)[0].sum().backward()  # the real experts again

@@ -387,18 +387,29 @@ def test_rts_uniform(backend):
 @pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
 @pytest.mark.parametrize("S,E", [(0, 4), (1, 2), (7, 3), (128, 8), (1000, 64), (333, 128), (64, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_second_expert_cuda_matches_reference(S, E, dtype):
-    """Same uniforms: the same experts (the noise is rounded as torch rounds it), scores and
-    gradients of logits and first scores; rows with non-finite logits route nowhere; S = 0."""
+@pytest.mark.parametrize("sample", [True, False], ids=["sampled", "by_logits"])
+def test_second_expert_cuda_matches_reference(S, E, dtype, sample):
+    """sample_second_expert with the same uniforms, or second_by_logits: the same experts (the noise is
+    rounded as torch rounds it), scores and gradients of logits and first scores; rows with non-finite
+    logits route nowhere; a saturated router's row (softmax rounds the others to 0) and a row of equal
+    logits (ties to the lower id); S = 0."""
     require_cuda_backend()
     torch.manual_seed(S + E)
     logits = make_logits(S, E, dtype)
     if S > 5:
         logits[5, 1] = float("inf")
+        logits[3] = torch.arange(E, device=DEV, dtype=dtype) * -300.0
+        logits[4] = 0.25
     rand = torch.rand(S, E, device=DEV)
     got_l, ref_l = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    got = ops.sample_second_expert(got_l, ops.topk_gating(got_l, 1, backend="cuda"), rand, backend="cuda")
-    exp = ops.sample_second_expert(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), rand, backend="reference")
+    if sample:
+        got = ops.sample_second_expert(got_l, ops.topk_gating(got_l, 1, backend="cuda"), rand, backend="cuda")
+        exp = ops.sample_second_expert(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), rand, backend="reference")
+    else:
+        got = ops.second_by_logits(got_l, ops.topk_gating(got_l, 1, backend="cuda"), backend="cuda")
+        exp = ops.second_by_logits(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), backend="reference")
+        if S > 5:
+            assert got.expert_ids[3].tolist() == [0, 1] and got.expert_ids[4].tolist() == [0, 1]
     assert torch.equal(got.expert_ids, exp.expert_ids) and torch.equal(got.counts, exp.counts)
     assert rel_err(got.scores, exp.scores) < TOL[dtype]
     g = torch.randn(S, 2, device=DEV, dtype=got.scores.dtype)
@@ -409,14 +420,15 @@ def test_second_expert_cuda_matches_reference(S, E, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
-def test_gradcheck_second_expert_cuda():
+@pytest.mark.parametrize("sample", [True, False], ids=["sampled", "by_logits"])
+def test_gradcheck_second_expert_cuda(sample):
     require_cuda_backend()
     from turbomoe.autograd.sampling import SecondExpert
     torch.manual_seed(0)
     logits = make_logits(6, 5, torch.float64).requires_grad_()
     first = ops.topk_gating(logits.detach(), 1, backend="cuda")
     p1 = first.scores.clone().requires_grad_()
-    rand = torch.rand(6, 5, device=DEV)
+    rand = torch.rand(6, 5, device=DEV) if sample else None
     assert torch.autograd.gradcheck(
         lambda l, p: SecondExpert.apply(l, first.expert_ids, p, first.counts, rand, ops.csrc)[1], (logits, p1),
         eps=1e-7, atol=1e-8)
@@ -484,6 +496,46 @@ def test_row_scores_matches_its_definition(S, E, k, C, kind, dtype, any_backend)
     assert torch.equal(sc.grad.double(), want_grad)
 
 
+@pytest.mark.parametrize("S, E, k, C, kind", [(37, 5, 2, 6, "random"), (9, 8, 3, None, "random"),
+                                              (3, 8, 2, None, "random"), (0, 4, 2, 3, "random"),
+                                              (41, 6, 4, 2, "hot"), (13, 1, 1, None, "hot"), (50, 3, 2, 1, "hot")])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_row_scores_renormalized_matches_the_reference(S, E, k, C, kind, dtype, any_backend):
+    """row_scores(renormalize=True), the weights formed in the push kernel each way, against the
+    reference's renormalize_kept then scatter in fp64, forward and backward: tokens with some routes
+    dropped, with all dropped (weight 0, no gradient), one kept route (weight 1, gradient 0), padding
+    rows 0; a score sum under eps (clamped: the weights no longer depend on each other), zeros and a
+    NaN row (NaN weights, as the reference); fresh data, S < E, S = 0 with padding rows, E = 1."""
+    ids, scores = routing(S, E, k, kind)
+    s = ops.assign_slots(ids, scores, E, capacity=C, backend=any_backend)
+    sc = torch.rand(S, k, device=DEV, dtype=torch.float64)
+    if S > 3:
+        sc[0] = 1e-12  # sum below fp32's and bf16's eps: clamped
+        sc[1, 0] = 0.0
+        sc[2] = float("nan")
+    sc = sc.to(dtype).requires_grad_()
+    w_R = ops.row_scores(s, sc, any_backend, renormalize=True)
+    ref_sc = sc.detach().double().requires_grad_()
+    kept = s.slots >= 0
+    w_SK = ref.renormalize_kept(ref_sc.to(ref.compute_dtype(dtype)), s.slots).double()
+    want = torch.zeros(s.num_rows, device=DEV, dtype=torch.float64).index_put((s.slots[kept].long(), ), w_SK[kept])
+    assert w_R.dtype == dtype and w_R.shape == (s.num_rows, )
+    nan_R = torch.isnan(want)
+    assert torch.equal(torch.isnan(w_R), nan_R)
+    assert rel_err(w_R.double()[~nan_R], want[~nan_R]) < TOL[dtype]
+    g_R = torch.randn(s.num_rows, device=DEV, dtype=torch.float64).to(dtype)
+    w_R.backward(g_R)
+    want.backward(g_R.double())
+    ok_SK = ~torch.isnan(ref_sc.grad)
+    assert torch.equal(torch.isnan(sc.grad), ~ok_SK)
+    assert rel_err(sc.grad.double()[ok_SK], ref_sc.grad[ok_SK]) < TOL[dtype]
+    assert (sc.grad[~kept] == 0).all()  # dropped routes
+    if dtype == torch.float64 and S:
+        s2 = sc.detach()[3:].clone().requires_grad_()  # no NaN row
+        s3 = ops.assign_slots(ids[3:], scores[3:], E, capacity=C, backend=any_backend)
+        assert torch.autograd.gradcheck(lambda t: ops.row_scores(s3, t, any_backend, renormalize=True), (s2, ))
+
+
 def test_row_scores_and_unit_gather_errors():
     ids, scores = routing(5, 4, 2)
     s = ops.assign_slots(ids, scores, 4)
@@ -491,6 +543,8 @@ def test_row_scores_and_unit_gather_errors():
         ops.row_scores(s.slots, scores)
     with pytest.raises(ValueError, match="differ"):
         ops.row_scores(s, scores[:, :1])
+    with pytest.raises(TypeError, match="renormalize must be a bool"):
+        ops.row_scores(s, scores, renormalize=1)
     with pytest.raises(ValueError, match="renormalize needs scores"):
         ops.gather_tokens(torch.randn(s.num_rows, 3, device=DEV), s, None, renormalize=True)
 
@@ -549,6 +603,15 @@ def test_router_split_kernels_match_reference(S, M, E, w_dtype):
     assert rel_err(gw, gw_want, 1e-30) < (1e-6 if w_dtype == torch.float32 else 1e-2)
     assert split_grads(g, x, w, need_x=False)[0] is None and split_grads(g, x, w, need_w=False)[1] is None
     assert torch.equal(split_grads(g, x, w, need_w=False)[0], gx)  # deterministic
+    # x's other gradient added in the kernel, in fp32 before the one rounding, as the spec adds it
+    add = torch.randn(S, M, device=DEV).bfloat16()
+    gx_add, gw_add = split_grads(g, x, w, gx_add=add)
+    gx_add_want = ref.split_grads(g, x, w, gx_add=add)[0]
+    assert torch.equal(gw_add, gw)
+    if S:
+        assert (gx_add != (gx64 + add.double()).bfloat16()).float().mean() < 0.01
+        assert (gx_add != gx_add_want).float().mean() < 0.01 and rel_err(gx_add, gx_add_want) < 2 ** -8
+        assert torch.equal(split_grads(g, x, w, need_w=False, gx_add=add.t().contiguous().t())[0], gx_add)
 
 
 def test_router_split_kernels_errors():

@@ -269,7 +269,7 @@ def test_row_launchers_renormalize_needs_its_inputs():
     src = torch.randn(2, 4, generator=gen(13))
     slots = torch.tensor([[0], [1]], dtype=torch.int32)
     out = torch.full((2, 4), 7.0)
-    with pytest.raises(ValueError, match="push_rows: renormalize needs y \\(gather's backward\\)"):
+    with pytest.raises(ValueError, match="push_rows: renormalize needs scores"):
         push_rows(src, slots, out, renormalize=True)
     with pytest.raises(ValueError, match="pull_rows: renormalize needs scores"):
         pull_rows(src, slots, out, renormalize=True)

@@ -182,6 +182,44 @@ def test_second_expert_is_noisy_argmax_without_first():
     assert torch.equal(counts, torch.bincount(ids[ids >= 0].long(), minlength=E).to(torch.int32))
 
 
+@pytest.mark.parametrize("S,E", [(0, 4), (1, 2), (9, 1), (300, 6), (40, 64)])
+def test_second_by_logits_is_the_best_other_logit(S, E):
+    """ops.second_by_logits (the reference: rand None): the argmax of the logits over the experts other
+    than the first choice, ties to the lower id, also where the router saturates (softmax rounds the
+    others to 0: ranked by probability, the lowest id would win); its score softmax(l)[second] with
+    that gradient (gradcheck); a row with a NaN routes nowhere; E = 1 routes to the one expert twice,
+    as stock's top-2; S = 0."""
+    gen = torch.Generator().manual_seed(S + E)
+    logits = torch.randn(S, E, generator=gen, dtype=torch.float64)
+    if S >= 9:
+        logits[1] = torch.arange(E, dtype=torch.float64) * -300.0  # saturated: e = 1 is second by logits
+        logits[2, :] = 0.5  # all equal: first 0, second 1
+        logits[3, 0] = float("nan")
+        logits[4, :] = torch.round(logits[4] * 2) / 2  # a coarse grid: ties among the others
+    first = ops.topk_gating(logits, 1, backend="reference")
+    g = ops.second_by_logits(logits, first, backend="reference")
+    assert g.expert_ids.shape == (S, 2) and g.aux_loss is first.aux_loss and g.z_loss is first.z_loss
+    for s in range(S):
+        row = logits[s].tolist()
+        if any(v != v for v in row):
+            assert g.expert_ids[s].tolist() == [-1, -1] and g.scores[s].tolist() == [0.0, 0.0]
+            continue
+        f = int(g.expert_ids[s, 0])
+        others = [e for e in range(E) if e != f] or [f]
+        assert int(g.expert_ids[s, 1]) == max(others, key=lambda e: (row[e], -e)), (s, row)
+        assert g.scores[s, 1].item() == pytest.approx(torch.softmax(logits[s], 0)[g.expert_ids[s, 1]].item(),
+                                                       rel=1e-12, abs=1e-300)
+    if S >= 9 and E >= 2:
+        assert g.expert_ids[1].tolist() == [0, 1] and g.expert_ids[2].tolist() == [0, 1]
+    routed = g.expert_ids[g.expert_ids >= 0].long()
+    assert torch.equal(g.counts, torch.bincount(routed, minlength=E).to(torch.int32))
+    if S:  # fresh logits without ties: a tie's choice flips under gradcheck's steps
+        fresh = torch.randn(min(S, 12), E, generator=gen, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(
+            lambda l: ops.second_by_logits(l, ops.topk_gating(l, 1, backend="reference"), backend="reference").scores,
+            (fresh, ))
+
+
 @pytest.mark.parametrize("score_func", ref.SCORE_FUNCS)
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_gating_gradients_by_gradcheck(score_func, renormalize):

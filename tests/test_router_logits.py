@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import needs_cuda, rel_err
-from turbomoe.autograd.router import fp32_logits, split_applies
+from turbomoe.autograd.router import fp32_logits, fp32_logits_and_x, split_applies
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
 
@@ -60,6 +60,55 @@ def test_compiled_gradients_equal_eager(device, E):
     for got, want in zip(grads[1], grads[0]):
         assert got is not None
         torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float32, torch.float32)])
+@pytest.mark.parametrize("E", [8, 64])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_x_passed_through_gets_both_gradients(device, dtype, w_dtype, E, compiled):
+    """fp32_logits_and_x: the x it returns is x (same values, storage), and x's gradient is the sum of
+    the logits' and the other consumer's, added inside the router's backward before its one rounding:
+    against fp64, and against the two consumers of x apart (autograd's add of two roundings); the
+    weight's gradient unchanged. Logits unused, or the x passed unused, still give the right gradient.
+    Traced by torch.compile too (dynamo, aot_eager): there the split's PyTorch form runs (cuBLAS, other
+    sums than the kernels'), so against eager within rounding, not bit for bit."""
+    torch.manual_seed(E)
+    S, M = 75, 96
+    x = torch.randn(S, M, device=device).to(dtype)
+    w = (torch.randn(E, M, device=device) * M ** -0.5).to(w_dtype)
+    g, h = torch.randn(S, E, device=device), torch.randn(S, M, device=device).to(dtype)
+    fn = torch.compile(fp32_logits_and_x, backend="aot_eager", fullgraph=True) if compiled else fp32_logits_and_x
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logits, x2 = fn(xa, wa)
+    assert torch.equal(x2, xa) and (compiled or x2.data_ptr() == xa.data_ptr())
+    torch.autograd.backward([logits, x2 * 3], [g, h])
+
+    def same(got, want):
+        if not compiled:
+            return torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=2e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+        return True
+
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.autograd.backward([fp32_logits(xb, wb), xb * 3], [g, h])
+    want = g.double() @ w.double() + 3 * h.double()
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8
+    assert xa.grad.dtype == dtype and rel_err(xa.grad, want) < tol and rel_err(xa.grad, xb.grad) < tol
+    assert same(wa.grad, wb.grad)
+    for used in ("logits", "x"):
+        xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+        logits, x2 = fn(xc, wc)
+        (logits * g).sum().backward() if used == "logits" else (x2 * h).sum().backward()
+        xd, wd = x.clone().requires_grad_(), w.clone().requires_grad_()
+        (fp32_logits(xd, wd) * g).sum().backward() if used == "logits" else (xd * h).sum().backward()
+        assert same(xc.grad, xd.grad)
+        if wd.grad is None:  # the logits unused: no gradient (compiled, zeros)
+            assert wc.grad is None or (compiled and not wc.grad.any())
+        else:
+            assert same(wc.grad, wd.grad)
+    torch._dynamo.reset()
 
 
 def test_gradcheck():

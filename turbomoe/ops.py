@@ -9,6 +9,7 @@ environment variable.
 The data flow of an MoE layer:
     g = topk_gating(logits_SE, k)                       # ids, scores, counts, aux, z
       or sample_second_expert(logits_SE, topk_gating(logits_SE, 1))  # DeepSpeed's sampled top-2
+      or second_by_logits(logits_SE, topk_gating(logits_SE, 1))      # DeepSpeed's unsampled top-2
     s = assign_slots(g.expert_ids, g.scores, E, capacity=C)
     buf_RM = scatter_tokens(x_SM, s)                     # experts run on buf
     out_SM = gather_tokens(y_RM, s, g.scores)
@@ -24,6 +25,7 @@ from . import csrc, custom_ops, reference
 from .autograd.gather import gather_tokens as _gather_fn
 from .autograd.gating import topk_gating as _gating_fn
 from .autograd.sampling import second_expert as _second_expert_fn
+from .autograd.scatter import row_scores as _row_scores_fn
 from .autograd.scatter import scatter_tokens as _scatter_fn
 from .reference import DROP_POLICIES, SCORE_FUNCS, GatingOutput, Slots, debug_checks  # noqa: F401 (re-exported)
 
@@ -213,12 +215,38 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
     The cuda backend fuses the op into one kernel each way (eagerly); triton, reference and any
     backend under torch.compile run the reference.
     """
+    S, E = _check_second(logits_SE, first)
+    if E < 2:
+        raise ValueError("a second expert needs at least two experts")
+    if rand_SE is None:
+        rand_SE = torch.rand(S, E, device=logits_SE.device)
+    elif rand_SE.dtype != torch.float32 or tuple(rand_SE.shape) != (S, E):
+        raise ValueError(f"rand must be float32 [{S}, {E}], got {rand_SE.dtype} {tuple(rand_SE.shape)}")
+    _check_same_device(logits=logits_SE, expert_ids=first.expert_ids, rand=rand_SE)
+    return _second_expert(logits_SE, first, rand_SE, backend)
+
+
+def second_by_logits(logits_SE: torch.Tensor, first: GatingOutput, backend: Optional[str] = None) -> GatingOutput:
+    """Top-2 gating as DeepSpeed's top2gating without sampling: first by probability (first:
+    topk_gating(logits, 1)), the second the argmax of the logits over the other experts (ties to the
+    lower id), its score its router probability. Not topk_gating(logits, 2), which ranks probabilities:
+    where the router saturates (a logit gap past ~100) softmax rounds the others to 0, and its tie rule
+    would send every such token's second route to the lowest id. Returns first with expert_ids and
+    scores [S, 2] and counts including the second choices; aux and z are first's. With E = 1 the second
+    route is the first's expert again, as stock's. The cuda backend fuses it into one kernel each way
+    (eagerly); triton, reference and any backend under torch.compile run the reference.
+    """
+    _, E = _check_second(logits_SE, first)
+    _check_same_device(logits=logits_SE, expert_ids=first.expert_ids)
+    return _second_expert(logits_SE, first, None, backend if E >= 2 else "reference")
+
+
+def _check_second(logits_SE: torch.Tensor, first: GatingOutput):
+    """S, E of the logits of a second-expert op, whose first choices first are."""
     _check_float("logits", logits_SE, 2)
     if logits_SE.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"logits must be float32 or float64 (the router's dtype), got {logits_SE.dtype}")
     S, E = logits_SE.shape
-    if E < 2:
-        raise ValueError("a second expert needs at least two experts")
     if not isinstance(first, GatingOutput):
         raise TypeError(f"first must be the GatingOutput of topk_gating(logits, 1), got {type(first).__name__}")
     if (tuple(first.expert_ids.shape) != (S, 1) or tuple(first.scores.shape) != (S, 1)
@@ -226,12 +254,11 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
         raise ValueError(f"first must be the top-1 gating of these logits, [S, 1] = [{S}, 1] with counts [E] = "
                          f"[{E}]; got expert_ids {tuple(first.expert_ids.shape)}, scores {tuple(first.scores.shape)}, "
                          f"counts {tuple(first.counts.shape)}")
-    if rand_SE is None:
-        rand_SE = torch.rand(S, E, device=logits_SE.device)
-    elif rand_SE.dtype != torch.float32 or tuple(rand_SE.shape) != (S, E):
-        raise ValueError(f"rand must be float32 [{S}, {E}], got {rand_SE.dtype} {tuple(rand_SE.shape)}")
-    _check_same_device(logits=logits_SE, expert_ids=first.expert_ids, rand=rand_SE)
-    backend = choose_backend(logits_SE, backend, E)
+    return S, E
+
+
+def _second_expert(logits_SE, first: GatingOutput, rand_SE, backend) -> GatingOutput:
+    backend = choose_backend(logits_SE, backend, logits_SE.shape[1])
     # While compiling, the reference (plain PyTorch, traced; the same draws): the fused kernel is no custom op.
     if backend == "cuda" and not torch.compiler.is_compiling():
         ids, scores, counts = _second_expert_fn(logits_SE, first.expert_ids, first.scores, first.counts, rand_SE, csrc)
@@ -434,19 +461,33 @@ def buffer_counts(slots: Slots) -> torch.Tensor:
     return torch.full_like(slots.kept_counts, slots.capacity)
 
 
-def row_scores(slots: Slots, scores_SK: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
-    """w [R] of the expert buffer's rows: row slots[s, j] gets scores[s, j]; rows no route fills
-    (capacity's padding) 0. Differentiable (a dropped route's gradient is 0). With them the experts
-    weigh their rows (GroupedExperts' row_scale) and gather_tokens sums with w = 1, so the experts'
-    outputs need not be kept for the scores' gradient.
+def row_scores(slots: Slots, scores_SK: torch.Tensor, backend: Optional[str] = None, *,
+               renormalize: bool = False) -> torch.Tensor:
+    """w [R] of the expert buffer's rows: row slots[s, j] gets scores[s, j], or with renormalize each
+    token's kept scores over their sum (DeepSpeed's top-k combine weights after capacity,
+    reference.renormalize_kept); rows no route fills (capacity's padding) 0. Differentiable (a
+    dropped route's gradient is 0). With them the experts weigh their rows (GroupedExperts'
+    row_scale) and gather_tokens sums with w = 1, so the experts' outputs need not be kept for the
+    scores' gradient.
 
-    It is scatter_tokens of the scores as one-column tokens, a route each (the same table read
-    route-major, the same kept counts): one row push forward and one pull back, where the plain
-    PyTorch scatter took nine launches and three (host time, in steps bound by it)."""
+    The kernels form the weights per token in registers: one row push each way, where the plain
+    PyTorch form (the reference: the renormalisation, then a scatter of the scores read route-major)
+    takes a dozen launches each way (host time, in steps bound by it)."""
     if not isinstance(slots, Slots):
         raise TypeError(f"row_scores needs the Slots from assign_slots, got {type(slots).__name__}")
+    check_bool("renormalize", renormalize)
     _check_float("scores", scores_SK, 2)
     if slots.slots.shape != scores_SK.shape:
         raise ValueError(f"slots {tuple(slots.slots.shape)} and scores {tuple(scores_SK.shape)} differ")
-    routes = Slots(slots.slots.reshape(-1, 1), slots.kept_counts, slots.num_rows, slots.capacity)
-    return scatter_tokens(scores_SK.reshape(-1, 1), routes, backend=backend).view(-1)
+    _check_same_device(slots=slots.slots, scores=scores_SK)
+    backend = choose_backend(scores_SK, backend)
+    if backend == "reference" or torch.compiler.is_compiling():  # compiled: traced, the scatter a custom op
+        # renormalised in the accumulation dtype, as the kernels and gather_tokens do (its eps clamps)
+        w_SK = scores_SK
+        if renormalize:
+            w_SK = reference.renormalize_kept(scores_SK.to(reference.compute_dtype(scores_SK.dtype)), slots.slots)
+            w_SK = w_SK.to(scores_SK.dtype)
+        routes = Slots(slots.slots.reshape(-1, 1), slots.kept_counts, slots.num_rows, slots.capacity)
+        return scatter_tokens(w_SK.reshape(-1, 1), routes, backend=backend).view(-1)
+    return _row_scores_fn(scores_SK, slots.slots, slots.num_rows, slots.kept_counts, slots.capacity, _impl(backend),
+                          renormalize)

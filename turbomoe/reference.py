@@ -184,17 +184,19 @@ def score_of_other_expert(first_scores_S1: torch.Tensor, logits_SE: torch.Tensor
 
 
 def second_expert(logits_SE: torch.Tensor, first_ids_S1: torch.Tensor, first_scores_S1: torch.Tensor,
-                  counts_E: torch.Tensor, rand_SE: torch.Tensor):
-    """Top-2 gating's sampled second expert (DeepSpeed's top2_2nd_expert_sampling): the argmax of
-    logits + Gumbel noise over the experts other than the first choice (ties to the lower id), and
-    its router probability p2 = p1 * exp(l2 - l1), differentiable in logits and p1.
+                  counts_E: torch.Tensor, rand_SE: Optional[torch.Tensor]):
+    """Top-2 gating's second expert as DeepSpeed picks it: the argmax of logits + Gumbel noise
+    (top2_2nd_expert_sampling), or of the logits alone (rand None), over the experts other than the
+    first choice (ties to the lower id), and its router probability p2 = p1 * exp(l2 - l1),
+    differentiable in logits and p1.
 
     logits [S, E] fp32 or fp64; first_ids [S, 1] (-1: no route, then no second either);
-    first_scores [S, 1] = p1; counts [E] of the first choices; rand [S, E] fp32 uniforms.
+    first_scores [S, 1] = p1; counts [E] of the first choices; rand [S, E] fp32 uniforms or None.
     Returns ids [S, 2] int32, scores [S, 2] (p1, p2) and counts [E] int32 with the second choices.
+    With E = 1 the second is the first again (the others are all -inf), as stock's top-2 has it.
     """
     first = first_ids_S1.long()
-    noisy = logits_SE.detach() + gumbel_noise(rand_SE).to(logits_SE.dtype)
+    noisy = logits_SE.detach() if rand_SE is None else logits_SE.detach() + gumbel_noise(rand_SE).to(logits_SE.dtype)
     noisy = noisy.scatter(1, first.clamp_min(0), float("-inf"))
     second = torch.where(first >= 0, noisy.argmax(1, keepdim=True), first)
     p2 = score_of_other_expert(first_scores_S1, logits_SE, first, second)
@@ -343,10 +345,11 @@ _G_TERMS, _W_TERMS = [0, 0, 1, 0, 1, 2], [0, 1, 0, 2, 1, 0]
 
 
 def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool = True, need_w: bool = True,
-                terms=bf16_terms):
-    """The gradients of split_logits for an fp32 g [S, E]: (g @ w in bf16, g^T @ x in w's dtype: fp32
-    where w is an fp32 w's terms), None where not needed, from g's bf16 terms (made by `terms`: this
-    function or one with its bits) and w's where fp32, on bf16 products with fp32 sums."""
+                terms=bf16_terms, gx_add: Optional[torch.Tensor] = None):
+    """The gradients of split_logits for an fp32 g [S, E]: (g @ w in bf16, + gx_add [S, M] where given
+    (x's other gradient, added in fp32 before the one rounding), g^T @ x in w's dtype: fp32 where w is
+    an fp32 w's terms), None where not needed, from g's bf16 terms (made by `terms`: this function or
+    one with its bits) and w's where fp32, on bf16 products with fp32 sums."""
     S, E = g_SE.shape
     g_STE = terms(g_SE.float())
     w = _split_weight(w_EM)
@@ -357,7 +360,10 @@ def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need
         else:
             a = torch.cat([g_STE[:, i] for i in _G_TERMS], dim=1)  # [S, 6 E]
             b = torch.cat([w[:, j] for j in _W_TERMS])  # [6 E, M]
-        gx = _mm_exact(a, b, x_SM.dtype)
+        if gx_add is None:
+            gx = _mm_exact(a, b, x_SM.dtype)
+        else:
+            gx = (_mm_exact(a, b, torch.float32) + gx_add.float()).to(x_SM.dtype)
     if need_w:
         gw = _mm_exact(g_STE.reshape(S, BF16_TERMS * E).t(), x_SM, torch.float32)
         gw = gw.view(BF16_TERMS, E, x_SM.shape[1]).sum(0).to(torch.float32 if w_EM.dim() == 3 else w_EM.dtype)

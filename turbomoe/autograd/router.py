@@ -52,9 +52,13 @@ class Fp32Logits(torch.autograd.Function):
     (the router's choices are the precision-sensitive part; autocast would round them to 16 bits)."""
 
     @staticmethod
-    def forward(ctx, x_SM, w_EM):
+    def forward(ctx, x_SM, w_EM, pass_x: bool = False):
+        """pass_x: also return x itself, for x's other consumer: its gradient comes back to this node,
+        which adds it inside the kernel of x's gradient (else autograd adds the two in a pass of its own)."""
+        ctx.set_materialize_grads(False)
         with _no_autocast(x_SM):  # fp32 logits under torch.autocast too
-            return Fp32Logits._forward(ctx, x_SM, w_EM)
+            logits_SE = Fp32Logits._forward(ctx, x_SM, w_EM)
+        return (logits_SE, x_SM) if pass_x else logits_SE
 
     @staticmethod
     def _forward(ctx, x_SM, w_EM):
@@ -71,26 +75,46 @@ class Fp32Logits(torch.autograd.Function):
         return torch.mm(x_SM.float(), w_EM.float().t())
 
     @staticmethod
-    def backward(ctx, g_SE):  # the split's kernels (or their PyTorch form: bf16 terms) once; torch.mm twice
-        return kernel_backward(ctx.split, Fp32Logits._backward, ctx, g_SE)
+    def backward(ctx, g_SE, g_x_SM=None):  # the split's kernels (or their PyTorch form: bf16 terms) once; torch.mm twice
+        return kernel_backward(ctx.split, Fp32Logits._backward, ctx, g_SE, g_x_SM)
 
     @staticmethod
-    def _backward(ctx, g_SE):
+    def _backward(ctx, g_SE, g_x_SM):
         x_SM, w_EM, w_terms = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
+        if g_SE is None:  # the logits had no gradient (grads are not materialised)
+            return g_x_SM, None, None
         g_SE = g_SE.float()
         with _no_autocast(g_SE):  # a backward called inside autocast's region
             if ctx.split:
                 impl = _split_impl(w_EM.shape[0])
                 if impl is reference:
-                    return reference.split_grads(g_SE, x_SM, w_EM if w_terms is None else w_terms, need_x, need_w,
-                                                 _terms())
-                return impl.split_grads(g_SE, x_SM, w_EM, need_x, need_w)
-            gx = torch.mm(g_SE, w_EM.float()).to(x_SM.dtype) if need_x else None  # fp32, rounded once, as F.linear's
-            gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype) if need_w else None
-            return gx, gw
+                    # x's other gradient added after, as autograd would: with it added first (an fp32-output
+                    # GEMM), traced by torch.compile on an H100 with a bf16 w, x's gradient came out 9% off
+                    # fp64 (tests/test_router_logits.py, compiled cases; cause not found)
+                    gx, gw = reference.split_grads(g_SE, x_SM, w_EM if w_terms is None else w_terms, need_x, need_w,
+                                                   _terms())
+                    if gx is not None and g_x_SM is not None:
+                        gx = gx + g_x_SM
+                else:
+                    gx, gw = impl.split_grads(g_SE, x_SM, w_EM, need_x, need_w, g_x_SM)
+                return gx, gw, None
+            gx = gw = None
+            if need_x:  # fp32, rounded once, as F.linear's (with x's other gradient added before)
+                gx = torch.mm(g_SE, w_EM.float())
+                gx = (gx if g_x_SM is None else gx + g_x_SM.float()).to(x_SM.dtype)
+            if need_w:
+                gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype)
+            return gx, gw, None
 
 
 def fp32_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
     """logits [S, E] fp32 of x [S, M] and the router weight w [E, M], any float dtypes."""
     return Fp32Logits.apply(x_SM, w_EM)
+
+
+def fp32_logits_and_x(x_SM: torch.Tensor, w_EM: torch.Tensor):
+    """(fp32_logits(x, w), x): the x to give x's other consumer (the layer's dispatch), whose gradient
+    this node adds inside the kernel of x's gradient, saving autograd's add of the two ([S, M], a pass
+    over three times x's bytes)."""
+    return Fp32Logits.apply(x_SM, w_EM, True)

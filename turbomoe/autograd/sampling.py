@@ -1,4 +1,5 @@
-"""autograd.Function for second_expert (top-2 second-expert sampling), hand-written backward."""
+"""autograd.Function for second_expert (top-2's second expert, sampled or the best other logit), hand-written
+backward."""
 import torch
 
 from ..reference import as_contiguous

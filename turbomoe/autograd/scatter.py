@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from ..reference import as_contiguous
+from ..reference import as_contiguous, compute_dtype
 from . import once_differentiable
 
 
@@ -32,3 +32,39 @@ class ScatterTokens(torch.autograd.Function):
 
 def scatter_tokens(x_SM, slots_SK, num_rows: int, kept_counts_E, capacity, impl):
     return ScatterTokens.apply(x_SM, slots_SK, num_rows, kept_counts_E, capacity, impl)
+
+
+class RowScores(torch.autograd.Function):
+    """w [R] of the buffer's rows: row slots[s, j] gets w[s, j] (the scores, or with renormalize the
+    kept ones over their sum), rows no route fills 0. The push kernel on unit one-column tokens forms
+    the weights per token in registers, and with the rows' gradient as y its dot products are the
+    scores' gradient: one launch each way."""
+
+    @staticmethod
+    def forward(ctx, scores_SK, slots_SK, num_rows: int, kept_counts_E: Optional[torch.Tensor],
+                capacity: Optional[int], impl, renormalize: bool):
+        acc = compute_dtype(scores_SK.dtype)  # the kernels take the scores in their accumulation dtype
+        ctx.dtype = scores_SK.dtype
+        scores_SK, slots_SK = as_contiguous(scores_SK, acc), as_contiguous(slots_SK, torch.int32)
+        ones_S1 = scores_SK.new_ones(slots_SK.shape[0], 1)
+        w_R1 = scores_SK.new_empty(num_rows, 1)
+        impl.push_rows(ones_S1, slots_SK, w_R1, kept_counts_E, capacity, scores_SK=scores_SK, renormalize=renormalize)
+        ctx.save_for_backward(ones_S1, slots_SK, scores_SK, kept_counts_E)
+        ctx.capacity, ctx.impl, ctx.renormalize = capacity, impl, renormalize
+        return as_contiguous(w_R1.view(-1), ctx.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_w_R):
+        ones_S1, slots_SK, scores_SK, kept_counts_E = ctx.saved_tensors
+        grad_scores_SK = torch.empty_like(scores_SK)
+        # The push writes the unit rows again (a scratch column) beside the dot products.
+        scratch_R1 = scores_SK.new_empty(grad_w_R.shape[0], 1)
+        ctx.impl.push_rows(ones_S1, slots_SK, scratch_R1, kept_counts_E, ctx.capacity, scores_SK=scores_SK,
+                           y_RM=as_contiguous(grad_w_R, scores_SK.dtype).view(-1, 1), dscores_SK=grad_scores_SK,
+                           renormalize=ctx.renormalize)
+        return as_contiguous(grad_scores_SK, ctx.dtype), None, None, None, None, None, None
+
+
+def row_scores(scores_SK, slots_SK, num_rows: int, kept_counts_E, capacity, impl, renormalize: bool):
+    return RowScores.apply(scores_SK, slots_SK, num_rows, kept_counts_E, capacity, impl, renormalize)

@@ -2,8 +2,8 @@
 
 The same five launchers as the Triton backend (turbomoe/kernels/__init__.py), with the same
 signatures and results: gating_forward, gating_backward, assign_slots, push_rows, pull_rows; and
-second_expert_forward / _backward (top-2 second-expert sampling, which only this backend fuses). Each
-launcher is one C++ call that allocates and launches everything its op needs, so an op costs a
+second_expert_forward / _backward (top-2's second expert, sampled or not: only this backend fuses
+it). Each launcher is one C++ call that allocates and launches everything its op needs, so an op costs a
 few microseconds of host time where a chain of Triton launches from Python costs tens to hundreds:
 the gating path of a training step is host-bound at practical batch sizes.
 
@@ -189,11 +189,11 @@ def pull_rows(y_RM, slots_SK, out_SM, scores_SK=None, renormalize=False):
 
 
 def second_expert_forward(logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE):
-    """ids [S, 2] int32 (first, sampled second), scores [S, 2], counts [E] int32 with the second
-    choices added (see turbomoe.reference.second_expert)."""
+    """ids [S, 2] int32 (first, second: sampled, or the best other logit where rand_SE is None),
+    scores [S, 2], counts [E] int32 with the second choices added (see turbomoe.reference.second_expert)."""
     return extension().second_expert_forward(logits_SE.contiguous(), as_contiguous(first_ids_S1, torch.int32),
                                              as_contiguous(first_scores_S1, logits_SE.dtype), counts_E,
-                                             rand_SE.contiguous())
+                                             None if rand_SE is None else rand_SE.contiguous())
 
 
 def second_expert_backward(logits_SE, ids_S2, first_scores_S1, grad_scores_S2):

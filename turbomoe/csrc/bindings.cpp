@@ -17,7 +17,7 @@ void pull_rows(const at::Tensor& y, const at::Tensor& slots, at::Tensor& out, co
                bool renorm);
 std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at::Tensor& first,
                                               const at::Tensor& first_score, const at::Tensor& counts_first,
-                                              const at::Tensor& rand);
+                                              const c10::optional<at::Tensor>& rand);
 std::vector<at::Tensor> second_expert_backward(const at::Tensor& logits, const at::Tensor& ids,
                                                const at::Tensor& first_score, const at::Tensor& grad_scores);
 std::vector<at::Tensor> index_shuffling(const at::Tensor& logits, int64_t k, bool shared, bool sigmoid, bool renorm);
@@ -29,7 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("assign_slots", &turbomoe::assign_slots, "expert ids -> slots, kept counts");
   m.def("push_rows", &turbomoe::push_rows, "out[slots[s, j]] = (weight *) src[s]; optional dot products");
   m.def("pull_rows", &turbomoe::pull_rows, "out[s] = sum_j (weight *) y[slots[s, j]]");
-  m.def("second_expert_forward", &turbomoe::second_expert_forward, "Gumbel-max second expert of top-2 gating");
+  m.def("second_expert_forward", &turbomoe::second_expert_forward,
+        "second expert of top-2 gating: Gumbel-max, or the best other logit");
   m.def("second_expert_backward", &turbomoe::second_expert_backward, "grad of its scores -> grad of logits");
   m.def("index_shuffling", &turbomoe::index_shuffling, "logits -> ids, scores, counts, slots, row_routes");
 }

@@ -180,8 +180,7 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
   check_2d(src, "src");
   check_2d(out, "out");
   check_slots(slots);
-  // Renormalised weights only where gather uses them: its backward (y given).
-  TORCH_CHECK(!renorm || y.has_value(), "push_rows: renorm needs y (gather's backward)");
+  TORCH_CHECK(!renorm || scores.has_value(), "push_rows: renorm needs scores");
   const c10::cuda::CUDAGuard guard(src.device());
   const int64_t S = src.size(0), M = src.size(1), R = out.size(0);
   const int K = slots.size(1);
@@ -211,6 +210,7 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
       // and its grad scores must still be written (zeros).
       if (y.has_value() && renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, true>);
       else if (y.has_value()) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, false>);
+      else if (renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, true>);  // row_scores
       else if (scores.has_value()) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, false>);
       else launch(push_rows_kernel<scalar_t, acc_t, VEC, false, false, false>);
     });

@@ -1,5 +1,7 @@
-// Second-expert sampling of top-2 gating (DeepSpeed's top2_2nd_expert_sampling), fused:
+// The second expert of DeepSpeed's top-2 gating, fused:
 //   second = argmax over e != first of logits[s, e] + gumbel[s, e],   score2 = p1 * exp(l2 - l1)
+// with gumbel from the uniforms rand (top2_2nd_expert_sampling), or 0 where rand is null (stock's
+// unsampled top-2: the best other logit).
 // gumbel = -log(-log(tiny + rand * range)) from the uniforms torch.rand drew, rounded op by op as
 // torch.distributions.Gumbel(0, 1).rsample computes it (no FMA contraction), so the same uniforms
 // give the same experts as stock. One warp owns a row (as in gating.cu); ties go to the lower id,
@@ -26,9 +28,11 @@ __global__ void second_expert_fwd_kernel(const scalar_t* __restrict__ logits, co
     for (int i = 0; i < CPL; ++i) {
       const int c = lane + WARP * i;
       if (c < E && c != f) {
-        const float u = __fadd_rn(tiny, __fmul_rn(rand[row * E + c], range));
-        const float noise = -logf(-logf(u));
-        const scalar_t v = logits[row * E + c] + static_cast<scalar_t>(noise);
+        scalar_t v = logits[row * E + c];
+        if (rand != nullptr) {
+          const float u = __fadd_rn(tiny, __fmul_rn(rand[row * E + c], range));
+          v += static_cast<scalar_t>(-logf(-logf(u)));
+        }
         if (beats(v, c, best, best_id)) {
           best = v;
           best_id = c;
@@ -70,7 +74,7 @@ __global__ void second_expert_bwd_kernel(const scalar_t* __restrict__ logits, co
 // Returns ids [S, 2] int32, scores [S, 2] and counts [E] int32 (counts_first + second choices).
 std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at::Tensor& first,
                                               const at::Tensor& first_score, const at::Tensor& counts_first,
-                                              const at::Tensor& rand) {
+                                              const c10::optional<at::Tensor>& rand) {
   check_2d(logits, "logits");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble, "logits: fp32 or fp64");
   TORCH_CHECK(logits.size(1) <= MAX_EXPERTS, "second expert: E must be at most ", MAX_EXPERTS);
@@ -78,8 +82,9 @@ std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at
               "first ids: contiguous int32 [S]");
   const int64_t S = logits.size(0);
   const int E = logits.size(1);
-  TORCH_CHECK(rand.scalar_type() == at::kFloat && rand.is_contiguous() && rand.sizes() == logits.sizes(),
-              "rand: contiguous fp32 [S, E]");
+  TORCH_CHECK(logits.size(1) >= 2, "second expert: E must be at least 2");
+  TORCH_CHECK(!rand || (rand->scalar_type() == at::kFloat && rand->is_contiguous() && rand->sizes() == logits.sizes()),
+              "rand: contiguous fp32 [S, E], or None");
   TORCH_CHECK(first_score.scalar_type() == logits.scalar_type() && first_score.is_contiguous() &&
                   first_score.numel() == S, "first scores: contiguous [S] in the logits' dtype");
   const c10::cuda::CUDAGuard guard(logits.device());
@@ -94,7 +99,7 @@ std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "turbomoe_second_expert_fwd", [&] {
     TURBOMOE_DISPATCH_CPL(E, [&] {
       second_expert_fwd_kernel<scalar_t, CPL><<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(
-          logits.data_ptr<scalar_t>(), rand.data_ptr<float>(), first.data_ptr<int32_t>(),
+          logits.data_ptr<scalar_t>(), rand ? rand->data_ptr<float>() : nullptr, first.data_ptr<int32_t>(),
           first_score.data_ptr<scalar_t>(), ids.data_ptr<int32_t>(), scores.data_ptr<scalar_t>(),
           counts.data_ptr<int32_t>(), S, E, tiny, range);
     });

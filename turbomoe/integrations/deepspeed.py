@@ -100,7 +100,7 @@ class TurboMOELayer(MOELayer):
                      and fast_path_applies(self.experts, self.expert_fast_path, x_SM))
             rows_layout = local and not self.gate.drop_tokens
             with _timed(self.gate, TOPK_GATE_TIMER, "gate_time"):
-                s, scores_SK = self._route_and_assign(x_SM, used_token, rows_layout)
+                s, scores_SK, x_SM = self._route_and_assign(x_SM, used_token, rows_layout)
             dtype = autocast_dtype(x_SM)
             if dtype is not None:  # torch.autocast: the tokens move in its dtype, as through stock's einsums
                 x_SM = x_SM.to(dtype)
@@ -109,8 +109,7 @@ class TurboMOELayer(MOELayer):
             row_scale_R = None
             if local and scales_rows(self.expert_fast_path, self.experts.deepspeed_experts):
                 # Applied inside the experts' activation instead (MoELayer's order): y is not kept.
-                w_SK = reference.renormalize_kept(scores_SK, s.slots) if self.norm_topk_prob else scores_SK
-                row_scale_R = ops.row_scores(s, w_SK)
+                row_scale_R = ops.row_scores(s, scores_SK, renormalize=self.norm_topk_prob)
             if rows_layout:
                 # The rows again from x_SM (the router's GEMM keeps it).
                 with remaking(self.recompute, buf_RM, lambda: ops.scatter_tokens(x_SM, s), (x_SM, )) as remake:
@@ -135,9 +134,11 @@ class TurboMOELayer(MOELayer):
         return out_SM if hidden_states.dim() == 2 else out_SM.reshape(hidden_states.shape)
 
     def _route_and_assign(self, x_SM: torch.Tensor, used_token: Optional[torch.Tensor], rows_layout: bool):
-        """Sets l_aux and exp_counts; returns the slots and the routes' scores [S, k]."""
+        """Sets l_aux and exp_counts; returns the slots, the routes' scores [S, k] and x for the dispatch
+        (router_logits': its gradient added in the router's backward)."""
         gate = self.gate
-        routes = route(gate, router_logits(gate, x_SM), used_token)
+        logits_SE, x_SM = router_logits(gate, x_SM)
+        routes = route(gate, logits_SE, used_token)
         self.l_aux = routes.l_aux
         # stock: routes per expert before capacity, int64; top-1 multiplies its mask by used_token, so
         # a float used_token gives float counts
@@ -160,7 +161,7 @@ class TurboMOELayer(MOELayer):
         s = ops.assign_slots(ids_SK, rank_SK, routes.counts.shape[0], capacity=C, drop_policy=policy)
         if choice_major:
             s = s._replace(slots=s.slots.view(gate.k, -1).t().contiguous())
-        return s, routes.scores
+        return s, routes.scores, x_SM
 
     def _exchange_and_run_experts(self, buf_RM: torch.Tensor, C: int) -> torch.Tensor:
         """The buffer [E * C, M] on every rank -> each rank's experts on their rows from all ranks ->

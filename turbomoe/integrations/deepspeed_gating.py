@@ -7,7 +7,7 @@ makes per (token, expert) -- the Gumbel noise of top-2 sampling and of RSample, 
 random token selection -- which keep their [S, E] shape so that the same seed gives the same routes
 (and kept tokens) as stock, and leaves torch's generators where stock leaves them.
 """
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -17,7 +17,7 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from .. import ops
-from ..autograd.router import fp32_logits
+from ..autograd.router import fp32_logits, fp32_logits_and_x
 from ..reference import count_routes, score_of_other_expert
 
 
@@ -29,19 +29,20 @@ class Routes(NamedTuple):
     priority: Optional[torch.Tensor] = None  # [S, k] an over-full expert keeps its largest; None: scores
 
 
-def router_logits(gate: TopKGate, x_SM: torch.Tensor) -> torch.Tensor:
-    """logits [S, E] in fp32 as stock's (an fp32 GEMM of x and the router weight), with its input
-    jitter in training (noisy_gate_policy='Jitter')."""
+def router_logits(gate: TopKGate, x_SM: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(logits [S, E] in fp32 as stock's (an fp32 GEMM of x and the router weight), with its input
+    jitter in training (noisy_gate_policy='Jitter'); x for the dispatch: where the router read x
+    itself, x passed through its node, which adds the dispatch's gradient into its own kernel)."""
     if gate.noisy_gate_policy == "Jitter" and gate.training:
-        x_SM = multiplicative_jitter(x_SM.float(), device=x_SM.device)
-    return fp32_logits(x_SM, gate.wg.weight)
+        return fp32_logits(multiplicative_jitter(x_SM.float(), device=x_SM.device), gate.wg.weight), x_SM
+    return fp32_logits_and_x(x_SM, gate.wg.weight)
 
 
 def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.Tensor] = None) -> Routes:
     """Stock's expert choice, router scores, exp_counts and l_aux.
 
     k = 2 with top2_2nd_expert_sampling draws the second expert from softmax(logits) minus the first
-    (Gumbel-max over the logits, as stock); without, it is the best other logit (second_by_logits).
+    (Gumbel-max over the logits, as stock); without, it is the best other logit (ops.second_by_logits).
     k = 1 honours used_token (nonzero = used; unused tokens route nowhere) and, in training, RSample
     (first expert by Gumbel-max). Stock ignores used_token for k >= 2, and so does this.
     """
@@ -60,7 +61,7 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
     if sample_second:  # draws its noise from torch.rand(S, E), as stock's gumbel_rsample
         g = ops.sample_second_expert(logits_SE, g)
     elif k == 2:
-        g = second_by_logits(logits_SE, g)
+        g = ops.second_by_logits(logits_SE, g)
     # l_aux stays the op's: for k <= 2 stock counts only first choices, with coefficient E.
     ids, scores, counts, l_aux = g.expert_ids, g.scores, g.counts, g.aux_loss
     if rsample:
@@ -87,20 +88,6 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
         u_SE = torch.rand(S, E, device=logits_SE.device)
         priority = u_SE.gather(1, ids.long().clamp_min(0))
     return Routes(ids, scores, counts, l_aux, priority)
-
-
-def second_by_logits(logits_SE: torch.Tensor, first: ops.GatingOutput) -> ops.GatingOutput:
-    """Stock's unsampled top-2: the second expert is the argmax of the logits over the others (ties to
-    the lower id, as torch.argmax), its score its router probability. Not the op's top-2, which ranks
-    probabilities: where the router saturates (a logit gap past ~100), softmax rounds the others to
-    0 and its tie rule sent every such token's second route to the lowest id, filling that expert."""
-    first_S1 = first.expert_ids.long()
-    others_SE = logits_SE.detach().scatter(1, first_S1.clamp_min(0), float("-inf"))
-    second_S1 = torch.where(first_S1 >= 0, others_SE.argmax(1, keepdim=True), first_S1)  # -1: no route
-    p2_S1 = score_of_other_expert(first.scores, logits_SE, first_S1, second_S1)
-    counts_E = first.counts + count_routes(second_S1, logits_SE.shape[1])
-    return first._replace(expert_ids=torch.cat([first_S1, second_S1], 1).to(torch.int32),
-                          scores=torch.cat([first.scores, p2_S1], 1), counts=counts_E)
 
 
 def drop_policy(gate: TopKGate) -> str:

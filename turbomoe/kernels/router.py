@@ -13,6 +13,8 @@ by E and T programs, from L2, so from tens of tokens router_logit_parts takes ov
 sums left for the Triton index_shuffling to add in order as it loads them (one launch, and no
 reduction kernel: 1.8-3.5 us at Scout's T = 32-256 and Qwen3's T = 16-64, H100).
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -182,8 +184,9 @@ def _split_logits_kernel(x_ptr, w_ptr, out_ptr, S, M, E, stride_xs, stride_we, W
 
 
 @triton.jit(do_not_specialize=["S"])
-def _split_grad_x_kernel(g_ptr, w_ptr, gx_ptr, S, M, E, stride_we, stride_xs, W_SPLIT: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, F32: tl.constexpr):
+def _split_grad_x_kernel(g_ptr, w_ptr, add_ptr, gx_ptr, S, M, E, stride_we, stride_xs, W_SPLIT: tl.constexpr,
+                         ADD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                         F32: tl.constexpr):
     rows, r_ok = _span(tl.program_id(0).to(tl.int64) * BLOCK_S, BLOCK_S, S)
     cols, c_ok = _span(tl.program_id(1) * BLOCK_M, BLOCK_M, M)
     acc = tl.zeros((BLOCK_S, BLOCK_M), dtype=tl.float32)
@@ -204,6 +207,8 @@ def _split_grad_x_kernel(g_ptr, w_ptr, gx_ptr, S, M, E, stride_we, stride_xs, W_
             acc = _dot(g0, w, acc, F32)
             acc = _dot(g1, w, acc, F32)
             acc = _dot(g2, w, acc, F32)
+    if ADD:  # x's other gradient, added in fp32 before the one rounding
+        acc += _tile(add_ptr, rows, cols, stride_xs, r_ok, c_ok).to(tl.float32)
     tl.store(gx_ptr + rows[:, None] * stride_xs + cols[None, :], _to_bf16(acc, F32),
              mask=r_ok[:, None] & c_ok[None, :])
 
@@ -304,10 +309,11 @@ def split_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool = True, need_w: bool = True):
-    """The gradients of split_logits for an fp32 g [S, E]: (g @ w [S, M] bf16, g^T @ x [E, M] in w's
-    dtype), None where not needed; one launch each, the weight's plus a sum of its split parts in a
-    fixed order (spec: reference.split_grads)."""
+def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need_x: bool = True, need_w: bool = True,
+                gx_add: Optional[torch.Tensor] = None):
+    """The gradients of split_logits for an fp32 g [S, E]: (g @ w [S, M] bf16, + gx_add [S, M] where
+    given, g^T @ x [E, M] in w's dtype), None where not needed; one launch each, the weight's plus a
+    sum of its split parts in a fixed order (spec: reference.split_grads)."""
     _split_checks(x_SM, w_EM)
     (S, M), E = x_SM.shape, w_EM.shape[0]
     g_SE = as_contiguous(g_SE, torch.float32)  # no dispatcher calls where it already is
@@ -315,12 +321,13 @@ def split_grads(g_SE: torch.Tensor, x_SM: torch.Tensor, w_EM: torch.Tensor, need
     gx = gw = None
     if need_x:
         gx = torch.empty((S, M), dtype=torch.bfloat16, device=x_SM.device)
+        gx_add = as_contiguous(gx_add, torch.bfloat16)  # its stride is gx's
         if S and M:
             wide = E >= 64
             _split_grad_x_kernel[(triton.cdiv(S, 128), triton.cdiv(M, 128))](
-                g_SE, w_EM, gx, S, M, E, w_EM.stride(0), gx.stride(0), W_SPLIT=w_EM.dtype == torch.float32,
-                BLOCK_S=128, BLOCK_M=128, BLOCK_E=16, F32=not x_SM.is_cuda, num_warps=8 if wide else 4,
-                num_stages=2 if wide else 1)
+                g_SE, w_EM, gx if gx_add is None else gx_add, gx, S, M, E, w_EM.stride(0), gx.stride(0),
+                W_SPLIT=w_EM.dtype == torch.float32, ADD=gx_add is not None, BLOCK_S=128, BLOCK_M=128, BLOCK_E=16,
+                F32=not x_SM.is_cuda, num_warps=8 if wide else 4, num_stages=2 if wide else 1)
             # E = 0: the loop adds nothing, the store writes the zeros
     if need_w:
         block_e, block_m, block_s = min(64, max(16, next_pow2(E))), 256, 32

@@ -194,10 +194,10 @@ def push_rows(src_SM: torch.Tensor, slots_SK: torch.Tensor, out_RM: torch.Tensor
               dscores_SK: Optional[torch.Tensor] = None, renormalize: bool = False):
     """out[slots[s, j]] = (w[s, j] *) src[s], and rows no route reaches zeroed; with y given,
     dscores[s, j] = dL/dscores[s, j] from <src[s], y[slots[s, j]]> in fp32. w = scores, or with
-    renormalize (gather's backward only) reference.renormalize_kept(scores, slots). The empty rows
-    follow from kept_counts and capacity (None: dropless) when given, else from slots alone."""
-    if renormalize and y_RM is None:
-        raise ValueError("push_rows: renormalize needs y (gather's backward)")
+    renormalize reference.renormalize_kept(scores, slots). The empty rows follow from kept_counts
+    and capacity (None: dropless) when given, else from slots alone."""
+    if renormalize and scores_SK is None:
+        raise ValueError("push_rows: renormalize needs scores")
     S, M = src_SM.shape
     K = slots_SK.shape[1]
     R = out_RM.shape[0]
