@@ -89,9 +89,9 @@ class Fp32Logits(torch.autograd.Function):
             if ctx.split:
                 impl = _split_impl(w_EM.shape[0])
                 if impl is reference:
-                    # x's other gradient added after, as autograd would: with it added first (an fp32-output
-                    # GEMM), traced by torch.compile on an H100 with a bf16 w, x's gradient came out 9% off
-                    # fp64 (tests/test_router_logits.py, compiled cases; cause not found)
+                    # x's other gradient added after, as autograd would: with it added first (mm with
+                    # out_dtype=fp32, which torch.compile handles badly: pytorch#159023, #163275), traced on an
+                    # H100 with a bf16 w, x's gradient came out 9% off fp64 (test_router_logits, compiled cases)
                     gx, gw = reference.split_grads(g_SE, x_SM, w_EM if w_terms is None else w_terms, need_x, need_w,
                                                    _terms())
                     if gx is not None and g_x_SM is not None:
