@@ -75,7 +75,7 @@ class Fp32Logits(torch.autograd.Function):
         return torch.mm(x_SM.float(), w_EM.float().t())
 
     @staticmethod
-    def backward(ctx, g_SE, g_x_SM=None):  # the split's kernels (or their PyTorch form: bf16 terms) once; torch.mm twice
+    def backward(ctx, g_SE, g_x_SM=None):  # the split's kernels (or their PyTorch form) once; torch.mm twice
         return kernel_backward(ctx.split, Fp32Logits._backward, ctx, g_SE, g_x_SM)
 
     @staticmethod
