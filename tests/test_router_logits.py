@@ -111,6 +111,20 @@ def test_x_passed_through_gets_both_gradients(device, dtype, w_dtype, E, compile
     torch._dynamo.reset()
 
 
+def test_x_passed_through_without_grad_stays_without():
+    """x that needs no gradient (a frozen input) comes back needing none, though w needs one: the
+    dispatch's backward then does not run for it; w's gradient is fp32_logits' own."""
+    torch.manual_seed(1)
+    x, w = torch.randn(9, 16).bfloat16(), torch.randn(4, 16, requires_grad=True)
+    g = torch.randn(9, 4)
+    logits, x2 = fp32_logits_and_x(x, w)
+    assert logits.requires_grad and not x2.requires_grad and torch.equal(x2, x)
+    (logits * g).sum().backward()
+    w2 = w.detach().clone().requires_grad_()
+    (fp32_logits(x, w2) * g).sum().backward()
+    assert torch.equal(w.grad, w2.grad)
+
+
 def test_gradcheck():
     torch.manual_seed(0)
     x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)

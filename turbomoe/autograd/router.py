@@ -58,7 +58,11 @@ class Fp32Logits(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         with _no_autocast(x_SM):  # fp32 logits under torch.autocast too
             logits_SE = Fp32Logits._forward(ctx, x_SM, w_EM)
-        return (logits_SE, x_SM) if pass_x else logits_SE
+        if not pass_x:
+            return logits_SE
+        if not ctx.needs_input_grad[0]:  # x needs no gradient: its consumer's backward need not run for it
+            ctx.mark_non_differentiable(x_SM)
+        return logits_SE, x_SM
 
     @staticmethod
     def _forward(ctx, x_SM, w_EM):
