@@ -23,7 +23,7 @@ from torch import nn
 
 from turbomoe import ops
 from turbomoe.integrations import deepspeed as tds
-from turbomoe.integrations.deepspeed_experts import module_assignments, run_experts
+from turbomoe.integrations.deepspeed_experts import run_experts
 
 
 def layer_step(layer, x_SM, grad_SM):
@@ -55,8 +55,6 @@ def identity_experts(layer):
     inner.experts = nn.Identity()
     if fast_path is not None:
         inner.expert_fast_path = None
-    if hasattr(inner, "_experts_checked_at"):  # seen as checked: else the forward looks for experts in it
-        inner._experts_checked_at = module_assignments()
     try:
         yield layer
     finally:

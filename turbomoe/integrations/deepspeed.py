@@ -59,6 +59,13 @@ def _timed(owner: nn.Module, timer: str, attr: str):
     setattr(owner, attr, owner.timers(timer).elapsed(reset=False))
 
 
+def _fast_path_of(experts: nn.Module) -> Optional[str]:
+    """fast_path_kind of stock's Experts (its deepspeed_experts); None for any other module in its
+    place (a benchmark's identity, a user's own), which then runs as it is."""
+    inner = getattr(experts, "deepspeed_experts", None)
+    return None if inner is None else fast_path_kind(list(inner))
+
+
 class TurboMOELayer(MOELayer):
     """Stock's MOELayer (same gate and experts submodules) with a forward on turbomoe's ops."""
 
@@ -70,7 +77,7 @@ class TurboMOELayer(MOELayer):
         self.fused_grad_accumulation = fused_grad_accumulation
         # None: stock's combine weights (renormalised over the kept routes for k >= 2, raw for k = 1).
         self.norm_topk_prob = gate.k >= 2 if norm_topk_prob is None else norm_topk_prob
-        self.expert_fast_path = fast_path_kind(list(experts.deepspeed_experts))
+        self.expert_fast_path = _fast_path_of(experts)
         self._experts_checked_at = module_assignments()
         if self.expert_fast_path is not None:
             pack_expert_params(experts.deepspeed_experts)
@@ -86,7 +93,7 @@ class TurboMOELayer(MOELayer):
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not torch.compiler.is_compiling() and self._experts_checked_at != module_assignments():
             # a module assigned since (an expert swapped, a Linear wrapped): the experts checked again
-            self.expert_fast_path = fast_path_kind(list(self.experts.deepspeed_experts))
+            self.expert_fast_path = _fast_path_of(self.experts)
             self._experts_checked_at = module_assignments()
         with _timed(self, MOE_TIMER, "time_moe"):
             M = hidden_states.shape[-1]
