@@ -383,17 +383,16 @@ def test_rts_uniform(backend):
     assert_uniform(freq, 16 / 64, 200)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
-@pytest.mark.parametrize("S,E", [(0, 4), (1, 2), (7, 3), (128, 8), (1000, 64), (333, 128), (64, 1024)])
+@pytest.mark.parametrize("S,E", [(0, 4), (1, 2), (7, 3), (128, 8), (1000, 64), (333, 128), (64, 1024), (9, 1500)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("sample", [True, False], ids=["sampled", "by_logits"])
-def test_second_expert_cuda_matches_reference(S, E, dtype, sample):
-    """sample_second_expert with the same uniforms, or second_by_logits: the same experts (the noise is
-    rounded as torch rounds it), scores and gradients of logits and first scores; rows with non-finite
-    logits route nowhere; a saturated router's row (softmax rounds the others to 0) and a row of equal
-    logits (ties to the lower id); S = 0."""
-    require_cuda_backend()
+def test_second_expert_kernels_match_reference(S, E, dtype, sample, backend):
+    """sample_second_expert with the same uniforms, or second_by_logits, fused (one kernel each way):
+    the same experts (the noise is rounded as torch rounds it), counts, scores and gradients of logits
+    and first scores; rows with non-finite logits route nowhere; a saturated router's row (softmax
+    rounds the others to 0) and a row of equal logits (ties to the lower id); S = 0; E past one
+    1024-column tile."""
+    interpreter_limit(S * E * 8)
     torch.manual_seed(S + E)
     logits = make_logits(S, E, dtype)
     if S > 5:
@@ -403,11 +402,11 @@ def test_second_expert_cuda_matches_reference(S, E, dtype, sample):
     rand = torch.rand(S, E, device=DEV)
     got_l, ref_l = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     if sample:
-        got = ops.sample_second_expert(got_l, ops.topk_gating(got_l, 1, backend="cuda"), rand, backend="cuda")
-        exp = ops.sample_second_expert(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), rand, backend="reference")
+        got = ops.sample_second_expert(got_l, ops.topk_gating(got_l, 1, backend=backend), rand, backend=backend)
+        exp = ops.sample_second_expert(ref_l, ops.topk_gating(ref_l, 1, backend=backend), rand, backend="reference")
     else:
-        got = ops.second_by_logits(got_l, ops.topk_gating(got_l, 1, backend="cuda"), backend="cuda")
-        exp = ops.second_by_logits(ref_l, ops.topk_gating(ref_l, 1, backend="cuda"), backend="reference")
+        got = ops.second_by_logits(got_l, ops.topk_gating(got_l, 1, backend=backend), backend=backend)
+        exp = ops.second_by_logits(ref_l, ops.topk_gating(ref_l, 1, backend=backend), backend="reference")
         if S > 5:
             assert got.expert_ids[3].tolist() == [0, 1] and got.expert_ids[4].tolist() == [0, 1]
     assert torch.equal(got.expert_ids, exp.expert_ids) and torch.equal(got.counts, exp.counts)
@@ -418,19 +417,17 @@ def test_second_expert_cuda_matches_reference(S, E, dtype, sample):
     assert rel_err(got_l.grad, ref_l.grad) < TOL[dtype]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="the fused second-expert kernel is in the CUDA backend")
 @pytest.mark.parametrize("sample", [True, False], ids=["sampled", "by_logits"])
-def test_gradcheck_second_expert_cuda(sample):
-    require_cuda_backend()
+def test_gradcheck_second_expert_kernels(sample, backend):
     from turbomoe.autograd.sampling import SecondExpert
     torch.manual_seed(0)
     logits = make_logits(6, 5, torch.float64).requires_grad_()
-    first = ops.topk_gating(logits.detach(), 1, backend="cuda")
+    first = ops.topk_gating(logits.detach(), 1, backend=backend)
     p1 = first.scores.clone().requires_grad_()
     rand = torch.rand(6, 5, device=DEV) if sample else None
+    impl = ops._impl(backend)
     assert torch.autograd.gradcheck(
-        lambda l, p: SecondExpert.apply(l, first.expert_ids, p, first.counts, rand, ops.csrc)[1], (logits, p1),
+        lambda l, p: SecondExpert.apply(l, first.expert_ids, p, first.counts, rand, impl)[1], (logits, p1),
         eps=1e-7, atol=1e-8)
 
 

@@ -212,8 +212,8 @@ def sample_second_expert(logits_SE: torch.Tensor, first: GatingOutput, rand_SE: 
     [S, 2] and counts including the second choices; aux and z are first's (DeepSpeed's top-2 aux
     counts first choices only). rand [S, E] fp32 in [0, 1): the uniforms of the noise; None draws
     torch.rand(S, E) as DeepSpeed's gumbel_rsample does, so the same seed samples the same experts.
-    The cuda backend fuses the op into one kernel each way (eagerly); triton, reference and any
-    backend under torch.compile run the reference.
+    The cuda and triton backends fuse the op into one kernel each way (eagerly; triton makes the noise
+    in PyTorch first, kernels.sampling); reference and any backend under torch.compile run the reference.
     """
     S, E = _check_second(logits_SE, first)
     if E < 2:
@@ -233,8 +233,8 @@ def second_by_logits(logits_SE: torch.Tensor, first: GatingOutput, backend: Opti
     where the router saturates (a logit gap past ~100) softmax rounds the others to 0, and its tie rule
     would send every such token's second route to the lowest id. Returns first with expert_ids and
     scores [S, 2] and counts including the second choices; aux and z are first's. With E = 1 the second
-    route is the first's expert again, as stock's. The cuda backend fuses it into one kernel each way
-    (eagerly); triton, reference and any backend under torch.compile run the reference.
+    route is the first's expert again, as stock's. The cuda and triton backends fuse it into one kernel
+    each way (eagerly); reference and any backend under torch.compile run the reference.
     """
     _, E = _check_second(logits_SE, first)
     _check_same_device(logits=logits_SE, expert_ids=first.expert_ids)
@@ -259,9 +259,10 @@ def _check_second(logits_SE: torch.Tensor, first: GatingOutput):
 
 def _second_expert(logits_SE, first: GatingOutput, rand_SE, backend) -> GatingOutput:
     backend = choose_backend(logits_SE, backend, logits_SE.shape[1])
-    # While compiling, the reference (plain PyTorch, traced; the same draws): the fused kernel is no custom op.
-    if backend == "cuda" and not torch.compiler.is_compiling():
-        ids, scores, counts = _second_expert_fn(logits_SE, first.expert_ids, first.scores, first.counts, rand_SE, csrc)
+    # While compiling, the reference (plain PyTorch, traced; the same draws): the fused kernels are no custom op.
+    if backend != "reference" and not torch.compiler.is_compiling():
+        ids, scores, counts = _second_expert_fn(logits_SE, first.expert_ids, first.scores, first.counts, rand_SE,
+                                                _impl(backend))
     else:
         ids, scores, counts = reference.second_expert(logits_SE, first.expert_ids, first.scores, first.counts,
                                                       rand_SE)

@@ -10,7 +10,7 @@ class SecondExpert(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE, impl):
-        """impl: the backend module that fuses the op (turbomoe.csrc)."""
+        """impl: the backend module that fuses the op (turbomoe.csrc or turbomoe.kernels)."""
         ids_S2, scores_S2, counts = impl.second_expert_forward(logits_SE, first_ids_S1, first_scores_S1, counts_E,
                                                                rand_SE)
         ctx.save_for_backward(logits_SE, ids_S2, first_scores_S1)
