@@ -24,18 +24,10 @@ def split_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def _split_impl(num_experts: int):
     """The split's kernels (kernels.router: one launch forward, two backward, the host's least) up to
-    SPLIT_KERNEL_MAX_EXPERTS; beyond, and under torch.compile (which traces it), the plain PyTorch form
-    (reference: cuBLAS's GEMMs, faster on the GPU there)."""
+    SPLIT_KERNEL_MAX_EXPERTS; beyond, the plain PyTorch form (reference: cuBLAS's GEMMs, faster on the
+    GPU there, its fp32 operands split by the one-launch kernels.router.bf16_terms)."""
     from ..kernels import router
-    if torch.compiler.is_compiling() or num_experts > router.SPLIT_KERNEL_MAX_EXPERTS:
-        return reference
-    return router
-
-
-def _terms():
-    """bf16_terms for the PyTorch form: one launch (kernels.router), the traceable form under torch.compile."""
-    from ..kernels import router
-    return reference.bf16_terms if torch.compiler.is_compiling() else router.bf16_terms
+    return reference if num_experts > router.SPLIT_KERNEL_MAX_EXPERTS else router
 
 
 def _no_autocast(t: torch.Tensor):
@@ -70,7 +62,7 @@ class Fp32Logits(torch.autograd.Function):
         if ctx.split:
             impl = _split_impl(w_EM.shape[0])
             # the PyTorch form splits an fp32 w once here and keeps its terms for backward
-            w_terms = _terms()(w_EM) if impl is reference and w_EM.dtype == torch.float32 else None
+            w_terms = _bf16_terms(w_EM) if impl is reference and w_EM.dtype == torch.float32 else None
             ctx.save_for_backward(x_SM, w_EM, w_terms)
             return impl.split_logits(x_SM, w_EM if w_terms is None else w_terms)
         ctx.save_for_backward(x_SM, w_EM, None)
@@ -93,32 +85,50 @@ class Fp32Logits(torch.autograd.Function):
             if ctx.split:
                 impl = _split_impl(w_EM.shape[0])
                 if impl is reference:
-                    # x's other gradient added after, as autograd would: with it added first (mm with
-                    # out_dtype=fp32, which torch.compile handles badly: pytorch#159023, #163275), traced on an
-                    # H100 with a bf16 w, x's gradient came out 9% off fp64 (test_router_logits, compiled cases)
                     gx, gw = reference.split_grads(g_SE, x_SM, w_EM if w_terms is None else w_terms, need_x, need_w,
-                                                   _terms())
-                    if gx is not None and g_x_SM is not None:
-                        gx = gx + g_x_SM
+                                                   _bf16_terms, g_x_SM)
                 else:
                     gx, gw = impl.split_grads(g_SE, x_SM, w_EM, need_x, need_w, g_x_SM)
                 return gx, gw, None
             gx = gw = None
-            if need_x:  # fp32, rounded once, as F.linear's (with x's other gradient added before)
+            if need_x:  # fp32, rounded once, as F.linear's; x's other gradient added before that rounding, in
+                # fp32 or in x's dtype where wider (an fp64 x's other gradient keeps its bits)
                 gx = torch.mm(g_SE, w_EM.float())
-                gx = (gx if g_x_SM is None else gx + g_x_SM.float()).to(x_SM.dtype)
+                if g_x_SM is not None:
+                    acc = torch.promote_types(torch.float32, x_SM.dtype)
+                    gx = gx.to(acc) + g_x_SM.to(acc)
+                gx = gx.to(x_SM.dtype)
             if need_w:
                 gw = torch.mm(g_SE.t(), x_SM.float()).to(w_EM.dtype)
             return gx, gw, None
 
 
+def _bf16_terms(t32: torch.Tensor) -> torch.Tensor:
+    from ..kernels import router
+    return router.bf16_terms(t32)
+
+
+def _traced_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
+    """The logits under torch.compile: plain ops, an fp32 GEMM of exact products as F.linear(x.float(),
+    w.float()), differentiated by autograd and fused by the compiler (the split's kernels do not run
+    there). torch 2.11's dynamo traced Fp32Logits with a bf16 w with zeros in place of the logits'
+    gradient: x and w got zero gradients (aot_eager, an H100, 2026-12-07; not with an fp32 w, and not
+    under torch 2.13 on the CPU)."""
+    with _no_autocast(x_SM):
+        return torch.mm(x_SM.float(), w_EM.float().t())
+
+
 def fp32_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
     """logits [S, E] fp32 of x [S, M] and the router weight w [E, M], any float dtypes."""
+    if torch.compiler.is_compiling():
+        return _traced_logits(x_SM, w_EM)
     return Fp32Logits.apply(x_SM, w_EM)
 
 
 def fp32_logits_and_x(x_SM: torch.Tensor, w_EM: torch.Tensor):
     """(fp32_logits(x, w), x): the x to give x's other consumer (the layer's dispatch), whose gradient
     this node adds inside the kernel of x's gradient, saving autograd's add of the two ([S, M], a pass
-    over three times x's bytes)."""
+    over three times x's bytes). Under torch.compile x as it is: the compiler fuses that add."""
+    if torch.compiler.is_compiling():
+        return _traced_logits(x_SM, w_EM), x_SM
     return Fp32Logits.apply(x_SM, w_EM, True)

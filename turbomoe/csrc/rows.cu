@@ -3,15 +3,24 @@
 //   push_rows  token s writes (score *) src[s] into row slots[s, j], for every j: scatter forward,
 //              and gather backward (where it also forms grad_score = <src[s], y[row]> in fp32)
 //   pull_rows  token s sums (score *) y[slots[s, j]] over j in fp32: gather forward, scatter backward
-// A warp owns a token and moves its row in 16-byte vectors. Buffer rows no route reaches are
-// zeroed by extra blocks of the push kernel, found from the kept counts. With RENORM the weights
+// A warp owns a token and moves its row in 16-byte vectors (push: a thread owns a token where rows
+// are a few elements wide, as row_scores' one column, whose warp per token left 31 lanes idle and
+// took ~10x the time). Buffer rows no route reaches are zeroed by extra blocks of the push kernel,
+// found from the kept counts. With RENORM the weights
 // are the kept scores over their sum (reference.renormalize_kept), formed per token in registers,
 // and gather's backward turns the dot products into gradients of the raw scores.
 #include "common.cuh"
 
 namespace turbomoe {
 
-constexpr int ZERO_ROWS_PER_WARP = 8;
+constexpr int ZERO_ROWS_PER_WARP = 8;  // per group of LANES threads
+constexpr int64_t NARROW_ROW = 8;      // rows narrower than this elements: one thread a token
+
+// The sum over a token's LANES threads (a warp, or the thread alone).
+template <int LANES, typename T> __device__ __forceinline__ T lanes_sum(T v) {
+  if constexpr (LANES == 1) return v;
+  else return warp_sum(v);
+}
 
 // This warp's token's k slots (-1 where no valid row) and weights: the scores, or with RENORM the
 // kept scores over max(their sum, eps). Returns that denominator (1 without RENORM); *clamped says
@@ -42,16 +51,17 @@ __device__ __forceinline__ acc_t load_routes(const int32_t* __restrict__ slots, 
   return denom;
 }
 
-template <typename scalar_t, typename acc_t, int VEC, bool HAS_SCORES, bool DOT, bool RENORM>
+template <typename scalar_t, typename acc_t, int VEC, bool HAS_SCORES, bool DOT, bool RENORM, int LANES>
 __global__ void __launch_bounds__(BLOCK_THREADS)
 push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ slots, const acc_t* __restrict__ scores,
                  const scalar_t* __restrict__ y, const int32_t* __restrict__ kept, scalar_t* __restrict__ out,
                  acc_t* __restrict__ dscores, int64_t S, int64_t M, int64_t R, int K, int64_t token_blocks, int C, int E) {
   using V = Vec<scalar_t, VEC>;
-  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  constexpr int GROUPS = BLOCK_THREADS / LANES;  // tokens (or runs of empty rows) a block
+  const int lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
   const int64_t nvec = M / VEC;
   if (blockIdx.x < token_blocks) {
-    const int64_t s = blockIdx.x * WARPS_PER_BLOCK + warp;
+    const int64_t s = blockIdx.x * GROUPS + group;
     if (s >= S) return;
     int64_t slot[MAX_K];
     acc_t score[MAX_K], dot[MAX_K];
@@ -60,7 +70,7 @@ push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ s
 #pragma unroll
     for (int j = 0; j < MAX_K; ++j) dot[j] = 0;
     const V* src_row = reinterpret_cast<const V*>(src + s * M);
-    for (int64_t v = lane; v < nvec; v += WARP) {
+    for (int64_t v = lane; v < nvec; v += LANES) {
       const V a = src_row[v];
 #pragma unroll
       for (int j = 0; j < MAX_K; ++j) {
@@ -82,7 +92,7 @@ push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ s
 #pragma unroll
       for (int j = 0; j < MAX_K; ++j) {
         if (j < K) {
-          const acc_t d = warp_sum(dot[j]);
+          const acc_t d = lanes_sum<LANES>(dot[j]);
           if (lane == 0) dscores[s * K + j] = d;
         }
       }
@@ -94,7 +104,7 @@ push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ s
 #pragma unroll
       for (int j = 0; j < MAX_K; ++j) {
         if (j < K) {
-          dot[j] = warp_sum(dot[j]);
+          dot[j] = lanes_sum<LANES>(dot[j]);
           wd += score[j] * dot[j];
         }
       }
@@ -109,18 +119,18 @@ push_rows_kernel(const scalar_t* __restrict__ src, const int32_t* __restrict__ s
   // sum of the kept counts.
   int64_t total = 0;
   if (C == 0) {
-    for (int e = lane; e < E; e += WARP) total += kept[e];
-    total = warp_sum(total);
+    for (int e = lane; e < E; e += LANES) total += kept[e];
+    total = lanes_sum<LANES>(total);
   }
   V zero;
 #pragma unroll
   for (int q = 0; q < VEC; ++q) zero.v[q] = static_cast<scalar_t>(0);
-  const int64_t row0 = ((blockIdx.x - token_blocks) * WARPS_PER_BLOCK + warp) * ZERO_ROWS_PER_WARP;
+  const int64_t row0 = ((blockIdx.x - token_blocks) * GROUPS + group) * ZERO_ROWS_PER_WARP;
   for (int64_t r = row0; r < min(R, row0 + ZERO_ROWS_PER_WARP); ++r) {
     const bool empty = C > 0 ? (r % C) >= kept[r / C] : r >= total;
     if (!empty) continue;
     V* row = reinterpret_cast<V*>(out + r * M);
-    for (int64_t v = lane; v < nvec; v += WARP) row[v] = zero;
+    for (int64_t v = lane; v < nvec; v += LANES) row[v] = zero;
   }
 }
 
@@ -190,8 +200,6 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
     return;
   }
   const int E = kept.has_value() ? kept->numel() : 0;
-  const int64_t token_blocks = cdiv(S, WARPS_PER_BLOCK);
-  const int64_t zero_blocks = kept.has_value() ? cdiv(R, WARPS_PER_BLOCK * ZERO_ROWS_PER_WARP) : 0;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src.scalar_type(), "turbomoe_push_rows", [&] {
     using acc_t = typename Acc<scalar_t>::type;
@@ -201,18 +209,27 @@ void push_rows(const at::Tensor& src, const at::Tensor& slots, at::Tensor& out, 
     const int32_t* kept_ptr = kept.has_value() ? kept->data_ptr<int32_t>() : nullptr;
     dispatch_vec<scalar_t>(M, {&src, &out, y.has_value() ? &y.value() : nullptr}, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
-      auto launch = [&](auto kernel) {
-        kernel<<<token_blocks + zero_blocks, BLOCK_THREADS, 0, stream>>>(
-            src.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(), sc, y_ptr, kept_ptr, out.data_ptr<scalar_t>(), ds, S,
-            M, R, K, token_blocks, static_cast<int>(capacity), E);
+      auto with_lanes = [&](auto lanes) {
+        constexpr int LANES = decltype(lanes)::value, GROUPS = BLOCK_THREADS / LANES;
+        const int64_t token_blocks = cdiv(S, GROUPS);
+        const int64_t zero_blocks = kept.has_value() ? cdiv(R, GROUPS * ZERO_ROWS_PER_WARP) : 0;
+        auto launch = [&](auto kernel) {
+          kernel<<<token_blocks + zero_blocks, BLOCK_THREADS, 0, stream>>>(
+              src.data_ptr<scalar_t>(), slots.data_ptr<int32_t>(), sc, y_ptr, kept_ptr, out.data_ptr<scalar_t>(), ds,
+              S, M, R, K, token_blocks, static_cast<int>(capacity), E);
+        };
+        // On has_value(), not the pointers: an empty y (every route dropped) has a null data pointer,
+        // and its grad scores must still be written (zeros).
+        if (y.has_value() && renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, true, LANES>);
+        else if (y.has_value()) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, false, LANES>);
+        else if (renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, true, LANES>);  // row_scores
+        else if (scores.has_value()) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, false, LANES>);
+        else launch(push_rows_kernel<scalar_t, acc_t, VEC, false, false, false, LANES>);
       };
-      // On has_value(), not the pointers: an empty y (every route dropped) has a null data pointer,
-      // and its grad scores must still be written (zeros).
-      if (y.has_value() && renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, true>);
-      else if (y.has_value()) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, true, false>);
-      else if (renorm) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, true>);  // row_scores
-      else if (scores.has_value()) launch(push_rows_kernel<scalar_t, acc_t, VEC, true, false, false>);
-      else launch(push_rows_kernel<scalar_t, acc_t, VEC, false, false, false>);
+      if constexpr (VEC == 1) {  // (a narrow row of 16-byte vectors, fp32's 4, keeps its warp)
+        if (M < NARROW_ROW) return with_lanes(std::integral_constant<int, 1>());
+      }
+      with_lanes(std::integral_constant<int, WARP>());
     });
     TURBOMOE_CHECK_LAUNCH();
   });

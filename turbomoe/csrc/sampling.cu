@@ -4,29 +4,36 @@
 // unsampled top-2: the best other logit).
 // gumbel = -log(-log(tiny + rand * range)) from the uniforms torch.rand drew, rounded op by op as
 // torch.distributions.Gumbel(0, 1).rsample computes it (no FMA contraction), so the same uniforms
-// give the same experts as stock. One warp owns a row (as in gating.cu); ties go to the lower id,
-// as torch.argmax (warp_argmax, topk.cuh). The backward is one thread per row: two logits and the
-// first score get gradient.
+// give the same experts as stock. One warp owns a row (as in gating.cu), or up to 32 experts one
+// thread; ties go to the lower id, as torch.argmax (beats / warp_argmax, topk.cuh: a total order on
+// the finite rows that get a second expert, so a thread's scan and the warp's butterfly agree). The
+// counts are added per block in shared memory, then once a block and expert into the global ones:
+// 32k tokens' atomics on 16 addresses had made this kernel ~8x its memory time. The backward is one
+// thread per row: two logits and the first score get gradient.
 #include "topk.cuh"
 
 namespace turbomoe {
 
-template <typename scalar_t, int CPL>
-__global__ void second_expert_fwd_kernel(const scalar_t* __restrict__ logits, const float* __restrict__ rand,
-                                         const int32_t* __restrict__ first, const scalar_t* __restrict__ first_score,
-                                         int32_t* __restrict__ ids, scalar_t* __restrict__ scores,
-                                         int32_t* __restrict__ counts, int64_t S, int E, float tiny, float range) {
-  const int64_t row = int64_t(blockIdx.x) * WARPS_PER_BLOCK + threadIdx.x / WARP;
-  if (row >= S) return;
-  const int lane = threadIdx.x % WARP;
-  const int f = first[row];
+// LANES threads own a row (a warp, with CPL columns each; or one thread, CPL = E <= 32).
+template <typename scalar_t, int CPL, int LANES>
+__global__ void __launch_bounds__(BLOCK_THREADS)
+second_expert_fwd_kernel(const scalar_t* __restrict__ logits, const float* __restrict__ rand,
+                         const int32_t* __restrict__ first, const scalar_t* __restrict__ first_score,
+                         int32_t* __restrict__ ids, scalar_t* __restrict__ scores, int32_t* __restrict__ counts,
+                         int64_t S, int E, float tiny, float range) {
+  __shared__ int32_t block_counts[MAX_EXPERTS];
+  for (int c = threadIdx.x; c < E; c += BLOCK_THREADS) block_counts[c] = 0;
+  __syncthreads();
+  const int64_t row = int64_t(blockIdx.x) * (BLOCK_THREADS / LANES) + threadIdx.x / LANES;
+  const int lane = threadIdx.x % LANES;
+  const int f = row < S ? first[row] : -1;  // no early return: the block meets at the barrier below
   const scalar_t neg_inf = -std::numeric_limits<scalar_t>::infinity();
   scalar_t best = neg_inf;
   int best_id = NO_COLUMN;
   if (f >= 0) {
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
-      const int c = lane + WARP * i;
+      const int c = lane + LANES * i;
       if (c < E && c != f) {
         scalar_t v = logits[row * E + c];
         if (rand != nullptr) {
@@ -40,15 +47,20 @@ __global__ void second_expert_fwd_kernel(const scalar_t* __restrict__ logits, co
       }
     }
   }
-  warp_argmax(best, best_id);  // (max value, then lowest id) over the warp
-  if (lane != 0) return;
-  const scalar_t p1 = first_score[row];
-  const bool routed = f >= 0 && best_id < E;
-  ids[row * 2] = f;
-  ids[row * 2 + 1] = routed ? best_id : -1;
-  scores[row * 2] = p1;
-  scores[row * 2 + 1] = routed ? p1 * exp(logits[row * E + best_id] - logits[row * E + f]) : scalar_t(0);
-  if (routed) atomicAdd(counts + best_id, 1);  // integer adds: the same counts in any order
+  if constexpr (LANES == WARP) warp_argmax(best, best_id);  // (max value, then lowest id) over the warp
+  if (lane == 0 && row < S) {
+    const scalar_t p1 = first_score[row];
+    const bool routed = f >= 0 && best_id < E;
+    ids[row * 2] = f;
+    ids[row * 2 + 1] = routed ? best_id : -1;
+    scores[row * 2] = p1;
+    scores[row * 2 + 1] = routed ? p1 * exp(logits[row * E + best_id] - logits[row * E + f]) : scalar_t(0);
+    if (routed) atomicAdd(block_counts + best_id, 1);  // integer adds: the same counts in any order
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < E; c += BLOCK_THREADS) {
+    if (block_counts[c]) atomicAdd(counts + c, block_counts[c]);
+  }
 }
 
 template <typename scalar_t>
@@ -97,12 +109,17 @@ std::vector<at::Tensor> second_expert_forward(const at::Tensor& logits, const at
   const float range = (1.0f - std::numeric_limits<float>::epsilon()) - tiny;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "turbomoe_second_expert_fwd", [&] {
-    TURBOMOE_DISPATCH_CPL(E, [&] {
-      second_expert_fwd_kernel<scalar_t, CPL><<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(
+    auto launch = [&](auto kernel, int rows_per_block) {
+      kernel<<<cdiv(S, rows_per_block), BLOCK_THREADS, 0, stream>>>(
           logits.data_ptr<scalar_t>(), rand ? rand->data_ptr<float>() : nullptr, first.data_ptr<int32_t>(),
           first_score.data_ptr<scalar_t>(), ids.data_ptr<int32_t>(), scores.data_ptr<scalar_t>(),
           counts.data_ptr<int32_t>(), S, E, tiny, range);
-    });
+    };
+    if (E <= WARP) {
+      launch(second_expert_fwd_kernel<scalar_t, WARP, 1>, BLOCK_THREADS);
+    } else {
+      TURBOMOE_DISPATCH_CPL(E, [&] { launch(second_expert_fwd_kernel<scalar_t, CPL, WARP>, WARPS_PER_BLOCK); });
+    }
     TURBOMOE_CHECK_LAUNCH();
   });
   return {ids, scores, counts};
