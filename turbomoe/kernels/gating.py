@@ -232,9 +232,10 @@ def _gating_bwd_kernel(logits_ptr, ids_ptr, grad_scores_ptr, lse_ptr, ce_ptr, g_
 
 
 def _blocks(S: int, E: int):
+    """(BLOCK_S, BLOCK_E, programs, num_warps) of the kernels whose program owns BLOCK_S whole rows."""
     block_e = next_pow2(E)
     block_s = max(1, min(64, 4096 // block_e, next_pow2(S)))
-    return block_s, block_e, triton.cdiv(S, block_s)
+    return block_s, block_e, triton.cdiv(S, block_s), 4 if block_s * block_e <= 4096 else 8
 
 
 def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: bool, bias_E=None):
@@ -244,7 +245,7 @@ def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: 
     S, E = logits_SE.shape
     acc = acc_dtype(logits_SE.dtype)
     dev = logits_SE.device
-    block_s, block_e, nblocks = _blocks(S, E)
+    block_s, block_e, nblocks, warps = _blocks(S, E)
     ids = torch.empty(S, k, dtype=torch.int32, device=dev)
     scores = torch.empty(S, k, dtype=acc, device=dev)
     lse = torch.empty(S, dtype=acc, device=dev)
@@ -256,7 +257,7 @@ def gating_forward(logits_SE: torch.Tensor, k: int, sigmoid: bool, renormalize: 
             logits_SE, bias_E if bias_E is not None else logits_SE, ids, scores, lse, partials,
             S, E, logits_SE.stride(0), K=k, KP=next_pow2(k), BLOCK_S=block_s, BLOCK_E=block_e,
             SIGMOID=sigmoid, RENORM=renormalize, HAS_BIAS=bias_E is not None, ACC=tl_dtype(acc),
-            num_warps=4 if block_s * block_e <= 4096 else 8)
+            num_warps=warps)
     else:
         partials.zero_()
     _gating_stats_kernel[(1, )](partials, counts, stats, stats[E:], stats[E + 1:], max(nblocks, 1), max(S, 1), E,
@@ -272,7 +273,7 @@ def gating_backward(logits_SE, ids, grad_scores, lse, ce_E, g_aux, g_z, sigmoid:
     logits_SE = logits_SE.contiguous()
     S, E = logits_SE.shape
     k = ids.shape[1]
-    block_s, block_e, nblocks = _blocks(S, E)
+    block_s, block_e, nblocks, warps = _blocks(S, E)
     grad = torch.empty_like(logits_SE)
     if S > 0:
         _gating_bwd_kernel[(nblocks, )](
@@ -281,5 +282,5 @@ def gating_backward(logits_SE, ids, grad_scores, lse, ce_E, g_aux, g_z, sigmoid:
             aux_loss_coefficient(E, k), K=k, KP=next_pow2(k), BLOCK_S=block_s, BLOCK_E=block_e, SIGMOID=sigmoid,
             RENORM=renormalize, HAS_GS=grad_scores is not None, HAS_AUX=g_aux is not None, HAS_Z=g_z is not None,
             COEF_DIV=aux_loss_divisor(k),
-            ACC=tl_dtype(acc_dtype(logits_SE.dtype)), num_warps=4 if block_s * block_e <= 4096 else 8)
+            ACC=tl_dtype(acc_dtype(logits_SE.dtype)), num_warps=warps)
     return grad

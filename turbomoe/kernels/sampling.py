@@ -77,12 +77,12 @@ def second_expert_forward(logits_SE, first_ids_S1, first_scores_S1, counts_E, ra
     ids = torch.empty(S, 2, dtype=torch.int32, device=logits_SE.device)
     scores = torch.empty(S, 2, dtype=logits_SE.dtype, device=logits_SE.device)
     counts = counts_E.to(torch.int32, copy=True).contiguous()
-    block_s, block_e, nblocks = _blocks(S, E)
+    block_s, block_e, nblocks, warps = _blocks(S, E)
     if S:
         _second_expert_fwd_kernel[(nblocks, )](
             logits_SE, logits_SE if noise is None else noise, as_contiguous(first_ids_S1, torch.int32),
             as_contiguous(first_scores_S1, logits_SE.dtype), ids, scores, counts, S, E, NOISE=noise is not None,
-            BLOCK_S=block_s, BLOCK_E=block_e, num_warps=4 if block_s * block_e <= 4096 else 8)
+            BLOCK_S=block_s, BLOCK_E=block_e, num_warps=warps)
     return ids, scores, counts
 
 
@@ -92,10 +92,10 @@ def second_expert_backward(logits_SE, ids_S2, first_scores_S1, grad_scores_S2):
     S, E = logits_SE.shape
     g_logits = torch.empty_like(logits_SE)
     g_first = torch.empty(S, dtype=logits_SE.dtype, device=logits_SE.device)
-    block_s, block_e, nblocks = _blocks(S, E)
+    block_s, block_e, nblocks, warps = _blocks(S, E)
     if S:
         _second_expert_bwd_kernel[(nblocks, )](
             logits_SE, as_contiguous(ids_S2, torch.int32), as_contiguous(first_scores_S1, logits_SE.dtype),
             as_contiguous(grad_scores_S2, logits_SE.dtype), g_logits, g_first, S, E, BLOCK_S=block_s,
-            BLOCK_E=block_e, num_warps=4 if block_s * block_e <= 4096 else 8)
+            BLOCK_E=block_e, num_warps=warps)
     return g_logits, g_first
