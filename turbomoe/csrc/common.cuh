@@ -37,6 +37,23 @@ template <typename T> __device__ __forceinline__ T warp_max(T v) {
   return v;
 }
 
+// The same over the LANES threads that own a row or token: a warp (LANES = WARP), or one thread (1),
+// where there is nothing to reduce.
+template <int LANES, typename T> __device__ __forceinline__ T lanes_sum(T v) {
+  if constexpr (LANES == 1) return v;
+  else return warp_sum(v);
+}
+
+template <int LANES, typename T> __device__ __forceinline__ T lanes_max(T v) {
+  if constexpr (LANES == 1) return v;
+  else return warp_max(v);
+}
+
+template <int LANES> __device__ __forceinline__ bool lanes_any(bool b) {
+  if constexpr (LANES == 1) return b;
+  else return __any_sync(FULL_MASK, b);
+}
+
 // VEC elements of T moved as one load or store (16 bytes when VEC * sizeof(T) == 16).
 template <typename T, int VEC> struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
@@ -72,5 +89,15 @@ inline int columns_per_lane(int E) {
     case 16: { constexpr int CPL = 16; __VA_ARGS__(); break; }          \
     default: { constexpr int CPL = 32; __VA_ARGS__(); break; }          \
   }
+
+// Up to this many experts a thread owns a gating row (gating.cu): all its columns in registers.
+constexpr int THREAD_ROW_EXPERTS = 16;
+
+// Runs the lambda with constexpr int CPL and LANES in scope: a thread a row with CPL >= E columns (8 or
+// 16) up to THREAD_ROW_EXPERTS, else a warp a row with CPL = columns_per_lane(E).
+#define TURBOMOE_DISPATCH_ROW(E, ...)                                                              \
+  if ((E) <= 8) { constexpr int CPL = 8, LANES = 1; __VA_ARGS__(); }                               \
+  else if ((E) <= turbomoe::THREAD_ROW_EXPERTS) { constexpr int CPL = 16, LANES = 1; __VA_ARGS__(); } \
+  else TURBOMOE_DISPATCH_CPL(E, [&] { constexpr int LANES = turbomoe::WARP; __VA_ARGS__(); });
 
 }  // namespace turbomoe

@@ -1,22 +1,27 @@
 // topk_gating in CUDA: logits [S, E] -> top-k ids [S, k], scores [S, k], counts [E], aux and z.
 //
 // One warp owns a row; lane l holds columns l, l + 32, ... (CPL of them), so a row's softmax, top-k
-// and backward are warp shuffles. Sums across rows (counts, the aux and z losses) are per-block
-// partials [4, E], each block adding its warps in warp order, and one block sums the partials in
-// block order: deterministic, two launches for the forward. Same layout of partials as the Triton
-// kernels (turbomoe/kernels/gating.py).
+// and backward are warp shuffles. Up to 16 experts one thread owns a row instead (all its columns in
+// registers, no shuffles): a warp a row ran its 32k-token forward and backward at 17 and 19 us on an
+// H100, latency-bound waves of blocks, for 2 MB of logits. Sums across rows (counts, the aux and z
+// losses) are per-block partials [4, E], each block adding its warps in warp order (a thread-a-row
+// warp first sums its 32 rows by butterfly), and one block sums the partials in block order:
+// deterministic, two launches for the forward. Same layout of partials as the Triton kernels
+// (turbomoe/kernels/gating.py).
 #include "topk.cuh"
 
 namespace turbomoe {
 
-template <typename scalar_t, typename acc_t, int CPL>
+// LANES threads own a row: a warp (CPL columns a lane) or one thread (CPL >= E, E <= 16).
+template <typename scalar_t, typename acc_t, int CPL, int LANES>
 __global__ void __launch_bounds__(BLOCK_THREADS)
 gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__ bias, int32_t* __restrict__ ids,
                   acc_t* __restrict__ scores, acc_t* __restrict__ lse_out, acc_t* __restrict__ partials, int S, int E,
                   int k, int rows_per_block, bool sigmoid, bool renorm) {
   extern __shared__ unsigned char smem_raw[];
   acc_t* block_part = reinterpret_cast<acc_t*>(smem_raw);  // [3, E]: prob sums, routes, first choices
-  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  constexpr int GROUPS = BLOCK_THREADS / LANES;  // rows a block works on at once
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % LANES, group = threadIdx.x / LANES;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   acc_t psum[CPL], routes[CPL], firsts[CPL];
 #pragma unroll
@@ -24,49 +29,89 @@ gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__
   acc_t zsum = 0;
 
   const int row_end = min(S, (blockIdx.x + 1) * rows_per_block);
-  for (int row = blockIdx.x * rows_per_block + warp; row < row_end; row += WARPS_PER_BLOCK) {
+  for (int row = blockIdx.x * rows_per_block + group; row < row_end; row += GROUPS) {
     acc_t probs[CPL], softmax[CPL];
-    const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL>(logits, row, E, sigmoid, probs, softmax);
+    const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL, LANES>(logits, row, E, sigmoid, probs, softmax);
     if (lane == 0) lse_out[row] = rp.lse;
     zsum += rp.lse * rp.lse;
-    int my_id = -1;  // lane j < k keeps choice j
-    acc_t my_score = 0;
+    int id[MAX_K];  // a warp's lane j < k keeps choice j in [0]; a thread keeps choice j in [j]
+    acc_t score[MAX_K];
+#pragma unroll
+    for (int q = 0; q < MAX_K; ++q) {
+      id[q] = -1;
+      score[q] = 0;
+    }
     if (rp.valid) {
       acc_t sel[CPL];
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
-        const int c = lane + WARP * i;
+        const int c = lane + LANES * i;
         psum[i] += probs[i];
         sel[i] = c < E ? probs[i] + (bias ? bias[c] : acc_t(0)) : neg_inf;
         sel[i] = isnan(sel[i]) ? neg_inf : sel[i];  // a NaN bias ranks as -inf, as in the reference
       }
-      const unsigned chosen = warp_topk<acc_t, CPL>(sel, probs, E, k, renorm, my_id, my_score);
-      const int first = __shfl_sync(FULL_MASK, my_id, 0);  // choice 0, kept by lane 0
+      const unsigned chosen = row_topk<acc_t, CPL, LANES>(sel, probs, E, k, renorm, id, score);
+      int first = id[0];  // choice 0: the thread's, or lane 0's
+      if constexpr (LANES == WARP) first = __shfl_sync(FULL_MASK, first, 0);
 #pragma unroll
       for (int i = 0; i < CPL; ++i) {
         if ((chosen >> i) & 1u) routes[i] += 1;
-        if (lane + WARP * i == first) firsts[i] += 1;
+        if (lane + LANES * i == first) firsts[i] += 1;
       }
     }
-    if (lane < k) {
-      ids[int64_t(row) * k + lane] = my_id;
-      scores[int64_t(row) * k + lane] = my_score;
+    if constexpr (LANES == 1) {
+#pragma unroll
+      for (int q = 0; q < MAX_K; ++q) {
+        if (q < k) {
+          ids[int64_t(row) * k + q] = id[q];
+          scores[int64_t(row) * k + q] = score[q];
+        }
+      }
+    } else if (lane < k) {
+      ids[int64_t(row) * k + lane] = id[0];
+      scores[int64_t(row) * k + lane] = score[0];
     }
   }
 
+  // A thread-a-row warp's 32 threads hold the same columns: their sums, by butterfly, go to lane c
+  // for column c (CPL <= 16 < 32), so that every warp hands on one column a lane, as a warp a row does.
+  constexpr int HELD = LANES == 1 ? 1 : CPL;  // columns a lane hands on: lane + WARP * i
+  acc_t p_out[HELD], r_out[HELD], f_out[HELD];
+  if constexpr (LANES == 1) {
+    p_out[0] = r_out[0] = f_out[0] = 0;
+    const int wl = threadIdx.x % WARP;
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      const acc_t p = warp_sum(psum[i]), r = warp_sum(routes[i]), f = warp_sum(firsts[i]);
+      if (wl == i) {
+        p_out[0] = p;
+        r_out[0] = r;
+        f_out[0] = f;
+      }
+    }
+    zsum = warp_sum(zsum);
+  } else {
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) {
+      p_out[i] = psum[i];
+      r_out[i] = routes[i];
+      f_out[i] = firsts[i];
+    }
+  }
   // Warps add their partials into shared memory one after another: a fixed order.
+  const int wl = threadIdx.x % WARP;
   for (int w = 0; w < WARPS_PER_BLOCK; ++w) {
     if (warp == w) {
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) {
-        const int c = lane + WARP * i;
+      for (int i = 0; i < HELD; ++i) {
+        const int c = wl + WARP * i;
         if (c < E) {
-          block_part[c] = (w ? block_part[c] : acc_t(0)) + psum[i];
-          block_part[E + c] = (w ? block_part[E + c] : acc_t(0)) + routes[i];
-          block_part[2 * E + c] = (w ? block_part[2 * E + c] : acc_t(0)) + firsts[i];
+          block_part[c] = (w ? block_part[c] : acc_t(0)) + p_out[i];
+          block_part[E + c] = (w ? block_part[E + c] : acc_t(0)) + r_out[i];
+          block_part[2 * E + c] = (w ? block_part[2 * E + c] : acc_t(0)) + f_out[i];
         }
       }
-      if (lane == 0) block_part[3 * E] = (w ? block_part[3 * E] : acc_t(0)) + zsum;
+      if (wl == 0) block_part[3 * E] = (w ? block_part[3 * E] : acc_t(0)) + zsum;
     }
     __syncthreads();
   }
@@ -128,23 +173,23 @@ gating_stats_kernel(const acc_t* __restrict__ partials, int32_t* __restrict__ co
   }
 }
 
-template <typename scalar_t, typename acc_t, int CPL>
+template <typename scalar_t, typename acc_t, int CPL, int LANES>
 __global__ void __launch_bounds__(BLOCK_THREADS)
 gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict__ ids,
                   const acc_t* __restrict__ grad_scores, const acc_t* __restrict__ ce,
                   const acc_t* __restrict__ g_aux, const acc_t* __restrict__ g_z, scalar_t* __restrict__ grad,
                   int S, int E, int k, acc_t coef, bool sigmoid, bool renorm) {
-  const int lane = threadIdx.x % WARP;
-  const int row = blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / WARP;
-  if (row >= S) return;  // a whole warp leaves together
+  const int lane = threadIdx.x % LANES;
+  const int row = blockIdx.x * (BLOCK_THREADS / LANES) + threadIdx.x / LANES;
+  if (row >= S) return;  // a whole warp (or the row's thread) leaves together
   acc_t probs[CPL], softmax[CPL];
-  const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL>(logits, row, E, sigmoid, probs, softmax);
+  const RowProbs<acc_t> rp = row_probs<scalar_t, acc_t, CPL, LANES>(logits, row, E, sigmoid, probs, softmax);
   acc_t grad_p[CPL], direct[CPL];  // direct: terms already taken through d probs / d logits
   // The aux term d/dp_se of coef * sum_e (sum_s p_se / S) * ce_e, scaled by 1/S before any sum.
   const acc_t aux_scale = g_aux ? *g_aux * coef / S : acc_t(0);
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
-    const int c = lane + WARP * i;
+    const int c = lane + LANES * i;
     grad_p[i] = (g_aux && c < E) ? aux_scale * ce[c] : acc_t(0);
     direct[i] = 0;
   }
@@ -157,7 +202,7 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
       if (j < k) {
         g[j] = grad_scores[int64_t(row) * k + j];
         e[j] = ids[int64_t(row) * k + j];
-        r[j] = e[j] >= 0 ? column_value<acc_t, CPL>(probs, e[j]) : acc_t(0);
+        r[j] = e[j] >= 0 ? column_value<acc_t, CPL, LANES>(probs, e[j]) : acc_t(0);
         denom += r[j];
       }
     }
@@ -172,12 +217,12 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
     }
 #pragma unroll
     for (int i = 0; i < MAX_K; ++i) {
-      if (i < k && e[i] >= 0 && lane == e[i] % WARP) {
+      if (i < k && e[i] >= 0 && lane == e[i] % LANES) {
         acc_t d = renorm ? r[i] / denom * (g[i] - sg) : acc_t(0);
         if (renorm && sigmoid) d *= acc_t(1) - r[i];
 #pragma unroll
         for (int q = 0; q < CPL; ++q) {
-          if (q == e[i] / WARP) {
+          if (q == e[i] / LANES) {
             if (renorm) direct[q] += d;
             else grad_p[q] += g[i];
           }
@@ -189,13 +234,13 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
   if (!sigmoid) {
 #pragma unroll
     for (int i = 0; i < CPL; ++i) dot += probs[i] * grad_p[i];
-    dot = warp_sum(dot);
+    dot = lanes_sum<LANES>(dot);
   }
   // z-loss = sum_s lse_s^2 / S: d/dlogits = (2 / S) * lse * softmax.
   const acc_t z_scale = g_z ? *g_z * acc_t(2) / S * rp.lse : acc_t(0);
 #pragma unroll
   for (int i = 0; i < CPL; ++i) {
-    const int c = lane + WARP * i;
+    const int c = lane + LANES * i;
     if (c < E) {
       acc_t gl = sigmoid ? grad_p[i] * probs[i] * (acc_t(1) - probs[i]) : probs[i] * (grad_p[i] - dot);
       gl += z_scale * softmax[i] + direct[i];
@@ -213,7 +258,9 @@ std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool
   const c10::cuda::CUDAGuard guard(logits.device());
   const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto opts = logits.options();
-  const int rows_per_block = std::max<int>(WARPS_PER_BLOCK, cdiv(cdiv(S, 512), WARPS_PER_BLOCK) * WARPS_PER_BLOCK);
+  // At most 512 blocks of partials, each a whole number of the block's rows at once.
+  const int groups = E <= THREAD_ROW_EXPERTS ? BLOCK_THREADS : WARPS_PER_BLOCK;
+  const int rows_per_block = std::max<int>(groups, cdiv(cdiv(S, 512), groups) * groups);
   const int nblocks = std::max<int>(1, cdiv(S, rows_per_block));
   at::Tensor ids = at::empty({S, k}, opts.dtype(at::kInt));
   at::Tensor scores = at::empty({S, k}, opts.dtype(acc));
@@ -230,8 +277,8 @@ std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool
       bias_ptr = bias->data_ptr<acc_t>();
     }
     if (S > 0) {
-      TURBOMOE_DISPATCH_CPL(E, [&] {
-        gating_fwd_kernel<scalar_t, acc_t, CPL><<<nblocks, BLOCK_THREADS, (3 * E + 1) * sizeof(acc_t), stream>>>(
+      TURBOMOE_DISPATCH_ROW(E, [&] {
+        gating_fwd_kernel<scalar_t, acc_t, CPL, LANES><<<nblocks, BLOCK_THREADS, (3 * E + 1) * sizeof(acc_t), stream>>>(
             logits.data_ptr<scalar_t>(), bias_ptr, ids.data_ptr<int32_t>(), scores.data_ptr<acc_t>(),
             lse.data_ptr<acc_t>(), partials.data_ptr<acc_t>(), S, E, k, rows_per_block, sigmoid, renorm);
       });
@@ -262,8 +309,8 @@ at::Tensor gating_backward(const at::Tensor& logits, const at::Tensor& ids, cons
     auto ptr = [](const c10::optional<at::Tensor>& t) -> const acc_t* {
       return t.has_value() ? t->data_ptr<acc_t>() : nullptr;
     };
-    TURBOMOE_DISPATCH_CPL(E, [&] {
-      gating_bwd_kernel<scalar_t, acc_t, CPL><<<cdiv(S, WARPS_PER_BLOCK), BLOCK_THREADS, 0, stream>>>(
+    TURBOMOE_DISPATCH_ROW(E, [&] {
+      gating_bwd_kernel<scalar_t, acc_t, CPL, LANES><<<cdiv(S, BLOCK_THREADS / LANES), BLOCK_THREADS, 0, stream>>>(
           logits.data_ptr<scalar_t>(), ids.data_ptr<int32_t>(), ptr(grad_scores), ce.data_ptr<acc_t>(), ptr(g_aux),
           ptr(g_z), grad.data_ptr<scalar_t>(), S, E, k, static_cast<acc_t>(coef), sigmoid, renorm);
     });

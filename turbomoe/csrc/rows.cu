@@ -16,12 +16,6 @@ namespace turbomoe {
 constexpr int ZERO_ROWS_PER_WARP = 8;  // per group of LANES threads
 constexpr int64_t NARROW_ROW = 8;      // rows narrower than this elements: one thread a token
 
-// The sum over a token's LANES threads (a warp, or the thread alone).
-template <int LANES, typename T> __device__ __forceinline__ T lanes_sum(T v) {
-  if constexpr (LANES == 1) return v;
-  else return warp_sum(v);
-}
-
 // This warp's token's k slots (-1 where no valid row) and weights: the scores, or with RENORM the
 // kept scores over max(their sum, eps). Returns that denominator (1 without RENORM); *clamped says
 // whether eps replaced the sum, where the weights no longer depend on each other.
