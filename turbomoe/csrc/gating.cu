@@ -199,6 +199,8 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
     acc_t denom = 0;
 #pragma unroll
     for (int j = 0; j < MAX_K; ++j) {
+      g[j] = r[j] = 0;
+      e[j] = -1;
       if (j < k) {
         g[j] = grad_scores[int64_t(row) * k + j];
         e[j] = ids[int64_t(row) * k + j];
@@ -215,17 +217,22 @@ gating_bwd_kernel(const scalar_t* __restrict__ logits, const int32_t* __restrict
     for (int j = 0; j < MAX_K; ++j) {
       if (renorm && j < k) sg += r[j] / denom * g[j];
     }
+    acc_t d[MAX_K];  // choice j's term: through the logits directly (renorm), or into its prob's gradient
 #pragma unroll
-    for (int i = 0; i < MAX_K; ++i) {
-      if (i < k && e[i] >= 0 && lane == e[i] % LANES) {
-        acc_t d = renorm ? r[i] / denom * (g[i] - sg) : acc_t(0);
-        if (renorm && sigmoid) d *= acc_t(1) - r[i];
+    for (int j = 0; j < MAX_K; ++j) {
+      d[j] = renorm ? r[j] / denom * (g[j] - sg) : g[j];
+      if (renorm && sigmoid) d[j] *= acc_t(1) - r[j];
+    }
+    // Each held column takes the term of the choice that names it (at most one: the k are distinct),
+    // compared column by column: a choice-indexed register write became local memory (ptxas).
 #pragma unroll
-        for (int q = 0; q < CPL; ++q) {
-          if (q == e[i] / LANES) {
-            if (renorm) direct[q] += d;
-            else grad_p[q] += g[i];
-          }
+    for (int q = 0; q < CPL; ++q) {
+      const int c = lane + LANES * q;
+#pragma unroll
+      for (int j = 0; j < MAX_K; ++j) {
+        if (j < k && e[j] == c) {
+          if (renorm) direct[q] += d[j];
+          else grad_p[q] += d[j];
         }
       }
     }
