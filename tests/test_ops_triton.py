@@ -427,6 +427,42 @@ def test_second_expert_kernels_match_reference(S, E, dtype, sample, backend):
     assert rel_err(got_l.grad, ref_l.grad) < TOL[dtype]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graph capture")
+def test_sampled_second_expert_captures_in_a_cuda_graph(backend):
+    """Top-2 with sampled noise, forward and backward, captured in a CUDA graph (no host-to-device copy or
+    sync inside) and replayed on new logits and uniforms: the eager call's experts, counts and gradient."""
+    torch.manual_seed(7)
+    S, E = 1000, 16
+    logits, rand, g = torch.randn(S, E, device=DEV), torch.rand(S, E, device=DEV), torch.randn(S, 2, device=DEV)
+    logits.requires_grad_()
+
+    def step():
+        out = ops.sample_second_expert(logits, ops.topk_gating(logits, 1, backend=backend), rand, backend=backend)
+        (out.scores * g).sum().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up off the capture: kernels compiled, autograd's streams set up
+    torch.cuda.current_stream().wait_stream(side)
+    logits.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    with torch.no_grad():
+        logits.copy_(torch.randn(S, E, device=DEV))
+        rand.copy_(torch.rand(S, E, device=DEV))
+    logits.grad.zero_()
+    graph.replay()
+    got_grad = logits.grad.clone()
+    logits.grad = None
+    exp = step()
+    assert torch.equal(captured.expert_ids, exp.expert_ids) and torch.equal(captured.counts, exp.counts)
+    assert torch.equal(got_grad, logits.grad)
+
+
 @pytest.mark.parametrize("sample", [True, False], ids=["sampled", "by_logits"])
 def test_gradcheck_second_expert_kernels(sample, backend):
     from turbomoe.autograd.sampling import SecondExpert

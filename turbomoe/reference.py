@@ -158,8 +158,9 @@ def gumbel_noise(rand_SE: torch.Tensor) -> torch.Tensor:
     as torch.distributions.Gumbel(0, 1).rsample turns its own torch.rand draw into noise: so the
     same uniforms give the same noise as DeepSpeed's gumbel_rsample."""
     finfo = torch.finfo(torch.float32)
-    low = torch.tensor(finfo.tiny, device=rand_SE.device)
-    high = torch.tensor(1 - finfo.eps, device=rand_SE.device)
+    # Python scalars, not the distribution's 0-dim device tensors: those are host-to-device copies, which a
+    # CUDA graph cannot capture. Both forms round to the same fp32 values (tiny vanishes beside 1 - eps).
+    low, high = finfo.tiny, 1 - finfo.eps
     u = low + rand_SE * (high - low)
     return -(-u.log()).log()
 
