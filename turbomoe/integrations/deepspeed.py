@@ -238,8 +238,9 @@ class MoE(StockMoE):
             k_int = operator.index(k)  # numpy's ints too, as stock takes them
         except TypeError:
             k_int = 0
-        if isinstance(k, bool) or not 1 <= k_int <= num_experts:
-            raise ValueError(f"k must be an int in [1, num_experts {num_experts}], got {k!r}")
+        # stock's top-2 runs with one expert too (both routes to it); top-k (k >= 3) needs k experts
+        if isinstance(k, bool) or not 1 <= k_int <= max(num_experts, 2):
+            raise ValueError(f"k must be an int in [1, max(num_experts {num_experts}, 2)], got {k!r}")
         k = k_int
         ops.check_bool("recompute", recompute)
         if fused_grad_accumulation is None:

@@ -58,9 +58,11 @@ def route(gate: TopKGate, logits_SE: torch.Tensor, used_token_S: Optional[torch.
         noisy_SE = logits_SE.detach() + gumbel_rsample(logits_SE.shape, device=logits_SE.device)
 
     g = ops.topk_gating(logits_SE, 1 if k == 2 else k)
-    if sample_second:  # draws its noise from torch.rand(S, E), as stock's gumbel_rsample
+    if sample_second and E > 1:  # draws its noise from torch.rand(S, E), as stock's gumbel_rsample
         g = ops.sample_second_expert(logits_SE, g)
     elif k == 2:
+        if sample_second:  # one expert: the second route is the first's again, but stock draws its noise all the same
+            torch.rand(S, E, device=logits_SE.device)
         g = ops.second_by_logits(logits_SE, g)
     # l_aux stays the op's: for k <= 2 stock counts only first choices, with coefficient E.
     ids, scores, counts, l_aux = g.expert_ids, g.scores, g.counts, g.aux_loss
