@@ -93,11 +93,14 @@ inline int columns_per_lane(int E) {
 // Up to this many experts a thread owns a gating row (gating.cu): all its columns in registers.
 constexpr int THREAD_ROW_EXPERTS = 16;
 
+// Threads that own a gating row of E experts: one, or a warp (TURBOMOE_DISPATCH_ROW's LANES).
+constexpr int row_lanes(int E) { return E <= THREAD_ROW_EXPERTS ? 1 : WARP; }
+
 // Runs the lambda with constexpr int CPL and LANES in scope: a thread a row with CPL >= E columns (8 or
 // 16) up to THREAD_ROW_EXPERTS, else a warp a row with CPL = columns_per_lane(E).
 #define TURBOMOE_DISPATCH_ROW(E, ...)                                                              \
   if ((E) <= 8) { constexpr int CPL = 8, LANES = 1; __VA_ARGS__(); }                               \
-  else if ((E) <= turbomoe::THREAD_ROW_EXPERTS) { constexpr int CPL = 16, LANES = 1; __VA_ARGS__(); } \
+  else if (turbomoe::row_lanes(E) == 1) { constexpr int CPL = 16, LANES = 1; __VA_ARGS__(); }        \
   else TURBOMOE_DISPATCH_CPL(E, [&] { constexpr int LANES = turbomoe::WARP; __VA_ARGS__(); });
 
 }  // namespace turbomoe

@@ -77,9 +77,9 @@ gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__
   // for column c (CPL <= 16 < 32), so that every warp hands on one column a lane, as a warp a row does.
   constexpr int HELD = LANES == 1 ? 1 : CPL;  // columns a lane hands on: lane + WARP * i
   acc_t p_out[HELD], r_out[HELD], f_out[HELD];
+  const int wl = threadIdx.x % WARP;
   if constexpr (LANES == 1) {
     p_out[0] = r_out[0] = f_out[0] = 0;
-    const int wl = threadIdx.x % WARP;
 #pragma unroll
     for (int i = 0; i < CPL; ++i) {
       const acc_t p = warp_sum(psum[i]), r = warp_sum(routes[i]), f = warp_sum(firsts[i]);
@@ -99,7 +99,6 @@ gating_fwd_kernel(const scalar_t* __restrict__ logits, const acc_t* __restrict__
     }
   }
   // Warps add their partials into shared memory one after another: a fixed order.
-  const int wl = threadIdx.x % WARP;
   for (int w = 0; w < WARPS_PER_BLOCK; ++w) {
     if (warp == w) {
 #pragma unroll
@@ -266,7 +265,7 @@ std::vector<at::Tensor> gating_forward(const at::Tensor& logits, int64_t k, bool
   const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto opts = logits.options();
   // At most 512 blocks of partials, each a whole number of the block's rows at once.
-  const int groups = E <= THREAD_ROW_EXPERTS ? BLOCK_THREADS : WARPS_PER_BLOCK;
+  const int groups = BLOCK_THREADS / row_lanes(E);
   const int rows_per_block = std::max<int>(groups, cdiv(cdiv(S, 512), groups) * groups);
   const int nblocks = std::max<int>(1, cdiv(S, rows_per_block));
   at::Tensor ids = at::empty({S, k}, opts.dtype(at::kInt));
