@@ -70,6 +70,7 @@ def _rank_kernel(ids_ptr, sel_ptr, inclusive_ptr, out_ptr, n, S, E, C, last_bloc
 def _ranks(ids_R, sel_R, E: int, C: int, S: int, k: int, choice_major: bool, mode: int):
     """One rank pass over R = S*k routes -> out [R] int32 (per mode) and totals [E] int32."""
     R = ids_R.numel()
+    S = max(S, 1)  # with no routes the kernels still take i % S (masked): keep it defined
     block_e = next_pow2(E)
     block = max(16, min(1024, 16384 // block_e))
     nblocks = max(1, triton.cdiv(R, block))
