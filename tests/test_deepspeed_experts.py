@@ -166,3 +166,16 @@ def test_assignment_count_makes_no_recompile():
         torch.testing.assert_close(compiled(x), model(x))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.Tanh()], ids=repr)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("drop_tokens", [True, False])
+def test_mlp_experts_of_every_activation_match_stock(act, bias, drop_tokens):
+    """The grouped mlp path: a first bias with nn.GELU (either form) runs in one bias_act pass, any other
+    activation or no first bias as the bias's pass then the module's forward; all as stock's."""
+    stock, turbo = make_pair(lambda: nn.Sequential(nn.Linear(M, F, bias=bias), act, nn.Linear(F, M)),
+                             drop_tokens=drop_tokens, capacity_factor=1.0)
+    assert turbo.deepspeed_moe.expert_fast_path == "mlp"
+    x = torch.randn(23, M, dtype=torch.float64)
+    assert_same(run(stock, x), run(turbo, x))

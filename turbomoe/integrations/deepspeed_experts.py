@@ -152,10 +152,18 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
             return swiglu(h.reshape(-1, h.shape[-1]), row_scale_R).view(*h.shape[:-1], h.shape[-1] // 2)
         second = [e.w2 for e in experts]
     else:
-        h = _grouped_linear(x, [e[0] for e in experts], groups, dtype)
-        # Its forward, not its call: fast_path_applies found no hooks of its own, global module hooks
-        # skip the grouped Linears already, and a remade activation would run them again in backward.
-        act: Callable = experts[0][1].forward
+        fc1s, fused = [e[0] for e in experts], _bias_act_of(experts[0])
+        if fused is None:
+            h = _grouped_linear(x, fc1s, groups, dtype)
+            # Its forward, not its call: fast_path_applies found no hooks of its own, global module hooks
+            # skip the grouped Linears already, and a remade activation would run them again in backward.
+            act: Callable = experts[0][1].forward
+        else:  # the bias and GELU in one pass each way (fp32, rounded once), as the Megatron path's
+            blocks = [[lin.weight] for lin in fc1s]
+            h, b1 = groups.matmul(x, _stack(blocks, dtype), blocks), _stack([[lin.bias] for lin in fc1s], dtype)
+
+            def act(h):
+                return groups.add_bias(h, b1, fused)
         second = [e[2] for e in experts]
     if remake is not None:  # the rows, remade in backward, need not outlive the first GEMM
         remake.release(x)
@@ -163,6 +171,14 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
     if remake is not None:
         remake.add(a, lambda: act(h), (h, ))  # h is kept by the activation's own backward
     return _grouped_linear(a, second, groups, dtype)
+
+
+def _bias_act_of(expert: nn.Sequential) -> Optional[str]:
+    """bias_act's act for a (Linear with bias, nn.GELU, Linear) expert, else None."""
+    fc1, act = expert[0], expert[1]
+    if fc1.bias is None or type(act) is not nn.GELU:
+        return None
+    return "gelu_tanh" if act.approximate == "tanh" else "gelu"
 
 
 def scales_rows(kind: Optional[str], experts: nn.ModuleList) -> bool:
