@@ -57,6 +57,8 @@ LAYER_CASES = {  # name: (config overrides, tokens [s, b], hot expert, nonzero e
     "shared expert with gate, layer recompute, jitter": (
         dict(moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True, moe_input_jitter_eps=0.05,
              recompute_granularity="selective", recompute_modules=["moe", "shared_experts"]), (9, 4), None, False),
+    "num groups without group top-k (plain top-k)": (dict(num_moe_experts=8, moe_router_num_groups=4), (7, 3),
+                                                     None, False),
     "gelu, no load balancing": (dict(gated_linear_unit=False, activation_func=F.gelu,
                                      moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0),
                                 (7, 3), None, False),

@@ -2,7 +2,7 @@
 from ..ops import MAX_K
 
 _UNSUPPORTED = (  # (config field, value that is supported, why)
-    ("moe_router_num_groups", None, "group-limited routing"),
+    # moe_router_num_groups alone groups nothing: Megatron's top-k reads it only with a group top-k.
     ("moe_router_group_topk", None, "group-limited routing"),
     ("moe_router_fusion", False, "Transformer Engine's fused router (turbomoe's gating is fused already)"),
     ("moe_enable_routing_replay", False, "routing replay"),
