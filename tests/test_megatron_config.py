@@ -1,8 +1,9 @@
 """Megatron-core settings turbomoe's layer must refuse rather than run differently from stock (CPU):
 moe_apply_probs_on_input above top-1, partial CUDA graphs of the MoE layer, expert-parallel
-communication overlap."""
+communication overlap, Transformer Engine's activation ops other than SwiGLU."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
@@ -76,3 +77,17 @@ def test_expert_parallel_comm_overlap_is_refused():
     cfg.overlap_moe_expert_parallel_comm = True  # its own checks need expert parallelism and bf16
     with pytest.raises(ValueError, match="overlap_moe_expert_parallel_comm"):
         tm.check_config(cfg)
+
+
+@pytest.mark.parametrize("overrides", [dict(activation_func=F.gelu),
+                                       dict(gated_linear_unit=False, activation_func=F.gelu),
+                                       dict(gated_linear_unit=False), dict(activation_func_clamp_value=7.0),
+                                       dict(activation_func_fp8_input_store=True)],
+                         ids=["geglu", "gelu", "silu", "clamped-swiglu", "fp8-input-store"])
+def test_te_activation_func_needs_plain_swiglu(overrides):
+    """use_te_activation_func makes stock's experts run Transformer Engine's activation ops: tanh GELU (turbomoe's
+    experts: config.activation_func, erf GELU), ReLU for a non-gated silu, SwiGLU without clamp or exact input.
+    turbomoe's layer ran them all with config.activation_func; now refused unless the plain SwiGLU."""
+    with pytest.raises(ValueError, match="use_te_activation_func"):
+        tm.check_config(moe_config(use_te_activation_func=True, **overrides))
+    tm.check_config(moe_config(use_te_activation_func=True))

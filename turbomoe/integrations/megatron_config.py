@@ -1,4 +1,6 @@
 """Which megatron-core TransformerConfig settings turbomoe's Megatron-core MoE layer covers."""
+import torch.nn.functional as F
+
 from ..ops import MAX_K
 
 _UNSUPPORTED = (  # (config field, value that is supported, why)
@@ -53,6 +55,14 @@ def check_config(config):
     if E is None or not 1 <= k <= min(E, MAX_K):
         raise ValueError(f"config.moe_router_topk must be in [1, min(num_moe_experts, {MAX_K})], got {k} with "
                          f"num_moe_experts={E}")
+    # Stock's experts then run Transformer Engine's activation op (its GELU is the tanh form, non-gated silu maps
+    # to its ReLU; no clamp, offset or exact input); turbomoe's compute activation_func: the same for SwiGLU alone.
+    if config.use_te_activation_func and not (
+            config.gated_linear_unit and config.activation_func is F.silu and config.glu_linear_offset == 0
+            and config.activation_func_clamp_value is None and not config.activation_func_fp8_input_store):
+        raise ValueError("turbomoe's Megatron experts compute config.activation_func, not Transformer Engine's "
+                         "activation ops: config.use_te_activation_func=True is supported with the plain SwiGLU "
+                         "alone (gated silu, no clamp, offset or fp8 input store)")
     check_no_expert_bias(config)
     if (config.expert_tensor_parallel_size or 1) != 1:
         raise ValueError("turbomoe's Megatron-core MoE layer needs config.expert_tensor_parallel_size = 1, got "
