@@ -368,6 +368,16 @@ def test_engine_errors(tmp_path, monkeypatch):
         load(str(tmp_path), device="cpu")
 
 
+def test_load_in_an_fp8_dtype_is_named(tmp_path):
+    """load(dtype=torch.float8_e4m3fn), say for an FP8 checkpoint: a TypeError naming the dtypes the engine
+    computes in, not torch.set_default_dtype's "couldn't find storage object Float8_e4m3fnStorage"."""
+    _, path = hf_model(tmp_path, 4)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        with pytest.raises(TypeError, match=r"dtype must be .* \(float16, bfloat16, float32 or float64; FP8 "
+                                            r"checkpoints are dequantized to it\), got torch.float8"):
+            load(path, device="cpu", dtype=dtype)
+    assert torch.get_default_dtype() == torch.float32
+
 def test_cache_made_as_calls_need_it(tmp_path, monkeypatch):
     """The KV cache holds the batch's bucket and prompt + new tokens rounded up to CACHE_SLOTS_STEP
     (at most max_batch x max_seq_len), and is made again larger when a call needs more: the tokens stay

@@ -323,8 +323,11 @@ class Qwen3MoeForCausalLM(nn.Module):
         process group's rank % ep_size, the recipe's placement).
         """
         from . import hf_checkpoint as hf
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        # the model is built under torch.set_default_dtype(dtype), which takes these alone (an FP8 dtype
+        # failed there as "couldn't find storage object"); FP8 checkpoints are dequantized to one of them
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"dtype must be a floating-point torch.dtype the model computes in (float16, bfloat16, "
+                            f"float32 or float64; FP8 checkpoints are dequantized to it), got {dtype!r}")
         moe_args.validate()  # before ep_size places this rank
         if ep_rank is None:
             ep_rank = hf.default_ep_rank(moe_args.ep_size)
