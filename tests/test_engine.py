@@ -368,6 +368,20 @@ def test_engine_errors(tmp_path, monkeypatch):
         load(str(tmp_path), device="cpu")
 
 
+def test_max_new_tokens_a_small_numpy_int(tmp_path):
+    """max_new_tokens of any integer type, taken as a Python int: a numpy int8's prompt length + max_new_tokens
+    wrapped past the max_seq_len check (then an OverflowError), a uint8's overflowed at the cache's 256 slots."""
+    _, path = hf_model(tmp_path, 4)
+    engine = load(path, device="cpu", dtype=torch.float32, max_batch=1, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"prompt length 30 \+ max_new_tokens 100 exceeds the KV cache's max_seq_len"):
+        engine.generate(torch.ones(1, 30, dtype=torch.long), np.int8(100))
+    assert engine.cache is None
+    ids = torch.tensor([[1, 2, 3]])
+    want = engine.generate(ids, 4, repetition_penalty=1.5)
+    for n in (np.uint8(4), np.int8(4), torch.tensor(4)):
+        assert torch.equal(engine.generate(ids, n, repetition_penalty=1.5), want), n
+
+
 def test_load_in_an_fp8_dtype_is_named(tmp_path):
     """load(dtype=torch.float8_e4m3fn), say for an FP8 checkpoint: a TypeError naming the dtypes the engine
     computes in, not torch.set_default_dtype's "couldn't find storage object Float8_e4m3fnStorage"."""

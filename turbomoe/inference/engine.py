@@ -319,8 +319,9 @@ class Engine:
         return out
 
     # ---- generation ----------------------------------------------------------------------------
-    def _check(self, input_ids, attention_mask, max_new_tokens) -> torch.Tensor:
-        """The call's arguments checked; returns input_ids as int64 (any integer dtype is taken)."""
+    def _check(self, input_ids, attention_mask, max_new_tokens) -> tuple:
+        """The call's arguments checked; returns input_ids as int64 (any integer dtype is taken) and
+        max_new_tokens as a Python int."""
         if not isinstance(input_ids, torch.Tensor):
             raise ValueError(f"input_ids must be an integer tensor [B, T], got {type(input_ids).__name__}")
         if (input_ids.dim() != 2 or input_ids.is_floating_point() or input_ids.is_complex()
@@ -336,8 +337,8 @@ class Engine:
         lo, hi = input_ids.aminmax()  # one host sync a call, before the prefill
         if lo < 0 or hi >= V:
             raise ValueError(f"input_ids must lie in [0, vocab_size {V}), got ids from {int(lo)} to {int(hi)}")
-        if not _positive_int(max_new_tokens):
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        # a Python int: a numpy int8's T + max_new_tokens wrapped past the length check below
+        max_new_tokens = _positive_index("max_new_tokens", max_new_tokens)
         self._check_batch(B)
         if T + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} exceeds the KV cache's "
@@ -349,7 +350,7 @@ class Engine:
                 raise ValueError(f"attention_mask must have the shape of input_ids {(B, T)}, got "
                                  f"{tuple(attention_mask.shape)}")
             _check_left_padding(attention_mask)
-        return input_ids
+        return input_ids, max_new_tokens
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
@@ -393,7 +394,7 @@ class Engine:
                           generator, streamer=None):
         sampling = Sampling.checked(*sampling)
         n = sampling.num_return_sequences
-        input_ids = self._check(input_ids, attention_mask, max_new_tokens)  # the prompts as given
+        input_ids, max_new_tokens = self._check(input_ids, attention_mask, max_new_tokens)  # the prompts as given
         if n > 1:  # as transformers: a prompt's samples side by side
             try:
                 self._check_batch(input_ids.shape[0] * n)
@@ -517,10 +518,6 @@ def _stack_qkv(attn, copy: bool):
                 setattr(p, name, torch.nn.Parameter(view, requires_grad=False))
         stacked.append(whole)
     return tuple(stacked)
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
 def _positive_index(name: str, value) -> int:
