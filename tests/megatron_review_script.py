@@ -54,9 +54,12 @@ def config(**overrides):
     return moe_config(**{"params_dtype": torch.float64, "moe_router_dtype": "fp64", **overrides})
 
 
-def build_pair(cfg, hot_expert=None, expert_bias=False, **turbomoe_kwargs):
+def build_pair(cfg, hot_expert=None, expert_bias=False, experts_seed=None, **turbomoe_kwargs):
     """(stock MoELayer, turbomoe's) with the same weights; hot_expert: an expert every token of mean
-    about 1 picks (hot_tokens); expert_bias: a nonzero bias, so that it steers the choices."""
+    about 1 picks (hot_tokens); expert_bias: a nonzero bias, so that it steers the choices; experts_seed:
+    the local experts' weights moved by noise of this seed (each rank its own experts: built under one
+    seed, expert e of rank 0 would equal expert e of rank 1, and a token sent to the wrong rank would
+    go unseen in the output)."""
     with stock_on_cpu():
         torch.manual_seed(0)
         stock = build_module(get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts), config=cfg)
@@ -66,6 +69,10 @@ def build_pair(cfg, hot_expert=None, expert_bias=False, **turbomoe_kwargs):
             stock.router.weight[hot_expert] += 0.05
         if expert_bias:
             stock.router.expert_bias.copy_(torch.linspace(0.3, -0.3, cfg.num_moe_experts))
+        if experts_seed is not None:
+            g = torch.Generator().manual_seed(experts_seed)
+            for p in stock.experts.parameters():
+                p.add_(torch.randn(p.shape, dtype=p.dtype, generator=g), alpha=0.05)
     copy_stock_moe_to_turbomoe(stock, turbo)
     if stock.shared_experts is not None:
         turbo.shared_experts.load_state_dict(stock.shared_experts.state_dict())
@@ -164,7 +171,7 @@ def main():
     with model_parallel("gloo", ep=2):
         for name, (overrides, kwargs) in EP_CASES.items():
             cfg = config(num_moe_experts=8, expert_model_parallel_size=2, **overrides)
-            stock, turbo = build_pair(cfg, **kwargs)
+            stock, turbo = build_pair(cfg, experts_seed=100 + rank, **kwargs)
             g = torch.Generator().manual_seed(10 + rank)  # each rank its own tokens
             x = torch.randn(7, 3, cfg.hidden_size, dtype=torch.float64, generator=g)
             w = torch.randn(x.shape, dtype=torch.float64, generator=g)
