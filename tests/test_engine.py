@@ -392,6 +392,7 @@ def test_load_in_an_fp8_dtype_is_named(tmp_path):
             load(path, device="cpu", dtype=dtype)
     assert torch.get_default_dtype() == torch.float32
 
+
 def test_cache_made_as_calls_need_it(tmp_path, monkeypatch):
     """The KV cache holds the batch's bucket and prompt + new tokens rounded up to CACHE_SLOTS_STEP
     (at most max_batch x max_seq_len), and is made again larger when a call needs more: the tokens stay
@@ -716,3 +717,16 @@ def test_compiled_parts_few_graphs_and_shared_by_engines_of_one_model(tmp_path):
     entries = [len(_debug_get_cache_entry_list(f._torchdynamo_orig_callable.__code__)) for f in parts]
     assert entries[0] <= 6 and entries[1] <= 3 and entries[2] <= 3, entries
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device, match", [("meta", "must be cpu, cuda or cuda:N, got 'meta'"),
+                                           ("bogus", "must be cpu, cuda or cuda:N, got 'bogus'"),
+                                           (torch.device("cuda:7"), "cuda:7")])
+def test_load_on_a_device_the_engine_cannot_run_on_is_named(tmp_path, device, match):
+    """load() refused such devices only later: meta built an engine whose first generate failed deep in
+    torch, a CUDA device on a machine without one failed in torch's lazy init (the CLI checked both)."""
+    if device == torch.device("cuda:7") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    _, path = hf_model(tmp_path, 4)
+    with pytest.raises(ValueError, match=match):
+        load(path, device=device)

@@ -124,16 +124,11 @@ def main(argv=None):
         if not (os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)):
             p.error(f"--tiles {args.tiles}: its folder {folder} does not exist or is not writable")
 
+    from .inference.engine import engine_device
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:  # not a device string
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        p.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: CUDA is not available on this machine")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        p.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
+        device = engine_device(args.device)
+    except ValueError as e:
+        p.error(f"--{e}")  # its messages begin "device"
     if (args.tune or args.tiles) and device.type != "cuda":
         p.error(f"--tune and --tiles choose the GPU kernels' tilings; the device is {device}")
 

@@ -576,6 +576,22 @@ def _check_keywords(engine_kw: dict) -> dict:
     return {key: value for key, value in engine_kw.items() if key in moe}
 
 
+def engine_device(device=None) -> torch.device:
+    """The device an engine runs on: cpu, or a CUDA device this machine has (default: cuda where available)."""
+    given = device
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError):  # not a device
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {given!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: CUDA is not available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
 def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **engine_kw) -> Engine:
     """An Engine for a Hugging Face Qwen3-MoE directory, read by Qwen3MoeForCausalLM.from_pretrained.
     device: default CUDA where available; dtype: default the checkpoint's."""
@@ -584,7 +600,7 @@ def load(model_dir: str, device=None, dtype: Optional[torch.dtype] = None, **eng
     if "prefill_tokens" in engine_kw:
         _positive_index("prefill_tokens", engine_kw["prefill_tokens"])
     _check_compile(engine_kw.get("compile"))
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = engine_device(device)
     if engine_kw.get("tune") and device.type != "cuda":
         raise ValueError(f"tune measures the few-rows kernels on a GPU; device is {device}")
     check_tile_table(moe_kw.pop("few_rows_tiles", None))
