@@ -730,3 +730,15 @@ def test_load_on_a_device_the_engine_cannot_run_on_is_named(tmp_path, device, ma
     _, path = hf_model(tmp_path, 4)
     with pytest.raises(ValueError, match=match):
         load(path, device=device)
+
+
+@pytest.mark.parametrize("bad", [2, -1, 0.5, float("nan")])
+def test_attention_mask_other_than_zeros_and_ones_is_named(tmp_path, bad):
+    """A mask value other than 0 and 1 was read as a real token (transformers' positions would differ)."""
+    _, path = hf_model(tmp_path, 4)
+    engine = load(path, device="cpu")
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    mask = torch.ones(2, 3, dtype=torch.float32 if isinstance(bad, float) else torch.int64)
+    mask[1, 0] = bad
+    with pytest.raises(ValueError, match="attention_mask must hold 0 .* and 1 .* alone, got"):
+        engine.generate(ids, 2, attention_mask=mask)

@@ -487,7 +487,11 @@ class Engine:
 
 def _check_left_padding(mask_BT: torch.Tensor, inferred_from: Optional[int] = None):
     """mask_BT, given or inferred_from a pad id, must be zeros, then ones up to the last column."""
-    m = mask_BT.to("cpu", torch.bool)
+    raw = mask_BT.to("cpu")
+    if not bool(((raw == 0) | (raw == 1)).all()):  # 2, -1, 0.5 or NaN would read as a real token
+        bad = raw[(raw != 0) & (raw != 1)][0].item()
+        raise ValueError(f"attention_mask must hold 0 (padding) and 1 (a token) alone, got {bad}")
+    m = raw.to(torch.bool)
     if not bool(m[:, -1].all()) or bool((m[:, 1:] < m[:, :-1]).any()):
         if inferred_from is None:
             raise ValueError("attention_mask must be left padding: zeros, then ones up to the last column")
