@@ -59,6 +59,8 @@ LAYER_CASES = {  # name: (config overrides, tokens [s, b], hot expert, nonzero e
              recompute_granularity="selective", recompute_modules=["moe", "shared_experts"]), (9, 4), None, False),
     "num groups without group top-k (plain top-k)": (dict(num_moe_experts=8, moe_router_num_groups=4), (7, 3),
                                                      None, False),
+    "group top-k 0 (plain top-k)": (dict(num_moe_experts=8, moe_router_num_groups=4, moe_router_group_topk=0),
+                                    (7, 3), None, False),
     "gelu, no load balancing": (dict(gated_linear_unit=False, activation_func=F.gelu,
                                      moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0),
                                 (7, 3), None, False),

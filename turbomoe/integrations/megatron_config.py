@@ -4,8 +4,6 @@ import torch.nn.functional as F
 from ..ops import MAX_K
 
 _UNSUPPORTED = (  # (config field, value that is supported, why)
-    # moe_router_num_groups alone groups nothing: Megatron's top-k reads it only with a group top-k.
-    ("moe_router_group_topk", None, "group-limited routing"),
     ("moe_router_fusion", False, "Transformer Engine's fused router (turbomoe's gating is fused already)"),
     ("moe_enable_routing_replay", False, "routing replay"),
     ("moe_pad_expert_input_to_capacity", False, "padding to capacity (turbomoe's capacity buffer is padded)"),
@@ -30,6 +28,11 @@ def check_config(config):
         raise ValueError("turbomoe's Megatron-core MoE layer replaces the token dispatcher; MoELayer still builds "
                          "stock's first: config.moe_token_dispatcher_type must be 'allgather' or 'alltoall', got "
                          f"{config.moe_token_dispatcher_type!r}")
+    # Megatron's top-k groups only where moe_router_group_topk is truthy (moe_router_num_groups alone, or a
+    # group top-k of 0, is plain top-k)
+    if getattr(config, "moe_router_group_topk", None):
+        raise ValueError("turbomoe's Megatron-core MoE layer does not support group-limited routing: "
+                         f"config.moe_router_group_topk = {config.moe_router_group_topk!r} (needs None or 0)")
     for field, ok, what in _UNSUPPORTED:
         value = getattr(config, field, ok)
         if value != ok:
