@@ -488,8 +488,9 @@ class Engine:
 def _check_left_padding(mask_BT: torch.Tensor, inferred_from: Optional[int] = None):
     """mask_BT, given or inferred_from a pad id, must be zeros, then ones up to the last column."""
     raw = mask_BT.to("cpu")
-    if not bool(((raw == 0) | (raw == 1)).all()):  # 2, -1, 0.5 or NaN would read as a real token
-        bad = raw[(raw != 0) & (raw != 1)][0].item()
+    binary = (raw == 0) | (raw == 1)
+    if not bool(binary.all()):  # 2, -1, 0.5 or NaN would read as a real token
+        bad = raw[~binary][0].item()
         raise ValueError(f"attention_mask must hold 0 (padding) and 1 (a token) alone, got {bad}")
     m = raw.to(torch.bool)
     if not bool(m[:, -1].all()) or bool((m[:, 1:] < m[:, :-1]).any()):

@@ -118,11 +118,13 @@ def _stack(blocks: List[List[torch.Tensor]], dtype: Optional[torch.dtype]) -> to
     return w if dtype is None else w.to(dtype)
 
 
-def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """Expert e's Linear on expert e's rows of x [.., K] -> [.., N], one grouped GEMM."""
+def _grouped_linear(x: torch.Tensor, linears: List[nn.Linear], groups, dtype: Optional[torch.dtype],
+                    add_bias: bool = True) -> torch.Tensor:
+    """Expert e's Linear on expert e's rows of x [.., K] -> [.., N], one grouped GEMM (without the bias
+    where add_bias is False: the caller adds it in its own pass)."""
     blocks = [[lin.weight] for lin in linears]
     y = groups.matmul(x, _stack(blocks, dtype), blocks)
-    if linears[0].bias is None:
+    if not add_bias or linears[0].bias is None:
         return y
     return groups.add_bias(y, _stack([[lin.bias] for lin in linears], dtype))
 
@@ -153,14 +155,13 @@ def grouped_mlp(kind: str, experts: nn.ModuleList, x: torch.Tensor, groups,
         second = [e.w2 for e in experts]
     else:
         fc1s, fused = [e[0] for e in experts], _bias_act_of(experts[0])
+        h = _grouped_linear(x, fc1s, groups, dtype, add_bias=fused is None)
         if fused is None:
-            h = _grouped_linear(x, fc1s, groups, dtype)
             # Its forward, not its call: fast_path_applies found no hooks of its own, global module hooks
             # skip the grouped Linears already, and a remade activation would run them again in backward.
             act: Callable = experts[0][1].forward
         else:  # the bias and GELU in one pass each way (fp32, rounded once), as the Megatron path's
-            blocks = [[lin.weight] for lin in fc1s]
-            h, b1 = groups.matmul(x, _stack(blocks, dtype), blocks), _stack([[lin.bias] for lin in fc1s], dtype)
+            b1 = _stack([[lin.bias] for lin in fc1s], dtype)
 
             def act(h):
                 return groups.add_bias(h, b1, fused)
