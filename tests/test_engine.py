@@ -291,6 +291,11 @@ def test_engine_errors(tmp_path, monkeypatch):
         engine.generate(ids, 2, pad_token_id=101)
     with pytest.raises(ValueError, match="eos_token_id must be a token id or a list of them"):
         engine.generate(ids, 2, eos_token_id="7")
+    for raw in (b"7", bytearray(b"7")):  # bytes iterate as ints: b"7" is not id 55
+        with pytest.raises(ValueError, match="eos_token_id must be a token id or a list of them"):
+            engine.generate(ids, 2, eos_token_id=raw)
+        with pytest.raises(ValueError, match="pad_token_id must be a token id or a list of them"):
+            engine.generate(ids, 2, eos_token_id=7, pad_token_id=raw)
     with pytest.raises(ValueError, match="attention_mask must be a tensor"):
         engine.generate(ids, 2, attention_mask=[[1, 1, 1]])
     # the default pad (a finished row's next input) is the first EOS id: one past the vocabulary is refused

@@ -546,6 +546,8 @@ def _token_ids(ids, name: str) -> list:
         ids = ids.reshape(-1).tolist()
     seq = [ids] if isinstance(ids, numbers.Integral) else ids
     try:
+        if isinstance(ids, (bytes, bytearray)):  # a sequence of ints: b"7" would read as id 55
+            raise TypeError
         out = [operator.index(i) for i in seq]
     except TypeError:
         raise ValueError(f"{name} must be a token id or a list of them, got {ids!r}") from None
