@@ -240,14 +240,18 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
     return _reference_wgrad(x_RK, dy_RN, counts_G)
 
 
-def _accumulates_into_grad(w: torch.Tensor) -> bool:
-    """Whether the running backward will accumulate into leaf w's .grad (backward(), not
-    autograd.grad or backward(inputs=...) without w). torch raises for a leaf asked about inside
-    autograd.grad: that backward does not touch .grad."""
+def accumulates(node) -> bool:
+    """Whether the running backward runs a leaf's AccumulateGrad node, so accumulates into its .grad
+    (backward(), not autograd.grad or backward(inputs=...) without the leaf). torch raises for a leaf's
+    node asked about inside autograd.grad: that backward does not touch .grad."""
     try:
-        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node)
+        return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return False
+
+
+def _accumulates_into_grad(w: torch.Tensor) -> bool:
+    return accumulates(torch.autograd.graph.get_gradient_edge(w).node)
 
 
 class GroupedMM(torch.autograd.Function):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..autograd.bias_act import bias_act
-from ..autograd.grouped_gemm import grouped_mm, row_groups, row_offsets
+from ..autograd.grouped_gemm import accumulates, grouped_mm, row_groups, row_offsets
 
 
 class _AliasStack(torch.autograd.Function):
@@ -75,7 +75,7 @@ def grads_in_place(node) -> Optional[torch.Tensor]:
             return None
         g = t.grad
         if (g is None or t._backward_hooks or g.dtype != t.dtype or g.shape != t.shape or not g.is_contiguous()
-                or not torch._C._will_engine_execute_node(acc)):  # (t is contiguous: the stack's condition)
+                or not accumulates(acc)):  # (t is contiguous: the stack's condition)
             return None
         offsets.append(g.storage_offset())
         one_base = one_base and g._base is base
