@@ -33,7 +33,7 @@ import torch
 
 from .. import csrc
 from ..reference import as_contiguous, debug_checks
-from . import kernel_backward
+from . import Function, kernel_backward, under_func
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 # Gradient-accumulation fusion into an fp32 buffer: the cutlass backend adds inside its own weight-
@@ -254,14 +254,22 @@ def _accumulates_into_grad(w: torch.Tensor) -> bool:
     return accumulates(torch.autograd.graph.get_gradient_edge(w).node)
 
 
-class GroupedMM(torch.autograd.Function):
+class GroupedMM(Function):
 
     @staticmethod
-    def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN=None, main_grad_add=True,
+    def forward(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN=None, main_grad_add=True,
                 main_grad_placeholder=True, grad_into_w=False):
-        if backend in ("torch", "cutlass"):
-            offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
+        """offs_G: the torch and cutlass backends' offsets, made by grouped_mm where the caller has none."""
+        return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x_RK, w_GKN, counts_G, offs_G, backend = inputs[:5]
+        main_grad_GKN, main_grad_add, main_grad_placeholder, grad_into_w = inputs[5:]
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
+        # torch.func returns w's gradient: nothing is added into a buffer or a .grad under it
+        if under_func(w_GKN):
+            main_grad_GKN, grad_into_w = None, False
         ctx.backend, ctx.main_grad = backend, main_grad_GKN  # written in backward, so not saved
         ctx.main_grad_add, ctx.main_grad_placeholder = main_grad_add, main_grad_placeholder
         # The leaf itself: under saved-tensor hooks (recompute's) the unpacked w is another tensor, not w
@@ -271,7 +279,6 @@ class GroupedMM(torch.autograd.Function):
         # makes w's gradient first and frees x before x's gradient, its size, is made. Otherwise x's
         # gradient first, so that what consumes it (an all-to-all) can start while w's runs.
         ctx.w_grad_first = saved_tensor_hooks_active()
-        return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
     @staticmethod
     def _sink(ctx):
@@ -391,10 +398,10 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     backend = choose_gmm_backend(x_RK, w_GKN, backend)
     if backend == "cutlass" or (backend == "torch" and x_RK.stride(1) != 1):  # cutlass: row-major x
         x_RK = x_RK.contiguous()
+    if backend in ("torch", "cutlass"):  # their offsets, made once for the GEMMs both ways
+        offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
     if torch.compiler.is_compiling():  # a custom op: traced without a graph break (turbomoe.custom_ops)
         from .. import custom_ops
-        if backend in ("torch", "cutlass"):  # the offsets GroupedMM.forward would make, as a traced op
-            offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         return custom_ops.grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend)
     return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN, main_grad_add, main_grad_placeholder,
                            grad_into_w)
