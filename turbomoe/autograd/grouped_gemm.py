@@ -288,11 +288,13 @@ class GroupedMM(Function):
         if ctx.main_grad is not None:
             return ctx.main_grad, ctx.main_grad_add, ctx.main_grad_placeholder
         w = ctx.grad_into_w
+        if w is None or ctx.create_graph:  # (create_graph: autograd adds out of place, a differentiable sum)
+            return None
         if callable(w):
             buf = w()
             return None if buf is None else (buf, True, False)
-        # (create_graph: autograd adds out of place, a differentiable sum; a hook on w could change its gradient)
-        if w is not None and not ctx.create_graph and not w._backward_hooks and _accumulates_into_grad(w):
+        # (a hook on w could change its gradient)
+        if not w._backward_hooks and _accumulates_into_grad(w):
             g = w.grad
             if g is not None and g.is_floating_point() and g.shape == w.shape and g.stride() == w.stride():
                 return g, True, False

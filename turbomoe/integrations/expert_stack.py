@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..autograd import Function
+from ..autograd import Function, once_differentiable
 from ..autograd.bias_act import bias_act
 from ..autograd.grouped_gemm import accumulates, grouped_mm, row_groups, row_offsets
 
@@ -331,6 +331,12 @@ class _BatchedLinear(Function):
 
     @staticmethod
     def backward(ctx, dy):
+        ctx.create_graph = torch.is_grad_enabled()  # (the GEMMs below run without autograd)
+        return _BatchedLinear._backward(ctx, dy)
+
+    @staticmethod
+    @once_differentiable  # GEMMs into given memory (out=): create_graph gives the gradient; differentiating it raises
+    def _backward(ctx, dy):
         x, w_ENK = ctx.saved_tensors
         x_BECK, dy_BECN = _blocks(x), _blocks(dy)
         dx = dw = None
@@ -342,7 +348,8 @@ class _BatchedLinear(Function):
         if ctx.sink is not None:
             _weight_grad_aside(dy_BECN, x_BECK, ctx.sink)
         elif ctx.needs_input_grad[1]:
-            grads_ENK = ctx.grads_in_place() if ctx.grads_in_place is not None else None
+            # (create_graph: autograd adds out of place, a differentiable sum)
+            grads_ENK = ctx.grads_in_place() if ctx.grads_in_place is not None and not ctx.create_graph else None
             if grads_ENK is None:
                 dw = _batched_dw(dy_BECN, x_BECK)
             else:
