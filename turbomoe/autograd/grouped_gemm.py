@@ -177,12 +177,13 @@ def _reference_mm(x_RK, w_GKN, counts_G):
 
 
 def _reference_wgrad(x_RK, dy_RN, counts_G):
-    dw = x_RK.new_zeros(counts_G.shape[0], x_RK.shape[1], dy_RN.shape[1])
-    start = 0
-    for g, n in enumerate(counts_G.tolist()):
-        dw[g] = x_RK[start:start + n].t() @ dy_RN[start:start + n]
+    """The groups' products stacked (an empty group's is zero), not written into a buffer: torch.func's
+    jacrev batches dy, not x, and vmap refuses to write a batched product into an unbatched buffer."""
+    dw, start = [], 0
+    for n in counts_G.tolist():
+        dw.append(x_RK[start:start + n].t() @ dy_RN[start:start + n])
         start += n
-    return dw
+    return torch.stack(dw) if dw else x_RK.new_zeros(0, x_RK.shape[1], dy_RN.shape[1])
 
 
 def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, backend: str,
