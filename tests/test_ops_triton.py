@@ -317,6 +317,13 @@ def test_double_backward_raises(backend):
     (gx, ) = torch.autograd.grad(out.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         (gx.square().sum() + x.sum()).backward()
+    # a loss linear in the scores: the gradient read is a constant, but the scores' gradient still
+    # depends on the logits (saved): differentiating it raises rather than leave those terms out
+    w = torch.randn(6, 2, device=DEV, dtype=torch.float64)
+    (gl, ) = torch.autograd.grad((ops.topk_gating(logits, 2, backend=backend).scores * w).sum(), logits,
+                                 create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gl.square().sum().backward()
 
 
 @pytest.mark.parametrize("policy", ["rts", "position", "probs", "dropless"])

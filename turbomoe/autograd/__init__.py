@@ -164,7 +164,9 @@ def _once(backward, ctx, grads):
         outs = backward(ctx, *grads)
     if not torch.is_grad_enabled():  # a plain backward: no create_graph
         return outs
-    read = [g for g in grads if isinstance(g, torch.Tensor) and g.requires_grad]
+    # tied to the saved tensors too: with a linear loss the gradients read are constants, yet the
+    # gradient still depends on the saved inputs (untied, their second-derivative terms went missing)
+    read = [t for t in (*grads, *getattr(ctx, "saved_tensors", ())) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not read:
         return outs
     seq = outs if isinstance(outs, tuple) else (outs, )
