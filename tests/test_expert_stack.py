@@ -264,8 +264,12 @@ def test_gradients_in_place_only_where_autograd_adds_in_place(grads_in_place_tak
     x = torch.randn(40, M, dtype=torch.float64, requires_grad=True)
     y = grouped_mlp("mlp", experts, x, RowGroups(torch.tensor([9, 0, 20, 8], dtype=torch.int32), 40))
     torch.autograd.grad(y.sum(), [x], retain_graph=True)
-    y.sum().backward(inputs=[x])
+    y.sum().backward(inputs=[x], retain_graph=True)
+    got = torch.autograd.grad(y.sum(), params)  # the parameters' own: torch raised for the check there
     assert len(taken) == 0 and all(torch.equal(p.grad, b) for p, b in zip(params, before))
+    rows = torch.split(x[:37].detach(), [9, 0, 20, 8])
+    want = torch.autograd.grad(torch.cat([e(r) for e, r in zip(ref, rows)]).sum(), ref_params)
+    assert all(rel_err(g, w) < 1e-12 for g, w in zip(got, want))
 
     x, dy = micro_batch("mlp", experts, "rows", 31, create_graph=True)
     one_by_one(ref, "rows", x, dy)

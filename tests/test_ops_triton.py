@@ -193,20 +193,21 @@ def test_gradcheck_autograd_functions(backend):
     logits = make_logits(6, 5, torch.float64).requires_grad_()
     for score_func, renorm in (("softmax", False), ("softmax", True), ("sigmoid", True)):
         def gating(l):
-            ids, scores, counts, aux, z = TopKGating.apply(l, 3, score_func, renorm, None, impl)
+            ids, scores, counts, aux, z = TopKGating.apply(l, 3, score_func, renorm, None, impl)[:5]
             return scores, aux, z
         assert torch.autograd.gradcheck(gating, (logits, ), eps=1e-7, atol=1e-8)
     ids, scores = routing(6, 4, 2)
     s = ref.assign_slots(ids, scores, 4, 2, "position")
     x = torch.randn(6, 5, device=DEV, dtype=torch.float64, requires_grad=True)
     for kept, cap in ((s.kept_counts, s.capacity), (None, None)):  # empty rows from counts, or from slots
-        assert torch.autograd.gradcheck(lambda t: ScatterTokens.apply(t, s.slots, s.num_rows, kept, cap, impl), (x, ))
+        assert torch.autograd.gradcheck(lambda t: ScatterTokens.apply(t, s.slots, s.num_rows, kept, cap, impl)[0],
+                                        (x, ))
     y = torch.randn(s.num_rows, 5, device=DEV, dtype=torch.float64, requires_grad=True)
     sc = scores.double().requires_grad_()
     assert (s.slots < 0).any()  # 12 routes into 4 * 2 rows: drops
     for kept, cap, renorm in ((s.kept_counts, s.capacity, False), (None, None, False), (s.kept_counts, s.capacity, True)):
         assert torch.autograd.gradcheck(
-            lambda a, b: GatherTokens.apply(a, s.slots, b, kept, cap, impl, renorm), (y, sc))
+            lambda a, b: GatherTokens.apply(a, s.slots, b, kept, cap, impl, renorm)[0], (y, sc))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -316,6 +317,13 @@ def test_double_backward_raises(backend):
     (gx, ) = torch.autograd.grad(out.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         (gx.square().sum() + x.sum()).backward()
+    # a loss linear in the scores: the gradient read is a constant, but the scores' gradient still
+    # depends on the logits (saved): differentiating it raises rather than leave those terms out
+    w = torch.randn(6, 2, device=DEV, dtype=torch.float64)
+    (gl, ) = torch.autograd.grad((ops.topk_gating(logits, 2, backend=backend).scores * w).sum(), logits,
+                                 create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gl.square().sum().backward()
 
 
 @pytest.mark.parametrize("policy", ["rts", "position", "probs", "dropless"])

@@ -31,17 +31,6 @@ from .autograd.swiglu import SwiGLU
 from .reference import GatingOutput, Slots, as_contiguous, compute_dtype
 
 
-class _Recorder:
-    """The ctx an autograd.Function's forward is given when a custom op runs it: it keeps what the
-    forward saves (the op returns what backward needs; setup_context saves it on the real ctx)."""
-
-    def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
-
-    def mark_non_differentiable(self, *tensors):
-        pass
-
-
 class _Saved:
     """The ctx an autograd.Function's backward reads (saved_tensors and attributes), rebuilt inside
     a backward custom op from its arguments."""
@@ -59,10 +48,9 @@ def _topk_gating(logits_SE: torch.Tensor, k: int, score_func: str, renormalize: 
                                                                       torch.Tensor, torch.Tensor, torch.Tensor,
                                                                       torch.Tensor]:
     """ids, scores, counts, aux, z, and for backward lse [S] and ce [E]."""
-    ctx = _Recorder()
-    ids, scores, counts, aux, z = TopKGating.forward(ctx, logits_SE, k, score_func, renormalize, bias_E,
-                                                     ops._impl(backend))
-    _, _, lse_S, ce_E = ctx.saved_tensors
+    ids, scores, counts, aux, z, kept = TopKGating.forward(logits_SE, k, score_func, renormalize, bias_E,
+                                                           ops._impl(backend))
+    lse_S, ce_E = kept.tensors
     # A custom op's outputs may not view one another: ce, aux and z are slices of one stats buffer
     # in the Triton launcher, so they are copied (E + 2 values).
     return ids, scores, counts, aux.clone(), z.clone(), lse_S, ce_E.clone()
@@ -82,7 +70,7 @@ def _topk_gating_backward(logits_SE: torch.Tensor, ids_SK: torch.Tensor, lse_S: 
                           g_scores: Optional[torch.Tensor], g_aux: Optional[torch.Tensor], g_z: Optional[torch.Tensor],
                           score_func: str, renormalize: bool, backend: str) -> torch.Tensor:
     ctx = _Saved(logits_SE, ids_SK, lse_S, ce_E, config=(score_func == "sigmoid", renormalize, ops._impl(backend)))
-    return TopKGating.backward(ctx, None, g_scores, None, g_aux, g_z)[0]
+    return TopKGating.backward(ctx, None, g_scores, None, g_aux, g_z, None)[0]
 
 
 @_topk_gating_backward.register_fake
@@ -149,7 +137,7 @@ def _scatter_tokens(x_SM: torch.Tensor, slots_SK: torch.Tensor, num_rows: int, k
                     capacity: Optional[int], backend: str) -> torch.Tensor:
     if backend == "reference":
         return reference.scatter_tokens(x_SM, slots_SK, num_rows)
-    return ScatterTokens.forward(_Recorder(), x_SM, slots_SK, num_rows, kept_counts_E, capacity, ops._impl(backend))
+    return ScatterTokens.forward(x_SM, slots_SK, num_rows, kept_counts_E, capacity, ops._impl(backend))[0]
 
 
 @_scatter_tokens.register_fake
@@ -161,7 +149,7 @@ def _(x_SM, slots_SK, num_rows, kept_counts_E, capacity, backend):
 def _scatter_tokens_backward(grad_buf_RM: torch.Tensor, slots_SK: torch.Tensor, backend: str) -> torch.Tensor:
     if backend == "reference":  # each token sums its kept rows' gradients: a gather with unit weights
         return reference.gather_tokens(grad_buf_RM, slots_SK, grad_buf_RM.new_ones(slots_SK.shape))
-    return ScatterTokens.backward(_Saved(slots_SK, impl=ops._impl(backend)), grad_buf_RM)[0]
+    return ScatterTokens.backward(_Saved(slots_SK, impl=ops._impl(backend)), grad_buf_RM, None)[0]
 
 
 @_scatter_tokens_backward.register_fake
@@ -192,8 +180,7 @@ def scatter_tokens(x_SM, slots: Slots, backend: str):
 def _gather_tokens(y_RM: torch.Tensor, slots_SK: torch.Tensor, scores_SK: Optional[torch.Tensor],
                    kept_counts_E: Optional[torch.Tensor], capacity: Optional[int], renormalize: bool,
                    backend: str) -> torch.Tensor:
-    return GatherTokens.forward(_Recorder(), y_RM, slots_SK, scores_SK, kept_counts_E, capacity, ops._impl(backend),
-                                renormalize)
+    return GatherTokens.forward(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, ops._impl(backend), renormalize)[0]
 
 
 @_gather_tokens.register_fake
@@ -207,7 +194,7 @@ def _gather_tokens_backward(grad_out_SM: torch.Tensor, y_RM: torch.Tensor, slots
                             renormalize: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     ctx = _Saved(y_RM, slots_SK, scores_SK, kept_counts_E, capacity=capacity, impl=ops._impl(backend),
                  renormalize=renormalize, num_rows=y_RM.shape[0])
-    grad_y_RM, _, grad_scores_SK, *_ = GatherTokens.backward(ctx, grad_out_SM)
+    grad_y_RM, _, grad_scores_SK, *_ = GatherTokens.backward(ctx, grad_out_SM, None)
     return grad_y_RM, grad_scores_SK
 
 
@@ -301,7 +288,7 @@ def grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend: str):
 
 @torch.library.custom_op("turbomoe::swiglu", mutates_args=())
 def _swiglu(h_R2F: torch.Tensor, scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return SwiGLU.forward(_Recorder(), h_R2F, scale_R)
+    return SwiGLU.forward(h_R2F, scale_R)
 
 
 @_swiglu.register_fake

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from . import csrc, custom_ops, reference
+from .autograd import plain_call
 from .autograd.gather import gather_tokens as _gather_fn
 from .autograd.gating import topk_gating as _gating_fn
 from .autograd.sampling import second_expert as _second_expert_fn
@@ -339,7 +340,8 @@ def assign_slots(expert_ids_SK: torch.Tensor,
         seed ^= int(seed_draw)  # a CPU tensor: no device sync
     if backend == "reference":
         return reference.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
-    return _impl(backend).assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed)
+    return plain_call("assign_slots", _impl(backend).assign_slots, expert_ids_SK, scores_SK, num_experts, capacity,
+                      drop_policy, seed)
 
 
 _INT32_MAX = (1 << 31) - 1

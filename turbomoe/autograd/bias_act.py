@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..kernels.bias_act import ACTS
 from ..reference import compute_dtype
-from . import kernel_backward
+from . import Function, kernel_backward
 
 
 def _groups(R: int, G: int, groups_R: Optional[torch.Tensor], rows_per_group: Optional[int], device) -> torch.Tensor:
@@ -61,18 +61,22 @@ def _biased(y_RN, b_GN, groups_R, rows_per_group) -> torch.Tensor:
     return torch.where((groups_R < G)[:, None], y_RN.to(c) + bias_RN, 0)
 
 
-class BiasAct(torch.autograd.Function):
+class BiasAct(Function):
     """kernels: the Triton kernels (CUDA tensors, or the CPU under TRITON_INTERPRET=1), else the same
     math in PyTorch (the CPU, fp64)."""
 
     @staticmethod
-    def forward(ctx, y_RN, b_GN, groups_R, rows_per_group, act, kernels):
+    def forward(y_RN, b_GN, groups_R, rows_per_group, act, kernels):
         from ..kernels.bias_act import bias_act_forward
-        ctx.save_for_backward(None if act == "none" else y_RN, b_GN, groups_R)
-        ctx.rows_per_group, ctx.act, ctx.kernels = rows_per_group, act, kernels
         if kernels:
             return bias_act_forward(y_RN, b_GN, groups_R, rows_per_group, act)
         return _act(_biased(y_RN, b_GN, groups_R, rows_per_group), act).to(y_RN.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        y_RN, b_GN, groups_R, rows_per_group, act, kernels = inputs
+        ctx.save_for_backward(None if act == "none" else y_RN, b_GN, groups_R)
+        ctx.rows_per_group, ctx.act, ctx.kernels = rows_per_group, act, kernels
 
     @staticmethod
     def backward(ctx, dout_RN):

@@ -4,28 +4,33 @@ from typing import Optional
 import torch
 
 from ..reference import as_contiguous, compute_dtype, zero_width_dscores
-from . import once_differentiable
+from . import Function, Kept, once_differentiable
 
 
-class GatherTokens(torch.autograd.Function):
+class GatherTokens(Function):
 
     @staticmethod
-    def forward(ctx, y_RM, slots_SK, scores_SK: Optional[torch.Tensor], kept_counts_E: Optional[torch.Tensor],
+    def forward(y_RM, slots_SK, scores_SK: Optional[torch.Tensor], kept_counts_E: Optional[torch.Tensor],
                 capacity: Optional[int], impl, renormalize: bool = False):
         """impl: the backend module (turbomoe.kernels or turbomoe.csrc). w = scores, or with
         renormalize the kept scores over their sum (formed inside the kernels, both ways), or 1 where
-        scores is None (then y is not kept: the backward is a scatter)."""
+        scores is None (then y is not kept: the backward is a scatter). Returns out and Kept(y, the
+        slots and scores as the kernels take them) for backward."""
         y_RM, slots_SK = y_RM.contiguous(), as_contiguous(slots_SK, torch.int32)
         scores_SK = None if scores_SK is None else scores_SK.contiguous()
         out_SM = y_RM.new_empty(slots_SK.shape[0], y_RM.shape[1])
         impl.pull_rows(y_RM, slots_SK, out_SM, scores_SK, renormalize=renormalize)
-        ctx.save_for_backward(None if scores_SK is None else y_RM, slots_SK, scores_SK, kept_counts_E)
+        return out_SM, Kept(None if scores_SK is None else y_RM, slots_SK, scores_SK)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        y_RM, _, _, kept_counts_E, capacity, impl, renormalize = inputs
+        ctx.save_for_backward(*output[1].tensors, kept_counts_E)
         ctx.capacity, ctx.impl, ctx.renormalize, ctx.num_rows = capacity, impl, renormalize, y_RM.shape[0]
-        return out_SM
 
     @staticmethod
     @once_differentiable  # kernels: create_graph gives the gradient; differentiating it raises
-    def backward(ctx, grad_out_SM):
+    def backward(ctx, grad_out_SM, _g_kept):
         y_RM, slots_SK, scores_SK, kept_counts_E = ctx.saved_tensors
         # grad_y[slot] = w * grad_out (one writer per row, empty rows zero); grad_score from
         # <grad_out, y[slot]> in fp32 (through the renormalisation where asked).
@@ -46,4 +51,4 @@ class GatherTokens(torch.autograd.Function):
 
 
 def gather_tokens(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl, renormalize=False):
-    return GatherTokens.apply(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl, renormalize)
+    return GatherTokens.apply(y_RM, slots_SK, scores_SK, kept_counts_E, capacity, impl, renormalize)[0]

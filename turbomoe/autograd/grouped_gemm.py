@@ -33,7 +33,7 @@ import torch
 
 from .. import csrc
 from ..reference import as_contiguous, debug_checks
-from . import kernel_backward
+from . import Function, kernel_backward, under_func
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 # Gradient-accumulation fusion into an fp32 buffer: the cutlass backend adds inside its own weight-
@@ -177,12 +177,13 @@ def _reference_mm(x_RK, w_GKN, counts_G):
 
 
 def _reference_wgrad(x_RK, dy_RN, counts_G):
-    dw = x_RK.new_zeros(counts_G.shape[0], x_RK.shape[1], dy_RN.shape[1])
-    start = 0
-    for g, n in enumerate(counts_G.tolist()):
-        dw[g] = x_RK[start:start + n].t() @ dy_RN[start:start + n]
+    """The groups' products stacked (an empty group's is zero), not written into a buffer: torch.func's
+    jacrev batches dy, not x, and vmap refuses to write a batched product into an unbatched buffer."""
+    dw, start = [], 0
+    for n in counts_G.tolist():
+        dw.append(x_RK[start:start + n].t() @ dy_RN[start:start + n])
         start += n
-    return dw
+    return torch.stack(dw) if dw else x_RK.new_zeros(0, x_RK.shape[1], dy_RN.shape[1])
 
 
 def mm_forward(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor, backend: str,
@@ -240,24 +241,36 @@ def mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_G: torch.Tensor, ba
     return _reference_wgrad(x_RK, dy_RN, counts_G)
 
 
-def _accumulates_into_grad(w: torch.Tensor) -> bool:
-    """Whether the running backward will accumulate into leaf w's .grad (backward(), not
-    autograd.grad or backward(inputs=...) without w). torch raises for a leaf asked about inside
-    autograd.grad: that backward does not touch .grad."""
+def accumulates(node) -> bool:
+    """Whether the running backward runs a leaf's AccumulateGrad node, so accumulates into its .grad
+    (backward(), not autograd.grad or backward(inputs=...) without the leaf). torch raises for a leaf's
+    node asked about inside autograd.grad: that backward does not touch .grad."""
     try:
-        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node)
+        return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return False
 
 
-class GroupedMM(torch.autograd.Function):
+def _accumulates_into_grad(w: torch.Tensor) -> bool:
+    return accumulates(torch.autograd.graph.get_gradient_edge(w).node)
+
+
+class GroupedMM(Function):
 
     @staticmethod
-    def forward(ctx, x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN=None, main_grad_add=True,
+    def forward(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN=None, main_grad_add=True,
                 main_grad_placeholder=True, grad_into_w=False):
-        if backend in ("torch", "cutlass"):
-            offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
+        """offs_G: the torch and cutlass backends' offsets, made by grouped_mm where the caller has none."""
+        return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x_RK, w_GKN, counts_G, offs_G, backend = inputs[:5]
+        main_grad_GKN, main_grad_add, main_grad_placeholder, grad_into_w = inputs[5:]
         ctx.save_for_backward(x_RK, w_GKN, counts_G, offs_G)
+        # torch.func returns w's gradient: nothing is added into a buffer or a .grad under it
+        if under_func(w_GKN):
+            main_grad_GKN, grad_into_w = None, False
         ctx.backend, ctx.main_grad = backend, main_grad_GKN  # written in backward, so not saved
         ctx.main_grad_add, ctx.main_grad_placeholder = main_grad_add, main_grad_placeholder
         # The leaf itself: under saved-tensor hooks (recompute's) the unpacked w is another tensor, not w
@@ -267,7 +280,6 @@ class GroupedMM(torch.autograd.Function):
         # makes w's gradient first and frees x before x's gradient, its size, is made. Otherwise x's
         # gradient first, so that what consumes it (an all-to-all) can start while w's runs.
         ctx.w_grad_first = saved_tensor_hooks_active()
-        return mm_forward(x_RK, w_GKN, counts_G, backend, offs_G)
 
     @staticmethod
     def _sink(ctx):
@@ -277,11 +289,13 @@ class GroupedMM(torch.autograd.Function):
         if ctx.main_grad is not None:
             return ctx.main_grad, ctx.main_grad_add, ctx.main_grad_placeholder
         w = ctx.grad_into_w
+        if w is None or ctx.create_graph:  # (create_graph: autograd adds out of place, a differentiable sum)
+            return None
         if callable(w):
             buf = w()
             return None if buf is None else (buf, True, False)
-        # (create_graph: autograd adds out of place, a differentiable sum; a hook on w could change its gradient)
-        if w is not None and not ctx.create_graph and not w._backward_hooks and _accumulates_into_grad(w):
+        # (a hook on w could change its gradient)
+        if not w._backward_hooks and _accumulates_into_grad(w):
             g = w.grad
             if g is not None and g.is_floating_point() and g.shape == w.shape and g.stride() == w.stride():
                 return g, True, False
@@ -387,10 +401,10 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor,
     backend = choose_gmm_backend(x_RK, w_GKN, backend)
     if backend == "cutlass" or (backend == "torch" and x_RK.stride(1) != 1):  # cutlass: row-major x
         x_RK = x_RK.contiguous()
+    if backend in ("torch", "cutlass"):  # their offsets, made once for the GEMMs both ways
+        offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
     if torch.compiler.is_compiling():  # a custom op: traced without a graph break (turbomoe.custom_ops)
         from .. import custom_ops
-        if backend in ("torch", "cutlass"):  # the offsets GroupedMM.forward would make, as a traced op
-            offs_G = _offsets(counts_G, x_RK.shape[0], offs_G)
         return custom_ops.grouped_mm(x_RK, w_GKN, counts_G, offs_G, backend)
     return GroupedMM.apply(x_RK, w_GKN, counts_G, offs_G, backend, main_grad_GKN, main_grad_add, main_grad_placeholder,
                            grad_into_w)

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from .. import reference
-from . import kernel_backward
+from . import Function, Kept, kernel_backward
 
 
 def split_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -37,41 +37,45 @@ def _no_autocast(t: torch.Tensor):
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
-class Fp32Logits(torch.autograd.Function):
+class Fp32Logits(Function):
     """logits [S, E] fp32 = x [S, M] @ w [E, M]^T: what F.linear(x.float(), w.float()) computes, as
     DeepSpeed's gate does, but saving x and w as they are rather than an fp32 copy of x (2x the
     activation per layer), and as one autograd node instead of three. fp32 under torch.autocast too
     (the router's choices are the precision-sensitive part; autocast would round them to 16 bits)."""
 
     @staticmethod
-    def forward(ctx, x_SM, w_EM, pass_x: bool = False):
-        """pass_x: also return x itself, for x's other consumer: its gradient comes back to this node,
-        which adds it inside the kernel of x's gradient (else autograd adds the two in a pass of its own)."""
-        ctx.set_materialize_grads(False)
+    def forward(x_SM, w_EM, pass_x: bool = False):
+        """pass_x: also return x (a view: torch.func saves no input returned as it is), for x's other
+        consumer: its gradient comes back to this node, which adds it inside the kernel of x's gradient
+        (else autograd adds the two in a pass of its own). Kept(the split's terms of w, or None) for backward."""
         with _no_autocast(x_SM):  # fp32 logits under torch.autocast too
-            logits_SE = Fp32Logits._forward(ctx, x_SM, w_EM)
+            logits_SE, w_terms = Fp32Logits._forward(x_SM, w_EM)
         if not pass_x:
-            return logits_SE
-        if not ctx.needs_input_grad[0]:  # x needs no gradient: its consumer's backward need not run for it
-            ctx.mark_non_differentiable(x_SM)
-        return logits_SE, x_SM
+            return logits_SE, Kept(w_terms)
+        return logits_SE, Kept(w_terms), x_SM.view_as(x_SM)
 
     @staticmethod
-    def _forward(ctx, x_SM, w_EM):
-        ctx.split = split_applies(x_SM, w_EM)
-        if ctx.split:
+    def _forward(x_SM, w_EM):
+        if split_applies(x_SM, w_EM):
             impl = _split_impl(w_EM.shape[0])
             # the PyTorch form splits an fp32 w once here and keeps its terms for backward
             w_terms = _bf16_terms(w_EM) if impl is reference and w_EM.dtype == torch.float32 else None
-            ctx.save_for_backward(x_SM, w_EM, w_terms)
-            return impl.split_logits(x_SM, w_EM if w_terms is None else w_terms)
-        ctx.save_for_backward(x_SM, w_EM, None)
+            return impl.split_logits(x_SM, w_EM if w_terms is None else w_terms), w_terms
         if x_SM.is_cuda and x_SM.dtype == w_EM.dtype == torch.float16:  # fp16 products are exact in fp32 too
-            return torch.mm(x_SM, w_EM.t(), out_dtype=torch.float32)
-        return torch.mm(x_SM.float(), w_EM.float().t())
+            return torch.mm(x_SM, w_EM.t(), out_dtype=torch.float32), None
+        return torch.mm(x_SM.float(), w_EM.float().t()), None
 
     @staticmethod
-    def backward(ctx, g_SE, g_x_SM=None):  # the split's kernels (or their PyTorch form) once; torch.mm twice
+    def setup_context(ctx, inputs, output):
+        x_SM, w_EM, pass_x = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x_SM, w_EM, *output[1].tensors)
+        ctx.split = split_applies(x_SM, w_EM)
+        if pass_x and not ctx.needs_input_grad[0]:  # x needs no gradient: its consumer's backward need not run for it
+            ctx.mark_non_differentiable(output[2])
+
+    @staticmethod
+    def backward(ctx, g_SE, _g_kept, g_x_SM=None):  # the split's kernels (or their PyTorch form) once; torch.mm twice
         return kernel_backward(ctx.split, Fp32Logits._backward, ctx, g_SE, g_x_SM)
 
     @staticmethod
@@ -122,7 +126,7 @@ def fp32_logits(x_SM: torch.Tensor, w_EM: torch.Tensor) -> torch.Tensor:
     """logits [S, E] fp32 of x [S, M] and the router weight w [E, M], any float dtypes."""
     if torch.compiler.is_compiling():
         return _traced_logits(x_SM, w_EM)
-    return Fp32Logits.apply(x_SM, w_EM)
+    return Fp32Logits.apply(x_SM, w_EM, False)[0]
 
 
 def fp32_logits_and_x(x_SM: torch.Tensor, w_EM: torch.Tensor):
@@ -131,4 +135,5 @@ def fp32_logits_and_x(x_SM: torch.Tensor, w_EM: torch.Tensor):
     over three times x's bytes). Under torch.compile x as it is: the compiler fuses that add."""
     if torch.compiler.is_compiling():
         return _traced_logits(x_SM, w_EM), x_SM
-    return Fp32Logits.apply(x_SM, w_EM, True)
+    logits_SE, _, x_SM = Fp32Logits.apply(x_SM, w_EM, True)
+    return logits_SE, x_SM

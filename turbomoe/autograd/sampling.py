@@ -1,22 +1,25 @@
 """autograd.Function for second_expert (top-2's second expert, sampled or the best other logit), hand-written
 backward."""
-import torch
-
 from ..reference import as_contiguous
-from . import once_differentiable
+from . import Function, once_differentiable
 
 
-class SecondExpert(torch.autograd.Function):
+class SecondExpert(Function):
 
     @staticmethod
-    def forward(ctx, logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE, impl):
+    def forward(logits_SE, first_ids_S1, first_scores_S1, counts_E, rand_SE, impl):
         """impl: the backend module that fuses the op (turbomoe.csrc or turbomoe.kernels)."""
         ids_S2, scores_S2, counts = impl.second_expert_forward(logits_SE, first_ids_S1, first_scores_S1, counts_E,
                                                                rand_SE)
+        return ids_S2, scores_S2, counts
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits_SE, _, first_scores_S1, _, _, impl = inputs
+        ids_S2, _, counts = output
         ctx.save_for_backward(logits_SE, ids_S2, first_scores_S1)
         ctx.impl = impl
         ctx.mark_non_differentiable(ids_S2, counts)
-        return ids_S2, scores_S2, counts
 
     @staticmethod
     @once_differentiable  # kernels: create_graph gives the gradient; differentiating it raises

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..reference import compute_dtype
-from . import once_differentiable
+from . import Function, once_differentiable
 
 
 def swiglu_reference(h_R2F: torch.Tensor, scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -22,13 +22,16 @@ def swiglu_reference(h_R2F: torch.Tensor, scale_R: Optional[torch.Tensor] = None
     return (F.silu(gate.to(c)) * up.to(c) * scale_R.to(c)[:, None]).to(h_R2F.dtype)
 
 
-class SwiGLU(torch.autograd.Function):
+class SwiGLU(Function):
 
     @staticmethod
-    def forward(ctx, h_R2F, scale_R=None):
+    def forward(h_R2F, scale_R=None):
         from ..kernels.swiglu import swiglu_forward
-        ctx.save_for_backward(h_R2F, scale_R)
         return swiglu_forward(h_R2F, scale_R)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     @once_differentiable  # kernels: create_graph gives the gradient; differentiating it raises

@@ -15,24 +15,30 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..autograd import Function, once_differentiable
 from ..autograd.bias_act import bias_act
-from ..autograd.grouped_gemm import grouped_mm, row_groups, row_offsets
+from ..autograd.grouped_gemm import accumulates, grouped_mm, row_groups, row_offsets
 
 
-class _AliasStack(torch.autograd.Function):
+class _AliasStack(Function):
     """Per-expert blocks of tensors that lie at a fixed stride in one storage, seen as one
     [E, rows, *rest] tensor without a copy; the backward splits the gradient back per tensor, or,
     where the tensors' .grad are added into in place and can be seen as one such tensor too
     (grads_in_place), adds it to them at once (one add for all experts, where autograd would add
-    each apart: a launch and its host time each)."""
+    each apart: a launch and its host time each). Not under torch.func (its tensors have no storage):
+    stack_expert_tensors copies there."""
 
     @staticmethod
-    def forward(ctx, shape, stride, block_rows, *tensors):
+    def forward(shape, stride, block_rows, *tensors):
+        first = tensors[0]
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, stride)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        shape, stride, block_rows, *tensors = inputs
         ctx.block_rows, ctx.num_tensors, ctx.layout = block_rows, len(tensors), (shape, stride)
         ctx.tensors = tensors  # the leaves themselves, for their .grad (saved-tensor hooks could swap them)
         ctx.set_materialize_grads(False)  # no gradient (sent to weight_grad_buffers): no zeros made and split
-        first = tensors[0]
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, stride)
 
     @staticmethod
     def backward(ctx, grad):
@@ -75,7 +81,7 @@ def grads_in_place(node) -> Optional[torch.Tensor]:
             return None
         g = t.grad
         if (g is None or t._backward_hooks or g.dtype != t.dtype or g.shape != t.shape or not g.is_contiguous()
-                or not torch._C._will_engine_execute_node(acc)):  # (t is contiguous: the stack's condition)
+                or not accumulates(acc)):  # (t is contiguous: the stack's condition)
             return None
         offsets.append(g.storage_offset())
         one_base = one_base and g._base is base
@@ -176,8 +182,10 @@ def stack_expert_tensors(blocks: List[List[torch.Tensor]]) -> torch.Tensor:
     Aliases the parameters' storage when it can (no copy) eagerly; otherwise, and under torch.compile,
     copies them (torch.stack).
     """
-    # While compiling, a copy: the alias check reads storage addresses, which the compiler cannot trace.
-    stride = None if torch.compiler.is_compiling() else _alias_stride_cached(blocks)
+    # While compiling, a copy: the alias check reads storage addresses, which the compiler cannot trace;
+    # under torch.func too: its tensors have none.
+    copy = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    stride = None if copy else _alias_stride_cached(blocks)
     if stride is None:  # the tensors of a block have equal rows ([w1; w3]), so stacking them all works
         return torch.stack([t for block in blocks for t in block]).view(_stacked_shape(blocks))
     shape, strides = _stacked_layout(blocks, stride)
@@ -293,7 +301,7 @@ def _weight_grad_aside(dy_BECN: torch.Tensor, x_BECK: torch.Tensor, sink: Tuple[
     _PENDING.append((device, (dy_BECN, x_BECK)))  # freed only after the join: the side stream reads them
 
 
-class _BatchedLinear(torch.autograd.Function):
+class _BatchedLinear(Function):
     """y [.., E, C, N] = x [.., E, C, K] @ w [E, N, K]^T: a batched GEMM each way per leading block
     of x. The blocks are the rows from each expert-parallel rank ([G, E, C, K], as the all-to-all
     leaves them): run where they lie, not copied into [E, G * C, K] and back.
@@ -307,10 +315,7 @@ class _BatchedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w_ENK, sink, fused):
-        ctx.save_for_backward(x, w_ENK)
-        ctx.sink = sink
-        ctx.grads_in_place = GradsInPlace.of(w_ENK) if sink is None and fused else None
+    def forward(x, w_ENK, sink, fused):
         x_BECK = _blocks(x)
         y_BECN = x.new_empty(x_BECK.shape[:-1] + w_ENK.shape[1:2])
         for x_ECK, y_ECN in zip(x_BECK, y_BECN):
@@ -318,7 +323,20 @@ class _BatchedLinear(torch.autograd.Function):
         return y_BECN.view(x.shape[:-1] + w_ENK.shape[1:2])
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w_ENK, sink, fused = inputs
+        ctx.save_for_backward(x, w_ENK)
+        ctx.sink = sink
+        ctx.grads_in_place = GradsInPlace.of(w_ENK) if sink is None and fused else None
+
+    @staticmethod
     def backward(ctx, dy):
+        ctx.create_graph = torch.is_grad_enabled()  # (the GEMMs below run without autograd)
+        return _BatchedLinear._backward(ctx, dy)
+
+    @staticmethod
+    @once_differentiable  # GEMMs into given memory (out=): create_graph gives the gradient; differentiating it raises
+    def _backward(ctx, dy):
         x, w_ENK = ctx.saved_tensors
         x_BECK, dy_BECN = _blocks(x), _blocks(dy)
         dx = dw = None
@@ -330,7 +348,8 @@ class _BatchedLinear(torch.autograd.Function):
         if ctx.sink is not None:
             _weight_grad_aside(dy_BECN, x_BECK, ctx.sink)
         elif ctx.needs_input_grad[1]:
-            grads_ENK = ctx.grads_in_place() if ctx.grads_in_place is not None else None
+            # (create_graph: autograd adds out of place, a differentiable sum)
+            grads_ENK = ctx.grads_in_place() if ctx.grads_in_place is not None and not ctx.create_graph else None
             if grads_ENK is None:
                 dw = _batched_dw(dy_BECN, x_BECK)
             else:

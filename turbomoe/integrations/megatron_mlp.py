@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..autograd import Function
 from .expert_stack import stack_expert_tensors
 
 # Megatron-DeepSpeed's activations (megatron/model/utils.py, ParallelMLP.__init__): all act on the
@@ -125,30 +126,40 @@ def _tp_group(lin: nn.Module, tp: int):
     return group
 
 
-class _CopyToGroup(torch.autograd.Function):
+def _summed(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.contiguous().clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+class _CopyToGroup(Function):
     """Forward: identity. Backward: the gradient summed over the group (each rank's slice of the
-    column linear contributes to the input's gradient)."""
+    column linear contributes to the input's gradient), as a _ReduceFromGroup: a Function, so that
+    torch.func runs its collective on plain tensors and create_graph records it."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(x, group):
         return x.view_as(x)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _ReduceFromGroup.apply(grad, ctx.group), None
 
 
-class _ReduceFromGroup(torch.autograd.Function):
+class _ReduceFromGroup(Function):
     """Forward: the row linear's partial sums added over the group. Backward: identity."""
 
     @staticmethod
-    def forward(ctx, y, group):
-        y = y.contiguous().clone()
-        dist.all_reduce(y, group=group)
-        return y
+    def forward(y, group):
+        return _summed(y, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, grad):

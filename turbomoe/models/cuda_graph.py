@@ -11,7 +11,8 @@ collectives are captured with the rest (dropless all-to-all sizes its buffers on
 make_graphed_callables does: warm-up on a side stream, then forward, then backward into one memory
 pool; on the inputs' device, made current for the capture) and routes the model's later calls:
 training mode, gradients on, and inputs of the captured shape, dtype and device replay the graphs;
-anything else (evaluation, no_grad, another shape, another autocast state) runs the eager forward.
+anything else (evaluation, no_grad, another shape, another autocast state, a torch.func transform) runs
+the eager forward.
 State dicts, DeepSpeed's module hooks and the optimizer's in-place updates are untouched: the graphs
 read the parameters where they are, so capture after anything that moves them (deepspeed.initialize,
 loading a checkpoint) or changes which of them train (requires_grad is read at capture only).
@@ -43,6 +44,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..autograd import Function
 from ..integrations.expert_stack import join_weight_grads, weight_grad_buffers
 from ..kernels.launch import on_device
 from .qwen3_moe import Qwen3MoeForCausalLM
@@ -124,14 +126,16 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
     kept: List[tuple] = [(p, g.data_ptr()) for p, g in live]
     pending: List[Optional[weakref.ref]] = [None]  # the last replay's autograd node until its backward ran
 
-    class Replay(torch.autograd.Function):
+    class Replay(Function):
         @staticmethod
-        def forward(ctx, *params_):
+        def forward(*params_):
             fwd.replay()
+            return tuple(o.detach() for o in flat)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
             pending[0] = weakref.ref(ctx)  # dies with the outputs when they are dropped without a backward
-            out = tuple(o.detach() for o in flat)
-            ctx.mark_non_differentiable(*(r for r, o in zip(out, flat) if not o.requires_grad))  # expert counts
-            return out
+            ctx.mark_non_differentiable(*(r for r, o in zip(output, flat) if not o.requires_grad))  # expert counts
 
         @staticmethod
         @torch.autograd.function.once_differentiable
@@ -149,6 +153,10 @@ def graph_training_forward(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tenso
             return tuple(g.detach() for g in param_grads) or (None, )
 
     def forward_(input_ids_BT, labels_BT=None):
+        # A torch.func transform's call runs eager: its parameters (functional_call's) are not those the graphs
+        # read, and it returns the gradients rather than adding them anywhere.
+        if torch._C._are_functorch_transforms_active():
+            return type(model).forward(model, input_ids_BT, labels_BT)
         if labels_BT is None or not model.training or not torch.is_grad_enabled() or _key(input_ids_BT, labels_BT) != key:
             if not accumulate and grad_buffers and model.training and torch.is_grad_enabled():
                 raise RuntimeError(f"the graphs write the gradient buffers (accumulate=False), so a training forward "

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..autograd import plain_call
 from .experts import GroupedExperts, autocast_dtype
 from .recompute import remaking, replaying
 from .router import TopKRouter
@@ -114,7 +115,7 @@ class MoELayer(nn.Module):
         if (not torch.compiler.is_compiling() and self.expert_load.is_inference()
                 and not torch.is_inference_mode_enabled()):
             self.expert_load = torch.empty_like(s.kept_counts)
-        self.expert_load.copy_(s.kept_counts)
+        plain_call("MoELayer.expert_load", self.expert_load.copy_, s.kept_counts)  # (a torch.func transform's too)
         return out_SM.view(x.shape), aux_loss
 
     def _rts_draw(self, capacity: Optional[int]) -> Optional[torch.Tensor]:

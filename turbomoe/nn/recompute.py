@@ -121,9 +121,12 @@ def replaying() -> bool:
 
 
 def remake_for(enabled: bool) -> Optional[Remake]:
-    """A Remake for this forward where recompute applies: asked for, autograd on, eager, and no other
-    saved-tensor hooks active (an outer policy such as activation checkpointing decides then)."""
+    """A Remake for this forward where recompute applies: asked for, autograd on, eager, no torch.func
+    transform (its tensors have no storage to free) and no other saved-tensor hooks active (an outer
+    policy such as activation checkpointing decides then)."""
     if not (enabled and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return None
+    if torch._C._are_functorch_transforms_active():
         return None
     if saved_tensor_hooks_active():
         return None
