@@ -108,7 +108,7 @@ class _NotTwice(Function):
         raise RuntimeError(NOT_TWICE)
 
 
-class _Beneath(Function):
+class _Beneath(_NotTwice):
     """A kernel backward under torch.func: run(*tensors) on the plain tensors beneath its wrappers
     (apply takes them off, level by level, as for any Function's forward, or dead ones at once), its
     outputs tied at each level to all it read: differentiating them again raises."""
@@ -116,14 +116,6 @@ class _Beneath(Function):
     @staticmethod
     def forward(run, *tensors):
         return run(*tensors)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(NOT_TWICE)
 
     @classmethod
     def vmap(cls, info, in_dims, run, *tensors):  # jacrev: a vmap over the backward
