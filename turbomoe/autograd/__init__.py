@@ -123,7 +123,8 @@ class _Beneath(_NotTwice):
 
 
 class _SavedBeneath:
-    """ctx as a backward reads it, its saved tensors the plain ones _Beneath hands over."""
+    """ctx as a backward reads it, its saved tensors given: the plain ones _Beneath hands over, or those unpacked
+    once already."""
 
     def __init__(self, ctx, saved_tensors):
         self._ctx, self.saved_tensors = ctx, saved_tensors
@@ -152,13 +153,16 @@ def _beneath(backward, ctx, grads):
 def _once(backward, ctx, grads):
     if not torch.compiler.is_compiling() and _made_by_func(ctx):  # (dynamo cannot trace the check)
         return _beneath(backward, ctx, grads)
-    with torch.no_grad():
-        outs = backward(ctx, *grads)
     if not torch.is_grad_enabled():  # a plain backward: no create_graph
-        return outs
+        return backward(ctx, *grads)
+    # unpacked once, handed to backward too: checkpoint's hooks (use_reentrant=False) refuse a second unpack,
+    # and others (save_on_cpu, recompute) would copy or remake the tensors again
+    saved = ctx.saved_tensors
+    with torch.no_grad():
+        outs = backward(_SavedBeneath(ctx, saved), *grads)
     # tied to the saved tensors too: with a linear loss the gradients read are constants, yet the
     # gradient still depends on the saved inputs (untied, their second-derivative terms went missing)
-    read = [t for t in (*grads, *getattr(ctx, "saved_tensors", ())) if isinstance(t, torch.Tensor) and t.requires_grad]
+    read = [t for t in (*grads, *saved) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not read:
         return outs
     seq = outs if isinstance(outs, tuple) else (outs, )
