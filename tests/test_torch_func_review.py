@@ -42,3 +42,38 @@ def test_create_graph_through_non_reentrant_checkpoint(expert, monkeypatch):
     monkeypatch.setenv("TURBOMOE_BACKEND", "reference")
     layer = _drop_in(expert)
     assert torch.equal(_input_grad(layer, True), _input_grad(layer, False))
+
+
+
+def _compiled_grads(fullgraph: bool):
+    from torch.func import functional_call, grad
+    from turbomoe.nn import MoELayer
+    torch._dynamo.reset()  # (a frame compiled by another test would be reused)
+    torch.manual_seed(0)
+    layer = MoELayer(M, F, 4, 2, backend="reference", gmm_backend="reference")
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    x = torch.randn(5, M)
+
+    def grads(p, x):
+        return grad(lambda p: _loss_of(functional_call(layer, p, (x, ))))(p)
+    return grads(params, x), lambda: torch.compile(grads, fullgraph=fullgraph, backend="aot_eager")(params, x)
+
+
+def _loss_of(out):
+    y, aux = out
+    return (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + aux
+
+
+def test_compiled_torch_func_grad_through_the_layer():
+    """torch.compile of a function that calls torch.func.grad through MoELayer: the routing's custom op
+    (assign_slots, integer, no autograd) met torch.func's wrappers and failed with torch's misleading
+    "must override the setup_context staticmethod". Now dynamo falls back to eager there: its gradients."""
+    want, compiled = _compiled_grads(fullgraph=False)
+    got = compiled()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_compiled_torch_func_grad_fullgraph_says_why():
+    _, compiled = _compiled_grads(fullgraph=True)
+    with pytest.raises(Exception, match="torch.compile does not trace torch.func.grad or vjp through turbomoe"):
+        compiled()

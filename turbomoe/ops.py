@@ -334,6 +334,9 @@ def assign_slots(expert_ids_SK: torch.Tensor,
         # rather than let the narrowing wrap 2**32 + 1 to expert 1 (one elementwise op, no sync).
         expert_ids_SK = _narrow_index(expert_ids_SK, num_experts)
     if torch.compiler.is_compiling():  # every backend: the reference's output shapes depend on values
+        if torch._C._are_functorch_transforms_active():  # (a constant to dynamo)
+            raise RuntimeError("torch.compile does not trace torch.func.grad or vjp through turbomoe's routing: "
+                               "run the transform eagerly, or compile the layer inside it")
         return custom_ops.assign_slots(expert_ids_SK, scores_SK, num_experts, capacity, drop_policy, seed, backend,
                                        seed_draw)
     if seed_draw is not None:
