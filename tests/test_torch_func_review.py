@@ -1,6 +1,5 @@
 """Review of the torch.func change (setup_context, the saved-tensor tie of once_differentiable): ordinary
-autograd around turbomoe's Functions as before. On the reference backend; the DeepSpeed drop-in's
-capacity path runs once-differentiable batched GEMMs on every backend."""
+autograd around turbomoe's Functions as before. On the reference backend."""
 import pytest
 import torch
 import torch.utils.checkpoint as cp
@@ -43,6 +42,34 @@ def test_create_graph_through_non_reentrant_checkpoint(expert, monkeypatch):
     layer = _drop_in(expert)
     assert torch.equal(_input_grad(layer, True), _input_grad(layer, False))
 
+
+@pytest.mark.parametrize("drop_tokens", [True, False], ids=["capacity", "dropless"])
+def test_drop_in_differentiates_twice_on_the_reference_backends(drop_tokens, monkeypatch):
+    """The drop-in's capacity experts (batched GEMMs) under create_graph: autograd's ops, so with the
+    reference backends a second derivative runs, equal to stock DeepSpeed's (experts one by one) in fp64
+    (before: it raised, advising the reference backends it was already on). Top-1 in eval: stock draws
+    no noise there; the gate's fp32 logits bound the agreement."""
+    ds_layer = pytest.importorskip("deepspeed.moe.layer")
+    from turbomoe.integrations import deepspeed as tds
+    monkeypatch.setenv("TURBOMOE_BACKEND", "reference")
+    monkeypatch.setenv("TURBOMOE_GMM_BACKEND", "reference")
+    torch.manual_seed(0)
+    kw = dict(hidden_size=M, num_experts=5, k=1, min_capacity=0, drop_tokens=drop_tokens)
+    stock = ds_layer.MoE(expert=nn.Sequential(nn.Linear(M, F), nn.GELU(), nn.Linear(F, M)), **kw)
+    with torch.no_grad():
+        for p in stock.deepspeed_moe.experts.parameters():  # each expert its own weights
+            p.add_(torch.randn_like(p), alpha=0.3)
+    turbo = tds.MoE(expert=nn.Sequential(nn.Linear(M, F), nn.GELU(), nn.Linear(F, M)), **kw)
+    turbo.load_state_dict(stock.state_dict())
+    x0 = torch.randn(7, M, dtype=torch.float64)
+    got = []
+    for layer in (turbo.double().eval(), stock.double().eval()):
+        x = x0.clone().requires_grad_()
+        (g, ) = torch.autograd.grad(layer(x)[0].square().sum(), x, create_graph=True)
+        got.append(torch.autograd.grad(g.square().sum(), [x, *layer.deepspeed_moe.experts.parameters()]))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert got[0][0].abs().sum() > 0
 
 
 def _compiled_grads(fullgraph: bool):

@@ -331,11 +331,15 @@ class _BatchedLinear(Function):
 
     @staticmethod
     def backward(ctx, dy):
-        ctx.create_graph = torch.is_grad_enabled()  # (the GEMMs below run without autograd)
+        if torch.is_grad_enabled() and ctx.sink is None:  # create_graph: autograd's ops, differentiable again
+            x, w_ENK = ctx.saved_tensors
+            dx = _blocks(dy) @ w_ENK if ctx.needs_input_grad[0] else None
+            dw = (_blocks(dy).transpose(-1, -2) @ _blocks(x)).sum(0) if ctx.needs_input_grad[1] else None
+            return None if dx is None else dx.view(x.shape), dw, None, None
         return _BatchedLinear._backward(ctx, dy)
 
     @staticmethod
-    @once_differentiable  # GEMMs into given memory (out=): create_graph gives the gradient; differentiating it raises
+    @once_differentiable  # GEMMs into given memory (out=); under create_graph only with a sink (CUDA graphs)
     def _backward(ctx, dy):
         x, w_ENK = ctx.saved_tensors
         x_BECK, dy_BECN = _blocks(x), _blocks(dy)
@@ -348,8 +352,7 @@ class _BatchedLinear(Function):
         if ctx.sink is not None:
             _weight_grad_aside(dy_BECN, x_BECK, ctx.sink)
         elif ctx.needs_input_grad[1]:
-            # (create_graph: autograd adds out of place, a differentiable sum)
-            grads_ENK = ctx.grads_in_place() if ctx.grads_in_place is not None and not ctx.create_graph else None
+            grads_ENK = ctx.grads_in_place() if ctx.grads_in_place is not None else None
             if grads_ENK is None:
                 dw = _batched_dw(dy_BECN, x_BECK)
             else:
