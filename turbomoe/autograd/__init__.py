@@ -90,8 +90,8 @@ def under_func(*tensors) -> bool:
 
 
 class _NotTwice(Function):
-    """A kernel backward's outputs, as they are, tied to the gradients it read: differentiating them
-    again raises. torch's once_differentiable ties its error node to detached copies instead, which
+    """A kernel backward's outputs, as they are, tied to what it read (the gradients, the saved tensors):
+    differentiating them again raises. torch's once_differentiable ties its error node to detached copies instead, which
     autograd prunes when asked for some inputs' gradients only (torch.autograd.grad(g, x)): the second
     derivative then lacks the kernels' terms, silently."""
 

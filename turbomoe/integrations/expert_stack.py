@@ -332,9 +332,9 @@ class _BatchedLinear(Function):
     @staticmethod
     def backward(ctx, dy):
         if torch.is_grad_enabled() and ctx.sink is None:  # create_graph: autograd's ops, differentiable again
-            x, w_ENK = ctx.saved_tensors
-            dx = _blocks(dy) @ w_ENK if ctx.needs_input_grad[0] else None
-            dw = (_blocks(dy).transpose(-1, -2) @ _blocks(x)).sum(0) if ctx.needs_input_grad[1] else None
+            (x, w_ENK), dy_BECN = ctx.saved_tensors, _blocks(dy)
+            dx = dy_BECN @ w_ENK if ctx.needs_input_grad[0] else None
+            dw = (dy_BECN.transpose(-1, -2) @ _blocks(x)).sum(0) if ctx.needs_input_grad[1] else None
             return None if dx is None else dx.view(x.shape), dw, None, None
         return _BatchedLinear._backward(ctx, dy)
 

@@ -126,12 +126,6 @@ def _tp_group(lin: nn.Module, tp: int):
     return group
 
 
-def _summed(t: torch.Tensor, group) -> torch.Tensor:
-    t = t.contiguous().clone()
-    dist.all_reduce(t, group=group)
-    return t
-
-
 class _CopyToGroup(Function):
     """Forward: identity. Backward: the gradient summed over the group (each rank's slice of the
     column linear contributes to the input's gradient), as a _ReduceFromGroup: a Function, so that
@@ -155,7 +149,9 @@ class _ReduceFromGroup(Function):
 
     @staticmethod
     def forward(y, group):
-        return _summed(y, group)
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
 
     @staticmethod
     def setup_context(ctx, inputs, output):
