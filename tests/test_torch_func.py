@@ -433,11 +433,21 @@ def test_reference_gating_ops_batch_and_push_forward():
     assert_same([tangent], [want], exact=False)
 
 
+def test_alignment_check_looks_beneath_the_wrappers():
+    """Choosing the CUTLASS grouped GEMM reads the operands' addresses, which torch.func's wrappers lack
+    (2026-12-07, H100: every bf16 grouped GEMM under torch.func.grad raised "Cannot access data pointer")."""
+    from turbomoe.autograd.grouped_gemm import _aligned16
+    x = torch.randn(4, 8)
+    seen = []
+    grad(lambda t: seen.append(_aligned16(t, x)) or t.sum())(x)
+    assert seen == [x.data_ptr() % 16 == 0]
+
+
 # ------------------------------------------------------------------ the GPU's kernels and grouped GEMMs
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 GPU_BACKENDS = [("triton", "triton"), ("cuda", "triton"), ("cuda", "torch"), ("cuda", "cutlass"),
-                ("reference", "torch")]
+                ("reference", "torch"), ("cuda", None)]  # None: chosen per call, as by default
 GPU_SIZES = (16, 8)  # torch's and CUTLASS's grouped GEMMs: K and N multiples of 8
 
 
@@ -472,7 +482,8 @@ def test_gpu_layer(case, backend, gmm_backend, dtype):
 @pytest.mark.parametrize("backend,gmm_backend,dtype", [("triton", "triton", torch.float32),
                                                        ("cuda", "triton", torch.float32),
                                                        ("cuda", "torch", torch.bfloat16),
-                                                       ("cuda", "cutlass", torch.bfloat16)])
+                                                       ("cuda", "cutlass", torch.bfloat16),
+                                                       ("cuda", None, torch.bfloat16)])
 @gpu[0]
 @gpu[1]
 def test_gpu_op(name, backend, gmm_backend, dtype):

@@ -33,7 +33,7 @@ import torch
 
 from .. import csrc
 from ..reference import as_contiguous, debug_checks
-from . import Function, kernel_backward, under_func
+from . import Function, _plain, kernel_backward, under_func
 
 GMM_BACKENDS = ("cutlass", "torch", "triton", "reference")
 # Gradient-accumulation fusion into an fp32 buffer: the cutlass backend adds inside its own weight-
@@ -86,6 +86,8 @@ def _cutlass_gmm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _aligned16(*tensors: torch.Tensor) -> bool:
+    if torch._C._are_functorch_transforms_active():  # torch.func's wrappers have no memory: the tensors beneath
+        tensors = [_plain(t, "grouped_mm") for t in tensors]
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
