@@ -396,8 +396,12 @@ def check_step_without_host_sync(r, one_pass=False):
     assert r["optimizer"] == ["BF16_Optimizer", "BF16_Optimizer"] and r["patched"], r
     assert r["one_pass"] == one_pass, r  # pretrain.adamw_with_copies on a GPU, torch's fused AdamW on the CPU
     (ds_loss, own_loss), (ds_norm, own_norm) = r["losses"], r["norms"]
-    if not one_pass:  # torch's fused AdamW both ways: the second forward runs on weights equal in bf16
-        assert ds_loss[:2] == own_loss[:2], r
+    if not one_pass:  # torch's fused AdamW both ways
+        assert ds_loss[0] == own_loss[0], r
+        # The first step's fp32 weights differ by rounding (the norm summed in fp32 on the device, DeepSpeed's
+        # in float64 on the host), so a bf16 weight can round the other way: the device's torch 2.11 CPU
+        # ranks gave second losses 2.5e-6 apart where torch 2.13's are equal (2026-12-07).
+        assert abs(ds_loss[1] - own_loss[1]) <= 2e-5 * abs(ds_loss[1]), r
     for a, b in zip(ds_loss, own_loss):
         assert abs(a - b) <= 1e-4 * abs(a), r
     assert all(abs(a - b) <= 1e-3 * a for a, b in zip(ds_norm[:-1], own_norm[:-1])), r
