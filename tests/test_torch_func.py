@@ -383,6 +383,31 @@ def test_jacrev_through_the_reference_layer():
         vmap(lambda x: layer(x)[0])(x[None].expand(2, -1, -1))
 
 
+def test_batched_gradients_through_the_reference_layer():
+    """autograd's own vmap over the backward (jacobian(vectorize=True), autograd.grad(is_grads_batched=True))
+    runs through the reference layer: the unvectorized Jacobian, to rounding."""
+    torch.manual_seed(8)
+    layer = moe_layer(4, 2, "reference", "reference", bias=True)
+    x = torch.randn(5, M)
+    want = torch.autograd.functional.jacobian(lambda x: layer(x)[0], x)
+    got = torch.autograd.functional.jacobian(lambda x: layer(x)[0], x, vectorize=True)
+    assert_same([got], [want], exact=False)
+
+
+BATCHED_GRADS = "runs kernels, which take one gradient, not a batch of them"
+
+
+def check_batched_gradients_raise(layer, x):
+    """autograd's own vmap over a kernel backward names the Function (it raised torch's "Cannot access
+    storage of BatchedTensorImpl" from inside the kernel's launch, 2026-12-07)."""
+    with pytest.raises(RuntimeError, match=r"GatherTokens\.backward " + BATCHED_GRADS):
+        torch.autograd.functional.jacobian(lambda x: layer(x)[0], x, vectorize=True)
+    x = x.detach().requires_grad_()
+    y = layer(x)[0]
+    with pytest.raises(RuntimeError, match=BATCHED_GRADS):
+        torch.autograd.grad(y, x, torch.randn(3, *y.shape, device=y.device, dtype=y.dtype), is_grads_batched=True)
+
+
 def test_grad_of_grad_through_the_reference_layer():
     """backend='reference', gmm_backend='reference' differentiates twice under torch.func as under autograd."""
     torch.manual_seed(6)
@@ -489,6 +514,16 @@ def test_gpu_layer(case, backend, gmm_backend, dtype):
 def test_gpu_op(name, backend, gmm_backend, dtype):
     _gpu(backend, gmm_backend, dtype)
     check_op(*op_case(name, backend, gmm_backend, "cuda", dtype, GPU_SIZES))
+
+
+@pytest.mark.parametrize("backend,gmm_backend", [("triton", "triton"), ("cuda", None)])
+@gpu[0]
+@gpu[1]
+def test_gpu_batched_gradients_raise(backend, gmm_backend):
+    _gpu(backend, gmm_backend, torch.bfloat16)
+    torch.manual_seed(9)
+    layer = moe_layer(5, 2, backend, gmm_backend, device="cuda", dtype=torch.bfloat16, hidden=GPU_SIZES)
+    check_batched_gradients_raise(layer, torch.randn(7, GPU_SIZES[0], device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("case", list(DS_CASES))

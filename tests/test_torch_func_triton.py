@@ -9,9 +9,9 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.func import functional_call, grad, jacrev, jvp, vmap
 
-from test_torch_func import (DS_CASES, LAYER_CASES, MEGATRON_CASES, OPS, M, _weighted, check_deepspeed,
-                             check_idle_expert, check_layer, check_megatron, check_op, check_per_sample, moe_layer,
-                             op_case)
+from test_torch_func import (DS_CASES, LAYER_CASES, MEGATRON_CASES, OPS, M, _weighted, check_batched_gradients_raise,
+                             check_deepspeed, check_idle_expert, check_layer, check_megatron, check_op, check_per_sample,
+                             moe_layer, op_case)
 from turbomoe import ops
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -66,6 +66,10 @@ def test_vmap_and_jacrev_raise_clearly():
         jacrev(lambda x: layer(x)[0])(x)
     with pytest.raises(RuntimeError, match=batched.format(r"TopKGating\.backward")):
         jacrev(lambda l: ops.topk_gating(l, 2, backend="triton").scores)(torch.randn(7, 5))
+
+
+def test_batched_gradients_raise_clearly():
+    check_batched_gradients_raise(*_layer_and_x())
 
 
 def test_forward_mode_raises_clearly():

@@ -150,7 +150,26 @@ def _beneath(backward, ctx, grads):
     return _Beneath.apply(run, *grads, *saved)
 
 
+def _batched(t) -> bool:
+    """Whether t is a batched gradient of autograd's own vmap (autograd.grad(is_grads_batched=True),
+    autograd.functional's vectorize=True)."""
+    return isinstance(t, torch.Tensor) and "Batched" in str(torch._C._dispatch_keys(t))
+
+
 def _once(backward, ctx, grads):
+    try:
+        return _once_unbatched(backward, ctx, grads)
+    except (RuntimeError, NotImplementedError) as e:  # checked only on failure: no host time in a backward
+        if any(map(_batched, grads)):
+            raise RuntimeError(
+                f"turbomoe's {backward.__qualname__} runs kernels, which take one gradient, not a batch of them "
+                f"(torch.autograd.grad(is_grads_batched=True), autograd.functional's jacobian or hessian with "
+                f"vectorize=True): pass vectorize=False, or one grad_outputs at a time, or use "
+                f"backend='reference' and gmm_backend='reference'") from e
+        raise
+
+
+def _once_unbatched(backward, ctx, grads):
     if not torch.compiler.is_compiling() and _made_by_func(ctx):  # (dynamo cannot trace the check)
         return _beneath(backward, ctx, grads)
     if not torch.is_grad_enabled():  # a plain backward: no create_graph
