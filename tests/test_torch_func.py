@@ -394,6 +394,27 @@ def test_batched_gradients_through_the_reference_layer():
     assert_same([got], [want], exact=False)
 
 
+@pytest.mark.parametrize("drop_tokens", [True, False], ids=["capacity", "dropless"])
+def test_batched_gradients_through_the_reference_drop_in(drop_tokens, monkeypatch):
+    """The same through the DeepSpeed drop-in: its capacity experts' batched GEMMs (into given memory,
+    which autograd's batching refuses) take autograd's ops for a batch of gradients."""
+    pytest.importorskip("deepspeed")
+    from torch import nn
+    from turbomoe.integrations import deepspeed as tds
+    monkeypatch.setenv("TURBOMOE_BACKEND", "reference")
+    monkeypatch.setenv("TURBOMOE_GMM_BACKEND", "reference")
+    torch.manual_seed(0)
+    layer = tds.MoE(hidden_size=M, expert=nn.Sequential(nn.Linear(M, F), nn.GELU(), nn.Linear(F, M)), num_experts=5,
+                    k=2, min_capacity=0, drop_tokens=drop_tokens)
+    x = torch.randn(7, M)
+    jacobians = []
+    for vectorize in (False, True):
+        torch.manual_seed(1)  # the same draw of the second expert
+        jacobians.append(torch.autograd.functional.jacobian(lambda x: layer(x)[0], x, vectorize=vectorize))
+    assert jacobians[0].abs().sum() > 0
+    assert_same([jacobians[1]], [jacobians[0]], exact=False)
+
+
 BATCHED_GRADS = "runs kernels, which take one gradient, not a batch of them"
 
 

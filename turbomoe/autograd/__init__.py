@@ -150,6 +150,10 @@ def _beneath(backward, ctx, grads):
     return _Beneath.apply(run, *grads, *saved)
 
 
+class BatchedGradients(RuntimeError):
+    """A kernel backward was handed a batch of gradients, which its kernels cannot take."""
+
+
 def _batched(t) -> bool:
     """Whether t is a batched gradient of autograd's own vmap (autograd.grad(is_grads_batched=True),
     autograd.functional's vectorize=True)."""
@@ -161,7 +165,7 @@ def _once(backward, ctx, grads):
         return _once_unbatched(backward, ctx, grads)
     except (RuntimeError, NotImplementedError) as e:  # checked only on failure: no host time in a backward
         if any(map(_batched, grads)):
-            raise RuntimeError(
+            raise BatchedGradients(
                 f"turbomoe's {backward.__qualname__} runs kernels, which take one gradient, not a batch of them "
                 f"(torch.autograd.grad(is_grads_batched=True), autograd.functional's jacobian or hessian with "
                 f"vectorize=True): pass vectorize=False, or one grad_outputs at a time, or use "

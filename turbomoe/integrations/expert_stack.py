@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..autograd import Function, once_differentiable
+from ..autograd import BatchedGradients, Function, once_differentiable
 from ..autograd.bias_act import bias_act
 from ..autograd.grouped_gemm import accumulates, grouped_mm, row_groups, row_offsets
 
@@ -332,11 +332,20 @@ class _BatchedLinear(Function):
     @staticmethod
     def backward(ctx, dy):
         if torch.is_grad_enabled() and ctx.sink is None:  # create_graph: autograd's ops, differentiable again
-            (x, w_ENK), dy_BECN = ctx.saved_tensors, _blocks(dy)
-            dx = dy_BECN @ w_ENK if ctx.needs_input_grad[0] else None
-            dw = (dy_BECN.transpose(-1, -2) @ _blocks(x)).sum(0) if ctx.needs_input_grad[1] else None
-            return None if dx is None else dx.view(x.shape), dw, None, None
-        return _BatchedLinear._backward(ctx, dy)
+            return _BatchedLinear._autograd_backward(ctx, dy)
+        try:
+            return _BatchedLinear._backward(ctx, dy)
+        except BatchedGradients:  # autograd's batched gradients (vectorize=True), which out= refuses
+            if ctx.sink is not None:  # (the weight gradient goes aside, one at a time)
+                raise
+            return _BatchedLinear._autograd_backward(ctx, dy)
+
+    @staticmethod
+    def _autograd_backward(ctx, dy):
+        (x, w_ENK), dy_BECN = ctx.saved_tensors, _blocks(dy)
+        dx = dy_BECN @ w_ENK if ctx.needs_input_grad[0] else None
+        dw = (dy_BECN.transpose(-1, -2) @ _blocks(x)).sum(0) if ctx.needs_input_grad[1] else None
+        return None if dx is None else dx.view(x.shape), dw, None, None
 
     @staticmethod
     @once_differentiable  # GEMMs into given memory (out=); under create_graph only with a sink (CUDA graphs)
