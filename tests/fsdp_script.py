@@ -1,12 +1,14 @@
 """MoELayer under PyTorch's own data parallelism, on 2 CPU ranks (gloo; run by tests/test_fsdp.py):
 
-    BACKEND=reference|triton torchrun --nproc_per_node 2 tests/fsdp_script.py
+    BACKEND=reference|triton deepspeed --num_gpus 2 tests/fsdp_script.py CHECKPOINT_DIR   (CPU ranks)
 
 Each rank its own tokens; the gradients of every parameter (the router's through the aux loss too)
 against one unsharded copy of the model stepped on both ranks' tokens, the gradients averaged: FSDP2
 (`fully_shard`, the layer a unit of its own) with activation recomputation, FSDP2 with bf16
 (fp16 on the Triton backend) parameters (`MixedPrecisionPolicy`), and DDP. Then an optimizer step on the shards and a second
-forward: the same loss on the unsharded copy stepped alike. Prints "FSDP PASS <rank>" at the end.
+forward: the same loss on the unsharded copy stepped alike. The FSDP2 model's sharded state saved with
+torch.distributed.checkpoint and loaded into one of another init: the same loss. Prints "FSDP PASS <rank>"
+at the end.
 """
 import copy
 import os
@@ -14,6 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,6 +25,7 @@ from turbomoe.nn import MoELayer  # noqa: E402
 
 M, F, E, K = 8, 16, 5, 2
 BACKEND = os.environ["BACKEND"]
+CHECKPOINT = [a for a in sys.argv[1:] if not a.startswith("--local_rank")][0]  # (the launcher adds --local_rank)
 LOW = torch.float16 if BACKEND == "triton" else torch.bfloat16  # (the interpreted Triton GEMM takes no bf16)
 
 
@@ -87,6 +91,17 @@ def main():
                 p.sub_(p.grad, alpha=0.1)
         got_next = model(x).item()
         assert abs(got_next - want_next) <= 10 * tol * abs(want_next), (name, got_next, want_next)
+        if name == "fsdp2":
+            dcp.save(model.state_dict(), checkpoint_id=CHECKPOINT)
+            torch.manual_seed(2)
+            loaded = Block(capacity_factor=1.25, recompute=True)
+            fully_shard(loaded.moe)
+            fully_shard(loaded)
+            assert loaded(x).item() != got_next
+            state = loaded.state_dict()
+            dcp.load(state, checkpoint_id=CHECKPOINT)
+            loaded.load_state_dict(state)
+            assert loaded(x).item() == got_next, name
         print(f"{name} rank {rank}: gradients and the next loss agree", flush=True)
     print(f"FSDP PASS {rank}", flush=True)
     dist.destroy_process_group()
