@@ -114,6 +114,43 @@ def test_register_is_idempotent_and_switches_a_model():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def check_gradient_checkpointing(dtype, tol):
+    """A whole Mixtral model (router jitter noise in training: random, replayed by the recomputation) with
+    transformers' gradient checkpointing, both of torch's checkpoint kinds: the loss and every gradient
+    those of eager experts without checkpointing, and the same bits as turbomoe's without it."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=53, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, num_local_experts=5,
+                                     num_experts_per_tok=2, router_jitter_noise=0.1)
+    model = transformers.MixtralForCausalLM(cfg).to(dtype).train()
+    ids = torch.randint(0, 53, (2, 9))
+
+    def loss_and_grads(impl, reentrant=None):
+        model.set_experts_implementation(impl)
+        if reentrant is None:
+            model.gradient_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.zero_grad()
+        torch.manual_seed(3)  # the same jitter
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    want = loss_and_grads("eager")
+    plain = loss_and_grads("turbomoe")
+    for got in plain, loss_and_grads("turbomoe", True), loss_and_grads("turbomoe", False):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        for a, b in zip(got, plain):
+            assert torch.equal(a, b)
+
+
+def test_gradient_checkpointing():
+    tt.register()
+    check_gradient_checkpointing(torch.float64, 1e-10)
+
+
 def test_expert_parallel_experts_are_refused():
     tt.register()
     experts, cfg = qwen3_experts()

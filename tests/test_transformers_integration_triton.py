@@ -8,7 +8,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from test_transformers_integration import fp32_case, gpt_oss_experts, mixtral_experts, qwen3_experts, run  # noqa: E402
+from test_transformers_integration import (check_gradient_checkpointing, fp32_case, gpt_oss_experts,  # noqa: E402
+                                           mixtral_experts, qwen3_experts, run)
 
 import turbomoe.integrations.transformers as tt  # noqa: E402
 
@@ -26,6 +27,13 @@ def test_triton_experts_against_eager(family, monkeypatch):
     got = run(experts, "turbomoe", x, ids, w)
     for a, b in zip([*got[:3], *got[3]], [*expected[:3], *expected[3]]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_triton_gradient_checkpointing(monkeypatch):
+    monkeypatch.setenv("TURBOMOE_BACKEND", "triton")
+    monkeypatch.setenv("TURBOMOE_GMM_BACKEND", "triton")
+    tt.register()
+    check_gradient_checkpointing(torch.float32, 1e-5)
 
 
 @pytest.mark.parametrize("family", [qwen3_experts, gpt_oss_experts])
