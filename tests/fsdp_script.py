@@ -7,8 +7,9 @@ against one unsharded copy of the model stepped on both ranks' tokens, the gradi
 (`fully_shard`, the layer a unit of its own) with activation recomputation, FSDP2 with bf16
 (fp16 on the Triton backend) parameters (`MixedPrecisionPolicy`), and DDP. Then an optimizer step on the shards and a second
 forward: the same loss on the unsharded copy stepped alike. The FSDP2 model's sharded state saved with
-torch.distributed.checkpoint and loaded into one of another init: the same loss. Prints "FSDP PASS <rank>"
-at the end.
+torch.distributed.checkpoint and loaded into one of another init: the same loss. A model made on the
+meta device, sharded, materialized (to_empty) and reset_parameters'ed: weights drawn as at construction.
+Prints "FSDP PASS <rank>" at the end.
 """
 import copy
 import os
@@ -103,6 +104,23 @@ def main():
             loaded.load_state_dict(state)
             assert loaded(x).item() == got_next, name
         print(f"{name} rank {rank}: gradients and the next loss agree", flush=True)
+    # The large-model way: made on the meta device, sharded, materialized, then initialized shard by shard.
+    with torch.device("meta"):
+        meta = Block(capacity_factor=1.25)
+    fully_shard(meta.moe)
+    fully_shard(meta)
+    meta.to_empty(device="cpu")
+    meta.proj.reset_parameters()
+    meta.moe.reset_parameters()
+    moe = meta.moe
+    for w, bound in ((moe.experts.w1, M ** -0.5), (moe.experts.w2, F ** -0.5)):  # uniform in +-1/sqrt(fan_in)
+        w = w.full_tensor()
+        assert w.abs().max() <= bound and w.std() > bound / 4, (w.abs().max(), w.std())
+    router_std = moe.router.weight.full_tensor().std()
+    assert M ** -0.5 / 2 < router_std < 2 * M ** -0.5, router_std  # normal, std 1/sqrt(M)
+    meta(x).backward()
+    assert all(p.grad.full_tensor().isfinite().all() for p in meta.parameters())
+    print(f"meta init rank {rank}: initialized and trained", flush=True)
     print(f"FSDP PASS {rank}", flush=True)
     dist.destroy_process_group()
 

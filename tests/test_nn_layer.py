@@ -214,6 +214,36 @@ def test_cpu_expert_load_of_a_layer_made_under_inference_mode():
         assert layer.expert_load is buf and int(buf.sum()) == 18
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(activation="gelu", bias=True, expert_bias=True, shared_ffn_hidden_size=12,
+                                           capacity_factor=1.0)], ids=["swiglu", "gelu-biases-shared"])
+def test_cpu_meta_device_then_reset_parameters(kw):
+    """Made on the meta device, materialized with to_empty (FSDP2's way for large models), then
+    reset_parameters: every parameter and buffer has the bits of a layer made directly under the same
+    seed (the layer had none: to_empty left uninitialized memory), and it trains alike."""
+    torch.manual_seed(4)
+    direct = MoELayer(16, 24, 5, 2, **kw)
+    with torch.device("meta"):
+        layer = MoELayer(16, 24, 5, 2, **kw)
+    layer.to_empty(device="cpu")
+    torch.manual_seed(4)
+    layer.reset_parameters()
+    want, got = direct.state_dict(), layer.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        if isinstance(want[name], torch.Tensor):
+            assert torch.equal(got[name], want[name]), name
+    assert torch.equal(layer.expert_load, direct.expert_load)
+    x = torch.randn(11, 16)
+    assert torch.equal(layer(x)[0], direct(x)[0])
+    with torch.no_grad():  # and again from a trained state
+        for p in layer.parameters():
+            p.add_(1.0)
+    torch.manual_seed(4)
+    layer.reset_parameters()
+    assert all(torch.equal(a, b) for a, b in zip(layer.parameters(), direct.parameters()))
+    assert torch.equal(layer.expert_load, torch.zeros_like(layer.expert_load))
+
+
 def test_cpu_nonfinite_token_routes_nowhere():
     torch.manual_seed(2)
     layer = MoELayer(16, 24, 4, 2)

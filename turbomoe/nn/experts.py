@@ -63,11 +63,18 @@ class GroupedExperts(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, n1, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size, **kw))
-        self.b1 = nn.Parameter(torch.zeros(num_experts, n1, **kw)) if bias else None
-        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size, **kw)) if bias else None
-        # nn.Linear's default scale: uniform in +-1/sqrt(fan_in).
-        nn.init.uniform_(self.w1, -hidden_size ** -0.5, hidden_size ** -0.5)
-        nn.init.uniform_(self.w2, -ffn_hidden_size ** -0.5, ffn_hidden_size ** -0.5)
+        self.b1 = nn.Parameter(torch.empty(num_experts, n1, **kw)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """The weights drawn as at construction (nn.Linear's scale: uniform in +-1/sqrt(fan_in)), the biases
+        zero (after `to_empty` from the meta device)."""
+        nn.init.uniform_(self.w1, -self.hidden_size ** -0.5, self.hidden_size ** -0.5)
+        nn.init.uniform_(self.w2, -self.ffn_hidden_size ** -0.5, self.ffn_hidden_size ** -0.5)
+        for b in (self.b1, self.b2):
+            if b is not None:
+                nn.init.zeros_(b)
 
     def forward(self, x_RM: torch.Tensor, counts_E: torch.Tensor, remake: Optional[Remake] = None,
                 row_scale_R: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -73,6 +73,16 @@ class MoELayer(nn.Module):
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int32, device=device),
                              persistent=False)
 
+    def reset_parameters(self):
+        """The whole layer as at construction: the router's and experts' weights drawn in the same order (the
+        same values under the same seed), biases and expert_load zero. For a layer made on the meta device
+        and materialized with `to_empty` (FSDP2's way), or to start again."""
+        for module in (self.router, self.experts, self.shared_expert):
+            if module is not None:
+                module.reset_parameters()
+        with torch.no_grad():
+            self.expert_load.zero_()
+
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")

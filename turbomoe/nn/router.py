@@ -48,11 +48,17 @@ class TopKRouter(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router_dtype, self.backend = router_dtype, backend
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
-        nn.init.normal_(self.weight, std=hidden_size ** -0.5)
         if expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+            self.register_buffer("expert_bias", torch.empty(num_experts, device=device, dtype=torch.float32))
         else:
             self.expert_bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """The weight drawn as at construction, the expert bias zero (after `to_empty` from the meta device)."""
+        nn.init.normal_(self.weight, std=self.hidden_size ** -0.5)
+        if self.expert_bias is not None:
+            nn.init.zeros_(self.expert_bias)
 
     def _apply(self, fn, recurse=True):
         """.to(), .half() and the like keep expert_bias fp32: in bf16 a 1e-3 update step is below the
