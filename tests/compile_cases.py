@@ -72,3 +72,18 @@ def assert_compiles_like_eager(model, x, rtol, atol, custom_ops=()):
         if g is not None:
             torch.testing.assert_close(got[3][name], g, rtol=rtol, atol=atol, msg=name)
     return compiled
+
+
+def assert_exports_dynamic(layer, device="cpu"):
+    """torch.export.export of the layer in eval with the batch and sequence dims dynamic (traced at 3 x 7):
+    the exported program equals eager at other shapes, fewer tokens than experts and one token included.
+    Its checks of int arguments took the symbolic sizes for a wrong type (2026-12-07)."""
+    layer = layer.eval()
+    dtype = next(layer.parameters()).dtype
+    dims = {0: torch.export.Dim("B", max=64), 1: torch.export.Dim("T", max=4096)}
+    program = torch.export.export(layer, (torch.randn(3, 7, 12, device=device, dtype=dtype), ),
+                                  dynamic_shapes={"x": dims}).module()
+    for shape in ((3, 7), (2, 13), (1, 2), (5, 1)):
+        x = torch.randn(*shape, 12, device=device, dtype=dtype)
+        for got, want in zip(program(x), layer(x)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -6,7 +6,7 @@ tests/test_compile_moe_triton.py."""
 import pytest
 import torch
 
-from compile_cases import assert_compiles_like_eager, ds_layer, moe_layer
+from compile_cases import assert_compiles_like_eager, assert_exports_dynamic, ds_layer, moe_layer
 
 D = torch.float64
 REFERENCE_OPS = ("assign_slots", "scatter_tokens", "grouped_mm")  # the ones that would break the graph
@@ -19,6 +19,13 @@ def test_moe_layer_compiles_without_graph_breaks(capacity_factor, S):  # S < E =
     x = torch.randn(S, 12, dtype=D)
     compiled = assert_compiles_like_eager(layer, x, rtol=1e-12, atol=1e-12, custom_ops=REFERENCE_OPS)
     torch.testing.assert_close(compiled.expert_load, layer.expert_load)
+
+
+@pytest.mark.parametrize("capacity_factor, kw", [(None, dict(shared_ffn_hidden_size=4, bias=True)),
+                                                 (1.25, dict(drop_policy="rts")), (1.0, dict(activation="gelu"))])
+def test_moe_layer_exports_with_dynamic_shapes(capacity_factor, kw):
+    torch.manual_seed(4)
+    assert_exports_dynamic(moe_layer("reference", capacity_factor, D, **kw))
 
 
 def test_moe_layer_one_hot_expert_gelu_probs_policy():

@@ -13,7 +13,7 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU, or TRITON_INTERPRET=1 on the CPU (as CI runs this file)",
                 allow_module_level=True)
 
-from compile_cases import assert_compiles_like_eager, ds_layer, moe_layer  # noqa: E402
+from compile_cases import assert_compiles_like_eager, assert_exports_dynamic, ds_layer, moe_layer  # noqa: E402
 from turbomoe import custom_ops  # noqa: E402
 from turbomoe.autograd.grouped_gemm import row_offsets  # noqa: E402
 
@@ -28,6 +28,12 @@ def test_moe_layer_compiles_on_triton(capacity_factor):
     layer = moe_layer("triton", capacity_factor, F32, device=DEV)
     assert_compiles_like_eager(layer, torch.randn(13, 12, device=DEV), rtol=1e-6, atol=1e-6,
                                custom_ops=KERNEL_OPS + ("grouped_mm", "swiglu")[:2 if HAS_CUDA else 1])
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_moe_layer_exports_on_triton_with_dynamic_shapes(capacity_factor):
+    torch.manual_seed(4)
+    assert_exports_dynamic(moe_layer("triton", capacity_factor, F32, device=DEV), DEV)
 
 
 @pytest.mark.parametrize("k, drop_tokens", [(2, False), (1, True)])

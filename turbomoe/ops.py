@@ -112,8 +112,9 @@ def _check_index(name: str, t: torch.Tensor, shape=None):
 
 
 def check_int(name: str, value, low: int, high: Optional[int] = None):
-    """value is a Python int (not a bool: True is not a count) in [low, high]."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    """value is a Python int (not a bool: True is not a count), or a symbolic one (torch.export's dynamic
+    shapes), in [low, high]."""
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < low or (high is not None and value > high):
         raise ValueError(f"{name} must be in [{low}, {'inf' if high is None else high}], got {value}")
