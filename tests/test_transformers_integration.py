@@ -151,6 +151,32 @@ def test_gradient_checkpointing():
     check_gradient_checkpointing(torch.float64, 1e-10)
 
 
+def test_exported_with_a_dynamic_sequence_length():
+    """torch.export of a whole Qwen3-MoE model on turbomoe's experts, the sequence length dynamic: the
+    program equals the model at another length (transformers' own eager experts do not export so: their
+    per-expert loop guards on data-dependent sizes, transformers 5.x)."""
+    tt.register()
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=53, hidden_size=32, intermediate_size=28, moe_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    model.set_experts_implementation("turbomoe")
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(ids, use_cache=False).logits
+
+    program = torch.export.export(Logits(), (torch.randint(0, 53, (2, 9)), ),
+                                  dynamic_shapes={"ids": {1: torch.export.Dim("T", min=2, max=512)}}).module()
+    ids = torch.randint(0, 53, (2, 17))
+    torch.testing.assert_close(program(ids), Logits()(ids), rtol=0, atol=0)
+
+
 def test_expert_parallel_experts_are_refused():
     tt.register()
     experts, cfg = qwen3_experts()
