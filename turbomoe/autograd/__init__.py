@@ -157,7 +157,9 @@ class BatchedGradients(RuntimeError):
 def _batched(t) -> bool:
     """Whether t is a batched gradient of autograd's own vmap (autograd.grad(is_grads_batched=True),
     autograd.functional's vectorize=True)."""
-    return isinstance(t, torch.Tensor) and "Batched" in str(torch._C._dispatch_keys(t))
+    if not isinstance(t, torch.Tensor) or is_functorch_wrapped_tensor(t):  # (torch.vmap's: no_vmap says so)
+        return False
+    return "Batched" in str(torch._C._dispatch_keys(t))
 
 
 def _once(backward, ctx, grads):
