@@ -85,15 +85,19 @@ def test_experts_against_eager(family, S, hot):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def tiny_qwen3_model():
+    cfg = transformers.Qwen3MoeConfig(vocab_size=53, hidden_size=20, intermediate_size=28, moe_intermediate_size=10,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=10,
+                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
 def test_register_is_idempotent_and_switches_a_model():
     assert tt.register() == tt.register() == "turbomoe"
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     assert ALL_EXPERTS_FUNCTIONS["turbomoe"] is tt.turbomoe_experts_forward
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=53, hidden_size=20, intermediate_size=28, moe_intermediate_size=10,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=10,
-                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
-    model = transformers.Qwen3MoeForCausalLM(cfg).double()
+    model = tiny_qwen3_model().double()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -157,10 +161,7 @@ def test_exported_with_a_dynamic_sequence_length():
     per-expert loop guards on data-dependent sizes, transformers 5.x)."""
     tt.register()
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(vocab_size=53, hidden_size=32, intermediate_size=28, moe_intermediate_size=16,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                      num_experts=6, num_experts_per_tok=2, norm_topk_prob=True)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    model = tiny_qwen3_model().eval()
     model.set_experts_implementation("turbomoe")
 
     class Logits(torch.nn.Module):

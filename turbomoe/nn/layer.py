@@ -80,8 +80,7 @@ class MoELayer(nn.Module):
         for module in (self.router, self.experts, self.shared_expert):
             if module is not None:
                 module.reset_parameters()
-        with torch.no_grad():
-            self.expert_load.zero_()
+        self.expert_load.zero_()
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
